@@ -1,0 +1,54 @@
+"""pbs: Permuted Block-Sparse Attention for fast long-context prefill.
+
+>>> import pbs
+>>> q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
+>>> out = pbs.attention(q, k, v)            # default: last_block permutation + mean_pool selection
+>>> out.shape
+torch.Size([1, 4, 1024, 32])
+"""
+
+from pbs import permuters as _permuters  # noqa: F401  (registers the built-in permuters)
+from pbs import selectors as _selectors  # noqa: F401  (registers the built-in selectors)
+from pbs import reference, testing
+from pbs.api import attention, plan, run
+from pbs.backends import list_backends
+from pbs.components import (
+    PermutationInputs,
+    PermuterConfig,
+    Permutations,
+    SelectionInputs,
+    SelectorConfig,
+    list_permuters,
+    list_selectors,
+    register_permuter,
+    register_selector,
+)
+from pbs.config import PBSConfig
+from pbs.layout import Layout
+from pbs.types import BlockMask, Permutation, Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockMask",
+    "Layout",
+    "PBSConfig",
+    "PermutationInputs",
+    "Permutation",
+    "Permutations",
+    "PermuterConfig",
+    "Plan",
+    "SelectionInputs",
+    "SelectorConfig",
+    "__version__",
+    "attention",
+    "list_backends",
+    "list_permuters",
+    "list_selectors",
+    "plan",
+    "reference",
+    "register_permuter",
+    "register_selector",
+    "run",
+    "testing",
+]

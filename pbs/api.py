@@ -1,0 +1,122 @@
+"""The public entry points: :func:`plan`, :func:`run` and :func:`attention`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pbs.backends import AttentionCall, choose_backend
+from pbs.config import PBSConfig
+from pbs.planning import build_plan
+from pbs.types import Plan
+from pbs.validation import check_qkv
+
+ConfigLike = PBSConfig | dict[str, Any] | str | None
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if not isinstance(scale, (int, float)) or not scale > 0 or scale != scale or scale == float("inf"):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None) -> Plan:
+    """Computes the permutation and the block mask without running attention.
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries (the last ``Nq`` of the ``Nk`` positions).
+        k: ``(B, Hkv, Nk, D)`` keys, ``Hq % Hkv == 0``.
+        config: a :class:`PBSConfig`, a dict or JSON string of one, or None for the defaults.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        A :class:`~pbs.types.Plan` with ``key_permutation``, ``query_permutation``, ``mask`` and
+        ``density``.
+
+    Example:
+        >>> import torch, pbs
+        >>> q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
+        >>> p = pbs.plan(q, k)
+        >>> 0 < p.density <= 1
+        True
+    """
+    config = PBSConfig.coerce(config)
+    check_qkv(q, k, k, check_finite=config.check_finite)
+    return build_plan(q, k, config, _scale(q, scale))[0]
+
+
+def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Runs block-sparse attention for a plan made by :func:`plan` on the same ``q`` and ``k``.
+
+    Args:
+        plan: from :func:`plan`.
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and original query order.
+    """
+    check_qkv(q, k, v, check_finite=plan.config.check_finite)
+    layout = plan.layout
+    if (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2]) != (
+        layout.batch, layout.heads_q, layout.seq_len_q, layout.heads_kv, layout.seq_len_k
+    ):
+        raise ValueError(
+            f"plan was made for q (B={layout.batch}, Hq={layout.heads_q}, Nq={layout.seq_len_q}) and "
+            f"k (Hkv={layout.heads_kv}, Nk={layout.seq_len_k}), got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    q_perm = plan.query_permutation.apply(q)
+    k_perm = plan.key_permutation.apply(k)
+    return _run_permuted(plan, q_perm, k_perm, v, q.dtype, _scale(q, scale))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: ConfigLike = None,
+    *,
+    scale: float | None = None,
+    return_plan: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, Plan]:
+    """Permuted block-sparse attention: plan, then run.
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries: the last ``Nq`` of the ``Nk`` positions (``Nq == Nk`` for
+            prefill, ``Nq < Nk`` for a chunk after a cached prefix).
+        k: ``(B, Hkv, Nk, D)`` keys, ``Hq % Hkv == 0`` (GQA without copying K/V in ``shared`` mode).
+        v: ``(B, Hkv, Nk, Dv)`` values.
+        config: a :class:`PBSConfig`, a dict or JSON string of one, or None for the defaults.
+        scale: softmax scale, default ``D ** -0.5``.
+        return_plan: also return the :class:`~pbs.types.Plan` (density, mask, permutations).
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``).
+
+    Example:
+        >>> import torch, pbs
+        >>> q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
+        >>> out = pbs.attention(q, k, v, {"selector": {"name": "mean_pool", "threshold": 0.9}})
+        >>> dense = pbs.reference.dense_attention(q, k, v)
+        >>> bool(((out.float() - dense).norm() / dense.norm()) < 0.1)
+        True
+    """
+    config = PBSConfig.coerce(config)
+    check_qkv(q, k, v, check_finite=config.check_finite)
+    s = _scale(q, scale)
+    p, q_perm, k_perm = build_plan(q, k, config, s)
+    out = _run_permuted(p, q_perm, k_perm, v, q.dtype, s)
+    return (out, p) if return_plan else out
+
+
+def _run_permuted(
+    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    v_perm = plan.key_permutation.apply(v)
+    call = AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale)
+    backend = choose_backend(plan.config.backend, call)
+    out = backend.run(call)
+    return plan.query_permutation.unapply(out).to(dtype)

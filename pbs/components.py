@@ -1,0 +1,131 @@
+"""Base classes of the two pluggable components, permuters and selectors, and their registries.
+
+A component is a frozen pydantic config whose ``name`` field (a ``Literal`` with a default) is its
+registry key and whose method is the pure-PyTorch reference implementation:
+
+* a **permuter** returns the segmented permutations of keys and queries
+  (:meth:`PermuterConfig.permute`);
+* a **selector** returns the key blocks each query block should compute
+  (:meth:`SelectorConfig.select`); forced blocks (sink, on-diagonal segment) and the causal limit
+  are applied afterwards by :func:`pbs.planning.finalize_selection`, so a selector never has to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pbs.layout import Layout
+from pbs.registry import Registry
+from pbs.types import Permutation
+
+if TYPE_CHECKING:
+    from pbs.config import PBSConfig
+
+
+class ComponentConfig(BaseModel):
+    """Common base: frozen, no unknown fields, a ``name`` that the registry knows."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+
+    def check_compatible(self, config: "PBSConfig") -> None:
+        """Raises ``ValueError`` if this component cannot run with ``config`` (e.g. a stride that
+        does not divide the block size). The default accepts everything."""
+
+
+@dataclass(frozen=True)
+class PermutationInputs:
+    """What a permuter sees.
+
+    Attributes:
+        q: ``(B, Hq, Nq, D)`` queries in original order.
+        k: ``(B, Hkv, Nk, D)`` keys in original order.
+        layout: geometry of the call.
+        gqa: ``"per_head"`` (one key order per query head) or ``"shared"`` (one per KV head).
+        scale: softmax scale.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    layout: Layout
+    gqa: str
+    scale: float
+
+    @property
+    def key_heads(self) -> int:
+        """Heads of the key permutation: ``Hq`` in per-head mode, ``Hkv`` in shared mode."""
+        return self.layout.heads_q if self.gqa == "per_head" else self.layout.heads_kv
+
+
+class Permutations(NamedTuple):
+    """A permuter's result; ``None`` means that axis is not permuted."""
+
+    keys: Permutation | None
+    queries: Permutation | None = None
+
+
+class PermuterConfig(ComponentConfig):
+    """Base of permuter configs; subclasses implement :meth:`permute`."""
+
+    def permute(self, inputs: PermutationInputs) -> Permutations:
+        """Reference implementation: the segmented key (``(B, Hk, Nk)``) and query permutations."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement permute()")
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """What a selector sees: permuted tensors plus where every slot came from.
+
+    Attributes:
+        q: ``(B, Hq, Nq, D)`` queries in permuted order.
+        k: ``(B, Hk, Nk, D)`` keys in permuted order (``Hk`` is ``Hq`` or ``Hkv``).
+        layout: geometry of the call.
+        query_positions: ``(B, Hq, Nq)`` original position of each query slot.
+        key_positions: ``(B, Hk, Nk)`` original position of each key slot.
+        scale: softmax scale.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    layout: Layout
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    scale: float
+
+    def allowed_blocks(self) -> torch.Tensor:
+        """``(Tq, Tk)`` bool: blocks not wholly in the future."""
+        return self.layout.allowed_blocks(self.q.device)
+
+
+class SelectorConfig(ComponentConfig):
+    """Base of selector configs; subclasses implement :meth:`select`."""
+
+    def select(self, inputs: SelectionInputs) -> torch.Tensor:
+        """Reference implementation: ``(B, Hq, Tq, Tk)`` bool of the key blocks to compute.
+
+        Blocks outside :meth:`SelectionInputs.allowed_blocks` are dropped and forced blocks added
+        afterwards, so the result may ignore both.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement select()")
+
+
+permuter_registry: Registry[PermuterConfig] = Registry("permuter", PermuterConfig)
+selector_registry: Registry[SelectorConfig] = Registry("selector", SelectorConfig)
+
+register_permuter = permuter_registry.register
+register_selector = selector_registry.register
+
+
+def list_permuters() -> list[str]:
+    """Names of every registered permuter."""
+    return permuter_registry.names()
+
+
+def list_selectors() -> list[str]:
+    """Names of every registered selector."""
+    return selector_registry.names()

@@ -1,0 +1,99 @@
+"""``PBSConfig``: the one object that says how PBS-Attn runs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+from pbs.components import PermuterConfig, SelectorConfig, permuter_registry, selector_registry
+
+CONFIG_VERSION = 1
+
+Backend = Literal["auto", "reference", "triton", "flex"]
+GQAMode = Literal["per_head", "shared"]
+
+
+def _default_permuter() -> PermuterConfig:
+    return permuter_registry.parse("last_block")
+
+
+def _default_selector() -> SelectorConfig:
+    return selector_registry.parse("mean_pool")
+
+
+class PBSConfig(BaseModel):
+    """How PBS-Attn permutes, selects and runs; frozen and JSON round-trippable.
+
+    Components are given by name (``"last_block"``), by dict (``{"name": "mean_pool",
+    "threshold": 0.95}``) or as config instances; ``list_permuters()`` / ``list_selectors()`` name
+    the choices.
+
+    Attributes:
+        version: config schema version, written to JSON so old files stay readable.
+        block_size: tokens per block ``B`` (a power of two, >= 16; the Triton kernel takes 64 or 128).
+        segment_size: tokens per permutation segment ``S``; a multiple of ``block_size``.
+        permuter: how tokens are reordered inside each segment.
+        selector: which key blocks each query block computes.
+        gqa: ``"shared"`` computes one key order per KV head (queries of the group averaged) and
+            never copies K/V; ``"per_head"`` gives each query head its own order (the paper's
+            default), which materialises ``Hq`` permuted copies of K and V.
+        causal: causal (decoder) attention.
+        backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"reference"``,
+            ``"triton"`` or ``"flex"`` (FlexAttention with the same mask).
+        force_sink_block: always compute the key block that holds position 0 (the attention sink).
+        check_finite: reject NaN/inf inputs (one extra read of q, k and v, and a host sync).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = CONFIG_VERSION
+    block_size: int = Field(128, ge=16, le=1024)
+    segment_size: int = Field(256, ge=16)
+    permuter: SerializeAsAny[PermuterConfig] = Field(default_factory=_default_permuter)
+    selector: SerializeAsAny[SelectorConfig] = Field(default_factory=_default_selector)
+    gqa: GQAMode = "shared"
+    causal: bool = True
+    backend: Backend = "auto"
+    force_sink_block: bool = True
+    check_finite: bool = True
+
+    @field_validator("permuter", mode="before")
+    @classmethod
+    def _parse_permuter(cls, value: Any) -> PermuterConfig:
+        return permuter_registry.parse(value)
+
+    @field_validator("selector", mode="before")
+    @classmethod
+    def _parse_selector(cls, value: Any) -> SelectorConfig:
+        return selector_registry.parse(value)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two between 16 and 1024, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "PBSConfig":
+        if self.segment_size % self.block_size:
+            raise ValueError(
+                f"segment_size ({self.segment_size}) must be a multiple of block_size ({self.block_size})"
+            )
+        self.permuter.check_compatible(self)
+        self.selector.check_compatible(self)
+        return self
+
+    @classmethod
+    def coerce(cls, config: "PBSConfig | dict[str, Any] | str | None") -> "PBSConfig":
+        """Accepts a config, a dict, a JSON string or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls.model_validate(config)
+        if isinstance(config, str):
+            return cls.model_validate_json(config)
+        raise TypeError(f"config must be a PBSConfig, dict, JSON string or None, got {type(config).__name__}")

@@ -1,0 +1,165 @@
+"""Where every query and key slot sits: block and segment geometry of one attention call.
+
+A :class:`Layout` is the shape-only description that the permuters, selectors, masks and kernels
+share. It knows nothing about values, only about positions:
+
+* keys occupy original positions ``0 .. Nk-1``; queries are the *last* ``Nq`` positions
+  (``Nk - Nq .. Nk-1``), which covers both prefill (``Nq == Nk``) and a chunk that continues a
+  cached prefix (``Nq < Nk``);
+* the first ``floor(Nk / S) * S`` positions form full segments of ``S`` tokens; a permutation may
+  reorder tokens only inside one full segment (queries: only inside a full segment that lies wholly
+  in the query range), so a slot's *effective* position range is its whole segment when it may have
+  been permuted and the exact position otherwise;
+* blocks are ``block_size`` slots wide; ``S % block_size == 0`` so a key block never straddles two
+  segments.
+
+From those effective ranges follow, with no knowledge of the actual permutation, the three block
+sets that the rest of the library uses: *allowed* blocks (not wholly in the future), *diagonal*
+blocks (may contain a future token, so they need a per-token causal check and are always computed)
+and the off-diagonal rest (wholly in the past: no per-token mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape-only geometry of one attention call.
+
+    Attributes:
+        batch: ``B``.
+        heads_q: query heads ``Hq``.
+        heads_kv: key/value heads ``Hkv`` of the inputs (``Hq % Hkv == 0``).
+        seq_len_q: ``Nq``, the number of queries (the last ``Nq`` positions).
+        seq_len_k: ``Nk``, the number of keys (``Nq <= Nk``).
+        block_size: tokens per block ``B``.
+        segment_size: tokens per permutation segment ``S`` (a multiple of ``block_size``).
+        causal: whether query position ``p`` may only see key positions ``<= p``.
+    """
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_len_q: int
+    seq_len_k: int
+    block_size: int
+    segment_size: int
+    causal: bool = True
+
+    @property
+    def query_offset(self) -> int:
+        """Original position of query slot 0 (``Nk - Nq``)."""
+        return self.seq_len_k - self.seq_len_q
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def num_query_blocks(self) -> int:
+        """``Tq = ceil(Nq / block_size)``."""
+        return cdiv(self.seq_len_q, self.block_size)
+
+    @property
+    def num_key_blocks(self) -> int:
+        """``Tk = ceil(Nk / block_size)``."""
+        return cdiv(self.seq_len_k, self.block_size)
+
+    @property
+    def num_full_segments(self) -> int:
+        """``G = floor(Nk / S)``: segments in which tokens may be permuted."""
+        return self.seq_len_k // self.segment_size
+
+    @property
+    def permutable_key_len(self) -> int:
+        """Keys at positions below this (``G * S``) may be permuted; the rest never move."""
+        return self.num_full_segments * self.segment_size
+
+    @property
+    def permutable_query_range(self) -> tuple[int, int]:
+        """Slot range ``[lo, hi)`` of queries that lies in full segments wholly inside the query range."""
+        s = self.segment_size
+        first_pos = cdiv(self.query_offset, s) * s
+        end_pos = self.permutable_key_len
+        if end_pos <= first_pos:
+            return (0, 0)
+        return (first_pos - self.query_offset, end_pos - self.query_offset)
+
+    # -- effective position ranges -------------------------------------------------------------
+    def _effective_ranges(self, positions: torch.Tensor, permutable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.segment_size
+        seg_lo = (positions // s) * s
+        lo = torch.where(permutable, seg_lo, positions)
+        hi = torch.where(permutable, seg_lo + s - 1, positions)
+        return lo, hi
+
+    def key_block_ranges(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Smallest and largest original key position any permutation can put in each key block.
+
+        Returns:
+            ``(lo, hi)``, each ``(Tk,)`` int64.
+        """
+        pos = torch.arange(self.seq_len_k, device=device)
+        lo, hi = self._effective_ranges(pos, pos < self.permutable_key_len)
+        return _block_reduce(lo, self.block_size, "amin"), _block_reduce(hi, self.block_size, "amax")
+
+    def query_block_ranges(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Smallest and largest original query position any permutation can put in each query block.
+
+        Returns:
+            ``(lo, hi)``, each ``(Tq,)`` int64.
+        """
+        slots = torch.arange(self.seq_len_q, device=device)
+        a, b = self.permutable_query_range
+        lo, hi = self._effective_ranges(slots + self.query_offset, (slots >= a) & (slots < b))
+        return _block_reduce(lo, self.block_size, "amin"), _block_reduce(hi, self.block_size, "amax")
+
+    # -- block sets ----------------------------------------------------------------------------
+    def allowed_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Key blocks not wholly in the future of a query block: ``(Tq, Tk)`` bool."""
+        tq, tk = self.num_query_blocks, self.num_key_blocks
+        if not self.causal:
+            return torch.ones(tq, tk, dtype=torch.bool, device=device)
+        k_lo, _ = self.key_block_ranges(device)
+        _, q_hi = self.query_block_ranges(device)
+        return k_lo[None, :] <= q_hi[:, None]
+
+    def diagonal_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Allowed key blocks whose effective range overlaps the query block's: ``(Tq, Tk)`` bool.
+
+        These are the blocks of the on-diagonal segment(s): they may hold a future token, so they
+        need a per-token causal check, and selection always keeps them.
+        """
+        k_lo, k_hi = self.key_block_ranges(device)
+        q_lo, q_hi = self.query_block_ranges(device)
+        return (k_hi[None, :] >= q_lo[:, None]) & (k_lo[None, :] <= q_hi[:, None])
+
+    def allowed_counts(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Number of allowed key blocks per query block: ``(Tq,)`` int64."""
+        return self.allowed_blocks(device).sum(-1)
+
+    @cached_property
+    def total_allowed_blocks(self) -> int:
+        """Allowed (query block, key block) pairs of one head: the denominator of density."""
+        return int(self.allowed_blocks().sum())
+
+
+def _block_reduce(values: torch.Tensor, block_size: int, how: str) -> torch.Tensor:
+    n = values.shape[-1]
+    pad = cdiv(n, block_size) * block_size - n
+    if pad:
+        fill = values[-1:].expand(pad)
+        values = torch.cat([values, fill])
+    blocks = values.view(-1, block_size)
+    return blocks.amin(-1) if how == "amin" else blocks.amax(-1)

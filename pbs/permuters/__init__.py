@@ -1,0 +1,19 @@
+"""Registered permuters; importing this package registers the built-in ones."""
+
+from pbs.permuters.avg_query import AvgQueryPermuter
+from pbs.permuters.greedy import GreedyPermuter
+from pbs.permuters.identity import IdentityPermuter
+from pbs.permuters.key_aware_query import KeyAwareQueryPermuter
+from pbs.permuters.last_block import LastBlockPermuter
+from pbs.permuters.random import RandomPermuter
+from pbs.permuters.random_query import RandomQueryPermuter
+
+__all__ = [
+    "AvgQueryPermuter",
+    "GreedyPermuter",
+    "IdentityPermuter",
+    "KeyAwareQueryPermuter",
+    "LastBlockPermuter",
+    "RandomPermuter",
+    "RandomQueryPermuter",
+]

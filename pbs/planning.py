@@ -1,0 +1,125 @@
+"""Turning a config and inputs into a :class:`~pbs.types.Plan`: permute, select, finalize."""
+
+from __future__ import annotations
+
+import torch
+
+from pbs.components import PermutationInputs, SelectionInputs, permuter_registry, selector_registry
+from pbs.config import PBSConfig
+from pbs.layout import Layout
+from pbs.types import BlockMask, Permutation, Plan
+
+
+def sink_blocks(layout: Layout, key_positions: torch.Tensor) -> torch.Tensor:
+    """Key block that holds original position 0, per (batch, query head): ``(B, Hq)`` int64."""
+    slot = (key_positions == 0).to(torch.int8).argmax(-1)  # (B, Hk)
+    group = layout.heads_q // key_positions.shape[1]
+    if group > 1:
+        slot = slot.repeat_interleave(group, dim=1)
+    return slot // layout.block_size
+
+
+def forced_blocks(layout: Layout, key_positions: torch.Tensor, force_sink_block: bool = True) -> torch.Tensor:
+    """Blocks every selection keeps: the on-diagonal segment(s) and, optionally, the sink block.
+
+    Args:
+        layout: geometry of the call.
+        key_positions: ``(B, Hk, Nk)`` original position of every permuted key slot.
+        force_sink_block: include the block holding position 0.
+
+    Returns:
+        ``(B, Hq, Tq, Tk)`` bool.
+    """
+    device = key_positions.device
+    shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+    forced = layout.diagonal_blocks(device).expand(shape).clone()
+    if force_sink_block:
+        sink = sink_blocks(layout, key_positions)
+        forced.scatter_(-1, sink[:, :, None, None].expand(*shape[:3], 1), True)
+    return forced & layout.allowed_blocks(device)
+
+
+def finalize_selection(
+    selected: torch.Tensor, layout: Layout, key_positions: torch.Tensor, force_sink_block: bool
+) -> BlockMask:
+    """Adds forced blocks, drops blocks that are wholly in the future, and builds the BlockMask.
+
+    Args:
+        selected: ``(B, Hq, Tq, Tk)`` bool from a selector.
+        layout: geometry of the call.
+        key_positions: ``(B, Hk, Nk)`` original position of every permuted key slot.
+        force_sink_block: keep the block holding position 0.
+    """
+    expected = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+    if selected.dtype != torch.bool or tuple(selected.shape) != expected:
+        raise ValueError(
+            f"a selector must return a bool tensor of shape (B, Hq, Tq, Tk) = {expected}, "
+            f"got {selected.dtype} {tuple(selected.shape)}"
+        )
+    allowed = layout.allowed_blocks(selected.device)
+    dense = (selected | forced_blocks(layout, key_positions, force_sink_block)) & allowed
+    return BlockMask.from_dense(dense, layout)
+
+
+def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
+    """The :class:`Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``."""
+    return Layout(
+        batch=q.shape[0],
+        heads_q=q.shape[1],
+        heads_kv=k.shape[1],
+        seq_len_q=q.shape[2],
+        seq_len_k=k.shape[2],
+        block_size=config.block_size,
+        segment_size=config.segment_size,
+        causal=config.causal,
+    )
+
+
+def resolve_component_backend(config: PBSConfig, device: torch.device) -> str:
+    """Backend whose permuter/selector implementations to use ("reference" unless a faster one exists)."""
+    if config.backend == "reference":
+        return "reference"
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def build_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+    """Runs the permuter and the selector.
+
+    Returns:
+        ``(plan, q_perm, k_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)`` and keys
+        ``(B, Hk, Nk, D)`` (the keys already gathered, so :func:`pbs.run` need not gather twice).
+    """
+    layout = make_layout(q, k, config)
+    backend = resolve_component_backend(config, q.device)
+    perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
+    permute = permuter_registry.implementation(config.permuter, backend)
+    perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
+    b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
+    key_heads = perm_inputs.key_heads
+    key_perm = perms.keys or Permutation.identity(b, key_heads, layout.seq_len_k, q.device)
+    query_perm = perms.queries or Permutation.identity(b, hq, nq, q.device)
+    _check_permutation(key_perm, (b, key_heads, layout.seq_len_k), "key")
+    _check_permutation(query_perm, (b, hq, nq), "query")
+
+    q_perm = query_perm.apply(q)
+    k_perm = key_perm.apply(k)
+    sel_inputs = SelectionInputs(
+        q=q_perm,
+        k=k_perm,
+        layout=layout,
+        query_positions=query_perm.indices + layout.query_offset,
+        key_positions=key_perm.indices,
+        scale=scale,
+    )
+    select = selector_registry.implementation(config.selector, backend)
+    result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
+    mask = result if isinstance(result, BlockMask) else finalize_selection(
+        result, layout, key_perm.indices, config.force_sink_block
+    )
+    plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config)
+    return plan, q_perm, k_perm
+
+
+def _check_permutation(perm: Permutation, expected: tuple[int, int, int], what: str) -> None:
+    if tuple(perm.indices.shape) != expected:
+        raise ValueError(f"the permuter returned a {what} permutation of shape {tuple(perm.indices.shape)}, expected {expected}")

@@ -1,0 +1,8 @@
+"""Registered selectors; importing this package registers the built-in ones."""
+
+from pbs.selectors.antidiagonal import AntidiagonalSelector
+from pbs.selectors.budget import BudgetSelector
+from pbs.selectors.mean_pool import MeanPoolSelector
+from pbs.selectors.oracle import OracleSelector
+
+__all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector"]

@@ -1,0 +1,186 @@
+"""The values that flow between planning and running: :class:`Permutation`, :class:`BlockMask`, :class:`Plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pbs.layout import Layout
+
+if TYPE_CHECKING:
+    from pbs.config import PBSConfig
+
+
+@dataclass(frozen=True, eq=False)
+class Permutation:
+    """A segmented permutation of one token axis, per (batch, head).
+
+    Slot ``t`` of the permuted sequence holds the token at original index ``indices[b, h, t]``;
+    ``inverse[b, h, i]`` is the slot that original index ``i`` moved to. Indices are local to the
+    sequence (``0 .. N-1``); for queries add :attr:`Layout.query_offset` to get positions.
+
+    Attributes:
+        indices: ``(B, H, N)`` int64.
+        inverse: ``(B, H, N)`` int64, ``inverse.gather(-1, indices) == arange(N)``.
+        is_identity: true when nothing moved; :meth:`apply` then returns its input unchanged.
+    """
+
+    indices: torch.Tensor
+    inverse: torch.Tensor
+    is_identity: bool = False
+
+    @classmethod
+    def from_indices(cls, indices: torch.Tensor) -> "Permutation":
+        """Builds a permutation (and its inverse) from ``(B, H, N)`` slot-to-original indices."""
+        indices = indices.to(torch.int64)
+        inverse = torch.empty_like(indices)
+        arange = torch.arange(indices.shape[-1], device=indices.device).expand_as(indices)
+        inverse.scatter_(-1, indices, arange)
+        return cls(indices=indices, inverse=inverse)
+
+    @classmethod
+    def identity(cls, batch: int, heads: int, length: int, device: torch.device | str = "cpu") -> "Permutation":
+        """The permutation that moves nothing (stored as an expanded ``arange``, no copy)."""
+        arange = torch.arange(length, device=device).expand(batch, heads, length)
+        return cls(indices=arange, inverse=arange, is_identity=True)
+
+    @property
+    def heads(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.indices.shape[-1]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Reorders tokens of ``x`` into permuted order.
+
+        Args:
+            x: ``(B, Hx, N, D)`` with ``Hx == H`` or ``H % Hx == 0``; in the second case each of the
+                ``H / Hx`` heads that share an input head gets its own reordered copy (per-head GQA).
+
+        Returns:
+            ``(B, H, N, D)`` with ``out[b, h, t] = x[b, h * Hx // H, indices[b, h, t]]``.
+        """
+        h = self.heads
+        if self.is_identity and x.shape[1] == h:
+            return x
+        if x.shape[1] != h:
+            b, hx, n, d = x.shape
+            x = x[:, :, None].expand(b, hx, h // hx, n, d).reshape(b, h, n, d)
+        index = self.indices[..., None].expand(*self.indices.shape, x.shape[-1])
+        return x.gather(2, index)
+
+    def unapply(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`apply` for ``y`` of shape ``(B, H, N, D)``: back to original order."""
+        if self.is_identity:
+            return y
+        index = self.inverse[..., None].expand(*self.inverse.shape, y.shape[-1])
+        return y.gather(2, index)
+
+    def to(self, device: torch.device | str) -> "Permutation":
+        return Permutation(self.indices.to(device), self.inverse.to(device), self.is_identity)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """Selected key blocks per (batch, query head, query block), as counts plus sorted indices.
+
+    The kernel walks ``indices[b, h, i, :counts[b, h, i]]`` and nothing else. Entries past the count
+    are ``-1``. Block indices refer to the *permuted* key order.
+
+    Attributes:
+        counts: ``(B, Hq, Tq)`` int32, number of selected key blocks.
+        indices: ``(B, Hq, Tq, Tk)`` int32, selected key blocks in ascending order, then ``-1``.
+        layout: the geometry the mask was built for.
+    """
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+    layout: Layout
+
+    @classmethod
+    def from_dense(cls, dense: torch.Tensor, layout: Layout) -> "BlockMask":
+        """Converts a ``(B, Hq, Tq, Tk)`` bool mask to counts + sorted indices."""
+        if dense.dtype != torch.bool:
+            raise TypeError(f"dense must be a bool tensor, got dtype {dense.dtype}")
+        expected = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+        if tuple(dense.shape) != expected:
+            raise ValueError(f"dense must have shape (B, Hq, Tq, Tk) = {expected}, got {tuple(dense.shape)}")
+        tk = dense.shape[-1]
+        counts = dense.sum(-1, dtype=torch.int32)
+        # Selected blocks get their own index as key, the rest sort after them; a stable sort keeps
+        # the selected ones ascending.
+        arange = torch.arange(tk, device=dense.device, dtype=torch.int32)
+        keys = torch.where(dense, arange, tk + arange)
+        order = keys.argsort(dim=-1, stable=True).to(torch.int32)
+        valid = arange < counts[..., None]
+        indices = torch.where(valid, order, torch.full_like(order, -1))
+        return cls(counts=counts, indices=indices, layout=layout)
+
+    def to_dense(self) -> torch.Tensor:
+        """``(B, Hq, Tq, Tk)`` bool mask of the selected blocks."""
+        tk = self.layout.num_key_blocks
+        dense = torch.zeros(*self.indices.shape[:-1], tk + 1, dtype=torch.bool, device=self.indices.device)
+        # -1 padding lands in the spare last column, which is dropped.
+        idx = torch.where(self.indices < 0, tk, self.indices).long()
+        dense.scatter_(-1, idx, True)
+        return dense[..., :tk]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.indices.shape)  # type: ignore[return-value]
+
+    def num_selected(self) -> torch.Tensor:
+        """Selected blocks per (batch, head): ``(B, Hq)`` int64."""
+        return self.counts.sum(-1, dtype=torch.int64)
+
+    def density_per_head(self) -> torch.Tensor:
+        """Selected over allowed blocks per (batch, head): ``(B, Hq)`` float32."""
+        return self.num_selected().float() / self.layout.total_allowed_blocks
+
+    def density(self) -> float:
+        """Fraction of the causally allowed blocks that are selected, over all heads and batches."""
+        return float(self.density_per_head().mean())
+
+    def to(self, device: torch.device | str) -> "BlockMask":
+        return BlockMask(self.counts.to(device), self.indices.to(device), self.layout)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything :func:`pbs.run` needs besides the tensors: permutations and the block mask.
+
+    Attributes:
+        key_permutation: ``Permutation`` over keys; ``H`` is ``Hq`` in ``per_head`` GQA mode and
+            ``Hkv`` in ``shared`` mode.
+        query_permutation: ``Permutation`` over queries with ``H = Hq`` (identity for key permuters).
+        mask: the selected blocks in permuted order.
+        config: the config that produced the plan.
+        layout: geometry of the call.
+    """
+
+    key_permutation: Permutation
+    query_permutation: Permutation
+    mask: BlockMask
+    config: "PBSConfig"
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> Layout:
+        return self.mask.layout
+
+    @property
+    def density(self) -> float:
+        """Selected over causally allowed blocks (see :meth:`BlockMask.density`)."""
+        return self.mask.density()
+
+    def key_positions(self) -> torch.Tensor:
+        """Original position of every permuted key slot: ``(B, Hk, Nk)`` int64."""
+        return self.key_permutation.indices
+
+    def query_positions(self) -> torch.Tensor:
+        """Original position of every permuted query slot: ``(B, Hq, Nq)`` int64."""
+        return self.query_permutation.indices + self.layout.query_offset

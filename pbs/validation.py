@@ -1,0 +1,63 @@
+"""Input checks with errors that name the argument and the accepted values."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> None:
+    """Validates ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)``.
+
+    Raises:
+        TypeError: a non-tensor or a non-floating dtype.
+        ValueError: wrong rank, mismatched batch/heads/lengths/head dims/devices/dtypes, empty
+            sequences, ``Nq > Nk``, or NaN/inf values (when ``check_finite``).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions {_layout_hint(name)}, got shape {tuple(x.shape)}"
+            )
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
+    b, hq, nq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q has {b}, k has {k.shape[0]}, v has {v.shape[0]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must agree in (B, Hkv, Nk), got k: {tuple(k.shape[:3])}, v: {tuple(v.shape[:3])}"
+        )
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must share the head dim D, got q: {d}, k: {k.shape[-1]}")
+    if d == 0 or v.shape[-1] == 0:
+        raise ValueError("head dims must be positive")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"the number of query heads (q.shape[1] = {hq}) must be a multiple of the number of "
+            f"key/value heads (k.shape[1] = {hkv})"
+        )
+    nk = k.shape[2]
+    if nq == 0 or nk == 0:
+        raise ValueError(f"sequence lengths must be positive, got Nq = {nq}, Nk = {nk}")
+    if nq > nk:
+        raise ValueError(
+            f"q has more positions (Nq = {nq}) than k (Nk = {nk}); queries are the last Nq of the Nk positions"
+        )
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"{name} contains NaN or inf values")
+
+
+def _layout_hint(name: str) -> str:
+    return "(B, Hq, Nq, D)" if name == "q" else "(B, Hkv, Nk, D)"
