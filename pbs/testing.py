@@ -18,10 +18,10 @@ __all__ = ["make_qkv", "relative_error", "assert_close_to_reference", "benchmark
 
 # Pattern strengths per head kind, as logit contributions: (sink, heavy hitters, local, slash).
 _HEAD_KINDS: tuple[tuple[float, float, float, float], ...] = (
-    (7.0, 6.0, 2.0, 0.0),  # sink + scattered heavy hitters
-    (7.0, 2.0, 5.0, 0.0),  # sink + local window
-    (6.0, 3.0, 1.0, 5.0),  # sink + slash lines
-    (6.0, 5.0, 3.0, 3.0),  # a mix of everything
+    (9.0, 9.0, 3.0, 0.0),  # sink + scattered heavy hitters
+    (9.0, 5.0, 9.0, 0.0),  # sink + local window
+    (9.0, 6.0, 2.0, 8.0),  # sink + slash lines
+    (9.0, 8.0, 5.0, 4.0),  # a mix of everything
 )
 
 
@@ -65,25 +65,34 @@ def make_qkv(
     group = heads_q // heads_kv
     n_freq = max(2, (d - 2) // 4)  # dims 2 .. 2+4F: local and slash sinusoid pairs
     pos = torch.arange(seq_len, dtype=torch.float64)
-    # Low frequencies give a window a few hundred tokens wide; high ones give sharp offset peaks.
-    local_freq = 2 * math.pi / 1024 * torch.linspace(0.25, 1.0, n_freq, dtype=torch.float64)
+    # Random frequencies below 2*pi/512 make the local kernel mean_f cos(w_f * dist) a window about
+    # a few hundred tokens wide with no periodic revival; frequencies up to pi make sharp offset peaks.
+    local_freq = torch.rand(n_freq, generator=gen, dtype=torch.float64) * (2 * math.pi / 512)
     slash_freq = torch.rand(n_freq, generator=gen, dtype=torch.float64) * math.pi
 
     q = torch.zeros(batch, heads_kv, group, seq_len, d, dtype=torch.float64)
     k = torch.zeros(batch, heads_kv, seq_len, d, dtype=torch.float64)
     amp = math.sqrt(math.sqrt(d))  # logit = q.k / sqrt(d): amp^2 per unit of q and k
+    o = 2 + 2 * n_freq
     for b in range(batch):
         for h in range(heads_kv):
             sink, heavy, local, slash = _HEAD_KINDS[(b * heads_kv + h) % len(_HEAD_KINDS)]
             kk = k[b, h]
             kk[0, 0] = amp
-            hh = torch.rand(seq_len, generator=gen) < heavy_hitter_fraction
-            kk[hh, 1] = amp * (0.6 + 0.4 * torch.rand(int(hh.sum()), generator=gen, dtype=torch.float64))
+            # Key importance is long-tailed (most keys near 0, a few near 1) plus rare spikes at 1:
+            # the scattered heavy hitters that permutation gathers into few blocks.
+            # Relevant passages (a quarter of the text, in stretches of ~1K tokens) hold most of
+            # the important keys, as in retrieval-style prompts.
+            passage = torch.rand(seq_len // 1024 + 1, generator=gen) < 0.25
+            relevant = passage.repeat_interleave(1024)[:seq_len].double()
+            importance = relevant * torch.rand(seq_len, generator=gen, dtype=torch.float64) ** 4
+            spikes = torch.rand(seq_len, generator=gen) < heavy_hitter_fraction
+            importance[spikes] = 0.7 + 0.3 * torch.rand(int(spikes.sum()), generator=gen, dtype=torch.float64)
+            kk[:, 1] = amp * importance
             ang_l = pos[:, None] * local_freq
             kk[:, 2 : 2 + n_freq] = amp * torch.cos(ang_l)
-            kk[:, 2 + n_freq : 2 + 2 * n_freq] = amp * torch.sin(ang_l)
+            kk[:, 2 + n_freq : o] = amp * torch.sin(ang_l)
             ang_s = pos[:, None] * slash_freq
-            o = 2 + 2 * n_freq
             kk[:, o : o + n_freq] = amp * torch.cos(ang_s)
             kk[:, o + n_freq : o + 2 * n_freq] = amp * torch.sin(ang_s)
             for g in range(group):
@@ -93,8 +102,8 @@ def make_qkv(
                 qq[:, 1] = amp * heavy * jitter[1]
                 w_local = amp * local * jitter[2] / n_freq
                 qq[:, 2 : 2 + n_freq] = w_local * torch.cos(ang_l)
-                qq[:, 2 + n_freq : 2 + 2 * n_freq] = w_local * torch.sin(ang_l)
-                w_slash = amp * slash * jitter[3] / (n_freq * len(slash_offsets))
+                qq[:, 2 + n_freq : o] = w_local * torch.sin(ang_l)
+                w_slash = amp * slash * jitter[3] / n_freq
                 for off in slash_offsets:
                     ang = (pos[:, None] - off) * slash_freq
                     qq[:, o : o + n_freq] += w_slash * torch.cos(ang)
@@ -103,8 +112,8 @@ def make_qkv(
     # heads, so logits are unchanged) so that no pattern sits on a coordinate axis.
     spare = 2 + 4 * n_freq
     if spare < d:
-        q[..., spare:] = torch.randn(q[..., spare:].shape, generator=gen, dtype=torch.float64) * amp * 0.3
-        k[..., spare:] = torch.randn(k[..., spare:].shape, generator=gen, dtype=torch.float64) * amp * 0.3
+        q[..., spare:] = torch.randn(q[..., spare:].shape, generator=gen, dtype=torch.float64) * amp * 0.2
+        k[..., spare:] = torch.randn(k[..., spare:].shape, generator=gen, dtype=torch.float64) * amp * 0.2
     rot = torch.linalg.qr(torch.randn(heads_kv, d, d, generator=gen, dtype=torch.float64))[0]
     q = torch.einsum("bhgnd,hde->bhgne", q, rot).reshape(batch, heads_q, seq_len, d)[:, :, seq_len - nq :]
     k = torch.einsum("bhnd,hde->bhne", k, rot)
