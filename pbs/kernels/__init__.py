@@ -1,1 +1,110 @@
-"""Triton kernels and their launchers (each with an eager twin in :mod:`pbs.reference`)."""
+"""Triton kernels and their launchers (each with an eager twin in :mod:`pbs.reference`).
+
+Registers two attention backends:
+
+* ``"triton"``: :func:`pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
+  ``backend="auto"`` on CUDA (and on CPU tensors when ``TRITON_INTERPRET=1``, which the tests use);
+* ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
+  chosen by ``auto``), a second, independent implementation to compare against.
+
+Triton is imported only when a kernel runs, so ``import pbs`` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from pbs.backends import AttentionBackend, AttentionCall, register_auto_candidate, register_backend
+
+__all__ = ["triton_not_supported_reasons", "flex_not_supported_reasons"]
+
+_MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _head_dim_reasons(call: AttentionCall) -> list[str]:
+    reasons = []
+    # TMA needs rows of a multiple of 16 bytes.
+    multiple = 16 // call.q.element_size()
+    for name, dim in (("head dim", call.q.shape[-1]), ("value head dim", call.v.shape[-1])):
+        if dim > _MAX_HEAD_DIM:
+            reasons.append(f"{name} {dim} is larger than {_MAX_HEAD_DIM}")
+        elif dim % multiple:
+            reasons.append(f"{name} {dim} is not a multiple of {multiple} (16 bytes of {call.q.dtype})")
+    return reasons
+
+
+def triton_not_supported_reasons(call: AttentionCall) -> list[str]:
+    """Why the Triton kernel cannot run ``call`` (empty: it can)."""
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed")
+    q = call.q
+    if q.device.type != "cuda":
+        if not _interpreting():
+            reasons.append(f"inputs are on {q.device.type}, not CUDA (set TRITON_INTERPRET=1 to run the kernel in the interpreter)")
+        elif q.dtype == torch.bfloat16:
+            reasons.append("the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32")
+    elif torch.cuda.get_device_capability(q.device) < (8, 0):
+        reasons.append("the Triton kernel needs a GPU of compute capability 8.0 or newer")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {q.dtype} is not float16, bfloat16 or float32")
+    reasons += _head_dim_reasons(call)
+    return reasons
+
+
+def _run_triton(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.block_sparse_attn import block_sparse_attention
+
+    plan = call.plan
+    return block_sparse_attention(
+        call.q,
+        call.k,
+        call.v,
+        plan.mask,
+        query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
+        key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
+        scale=call.scale,
+        causal=plan.layout.causal,
+    )
+
+
+def flex_not_supported_reasons(call: AttentionCall) -> list[str]:
+    """Why the FlexAttention lowering cannot run ``call`` (empty: it can)."""
+    reasons = []
+    if call.q.device.type != "cuda":
+        reasons.append(f"inputs are on {call.q.device.type}, not CUDA (FlexAttention runs compiled on CUDA only)")
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        reasons.append(f"torch {torch.__version__} has no torch.nn.attention.flex_attention")
+    if call.q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {call.q.dtype} is not float16, bfloat16 or float32")
+    return reasons
+
+
+def _run_flex(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.flex import flex_block_sparse_attention
+
+    plan = call.plan
+    return flex_block_sparse_attention(
+        call.q,
+        call.k,
+        call.v,
+        plan.mask,
+        query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
+        key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
+        scale=call.scale,
+        causal=plan.layout.causal,
+    )
+
+
+register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton))
+register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex))
+register_auto_candidate("triton", position=0)

@@ -1,6 +1,6 @@
 """``budget``: a fixed fraction of the allowed blocks, for benchmarking at a chosen density.
 
-Every query block keeps ``ceil(density * allowed)`` key blocks: its forced blocks (sink, on-diagonal
+Every query block keeps ``round(density * allowed)`` key blocks (at least its forced ones): its forced blocks (sink, on-diagonal
 segment) first, then a seeded random choice of the other allowed blocks. Which blocks does not
 matter for speed, only how many, so this gives kernels a mask of known density.
 """
@@ -39,7 +39,7 @@ class BudgetSelector(SelectorConfig):
         priority = torch.rand(shape, generator=seeded_generator(self.seed)).to(allowed.device)
         priority = priority.masked_fill(forced, 2.0).masked_fill(~allowed, -1.0)
         order = priority.argsort(dim=-1, descending=True, stable=True)
-        budget = torch.ceil(self.density * allowed.sum(-1).double()).long()  # (Tq,)
+        budget = torch.round(self.density * allowed.sum(-1).double()).long()  # (Tq,)
         rank = torch.arange(shape[-1], device=allowed.device)
         keep_sorted = rank < budget[:, None]
         selected = torch.zeros(shape, dtype=torch.bool, device=allowed.device)

@@ -1,0 +1,431 @@
+"""Block-sparse flash-attention forward in Triton: the fast twin of
+:func:`pbs.reference.block_sparse_attention_reference`.
+
+One program computes one tile of ``BLOCK_M`` query slots of one (batch, query head) and walks only
+the key blocks its query block selected (``mask.indices[b, h, i, :mask.counts[b, h, i]]``). The
+list is ascending and the per-token causal check is only needed for key blocks whose effective
+position range reaches the query tile's (the on-diagonal segment), so those come last: the program
+splits the list once, runs an unmasked loop over the off-diagonal blocks and a masked loop over the
+short tail. Causality is checked on *original* positions (permuted slots carry their positions),
+so permuted keys and queries stay exact.
+
+GQA is native: query head ``h`` reads key/value head ``h // (Hq // Hk)`` of ``k``/``v``
+``(B, Hk, Nk, D)``, with ``Hk`` either ``Hq`` (per-head permutations, K/V already replicated by
+the gather) or ``Hkv`` (shared permutations, no copy). Programs are ordered so that the query heads
+of one KV head and neighbouring query tiles run together: they read the same K/V, which then stays
+in L2.
+
+Tiles are moved with tensor descriptors (TMA on Hopper); out-of-range rows and padded head-dim
+columns read as zero and are never stored, so any ``N`` and head dims such as 96 need no copies.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from pbs.layout import cdiv
+from pbs.types import BlockMask
+
+LOG2_E = 1.4426950408889634
+
+# Any position is < 2**30 (the layouts here are far shorter); padded key slots get this one so the
+# causal check drops them without a separate bounds test.
+_FAR_FUTURE = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def _online_softmax_step(b_s, m_i, l_i, acc, b_v, IEEE_DOT: tl.constexpr):
+    """One flash-attention update with log2-domain scores ``b_s`` (already scaled by log2(e)/sqrt(d))."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    b_p = tl.math.exp2(b_s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE_DOT:
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _block_sparse_attn_fwd(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    counts_ptr,
+    indices_ptr,
+    qpos_ptr,
+    kpos_ptr,
+    stride_cb,
+    stride_ch,
+    stride_ci,
+    stride_ib,
+    stride_ih,
+    stride_ii,
+    stride_qpb,
+    stride_qph,
+    stride_qpn,
+    stride_kpb,
+    stride_kph,
+    stride_kpn,
+    heads_k,
+    group,
+    seq_len_q,
+    seq_len_k,
+    tiles_per_head,
+    query_offset,
+    permutable_key_len,
+    permutable_q_lo,
+    permutable_q_hi,
+    segment_size,
+    num_key_blocks,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PARTIAL_LAST_KEY_BLOCK: tl.constexpr,
+    KEYS_PERMUTED: tl.constexpr,
+    QUERIES_PERMUTED: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
+    SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
+    NEEDS_SPLIT: tl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
+
+    # Program order (fastest first): query head within its GQA group, query tile (heaviest, i.e.
+    # last, first), KV head, batch. Concurrent programs then share one KV head's K/V in L2, and
+    # the short tiles fill the tail of the launch.
+    i_pid = tl.program_id(0)
+    i_g = i_pid % group
+    i_rest = i_pid // group
+    i_t = tiles_per_head - 1 - i_rest % tiles_per_head
+    i_rest = i_rest // tiles_per_head
+    i_hk = i_rest % heads_k
+    i_b = i_rest // heads_k
+    i_hq = i_hk * group + i_g
+    i_qb = i_t // SPLIT_M
+    row0 = i_t * BLOCK_M
+
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+
+    count = tl.load(counts_ptr + i_b.to(tl.int64) * stride_cb + i_hq * stride_ch + i_qb * stride_ci)
+    p_list = indices_ptr + i_b.to(tl.int64) * stride_ib + i_hq.to(tl.int64) * stride_ih + i_qb.to(tl.int64) * stride_ii
+
+    # Key blocks from `first_masked` on may hold a key later than some query of this tile (or a
+    # padded slot past Nk); every block before it is wholly in the past of every query here.
+    # Closed form of Layout.key_block_ranges / query_block_ranges: a permutable slot's effective
+    # range is its whole segment, and the lowest position of the tile is that of its first row.
+    first_masked = num_key_blocks
+    if CAUSAL:
+        q_first_pos = row0 + query_offset
+        q_permutable = (row0 >= permutable_q_lo) & (row0 < permutable_q_hi)
+        q_lo = tl.where(q_permutable, (q_first_pos // segment_size) * segment_size, q_first_pos)
+        first_masked = tl.where(
+            q_lo < permutable_key_len, (q_lo // segment_size) * (segment_size // MASK_BLOCK), q_lo // MASK_BLOCK
+        )
+    if PARTIAL_LAST_KEY_BLOCK:
+        first_masked = tl.minimum(first_masked, num_key_blocks - 1)
+
+    # The list is ascending, so the masked blocks are its last entries; there are few of them (the
+    # on-diagonal segment), so look at the last TAIL entries and scan the whole list only if all
+    # of those need the mask.
+    n_masked = count * 0
+    if NEEDS_SPLIT:
+        o_tail = tl.arange(0, TAIL)
+        o_last = count - TAIL + o_tail
+        b_last = tl.load(p_list + o_last, mask=o_last >= 0, other=-1)
+        n_masked = tl.sum((b_last >= first_masked).to(tl.int32), 0)
+        if n_masked == TAIL:
+            n_masked = count * 0
+            for c in range(0, count, TAIL):
+                o_chunk = c + o_tail
+                b_chunk = tl.load(p_list + o_chunk, mask=o_chunk < count, other=-1)
+                n_masked += tl.sum((b_chunk >= first_masked).to(tl.int32), 0)
+    n_unmasked = count - n_masked
+
+    b_q = q_desc.load([i_b, i_hq, row0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    if CAUSAL:
+        if QUERIES_PERMUTED:
+            p_qpos = qpos_ptr + i_b.to(tl.int64) * stride_qpb + i_hq.to(tl.int64) * stride_qph + o_m * stride_qpn
+            b_qpos = tl.load(p_qpos, mask=o_m < seq_len_q, other=0).to(tl.int32)
+        else:
+            b_qpos = o_m + query_offset
+
+    # A finite start for the running max keeps rows that see no key at all free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
+
+    # Off-diagonal blocks: no mask at all.
+    for it in range(0, n_unmasked * SUB_N):
+        j = tl.load(p_list + it // SUB_N)
+        start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
+        b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        if IEEE_DOT:
+            b_s = tl.dot(b_q, b_k.T, input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, b_k.T)
+        b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+        m_i, l_i, acc = _online_softmax_step(b_s * qk_scale, m_i, l_i, acc, b_v, IEEE_DOT)
+
+    # On-diagonal blocks (and a partial last key block): per-token check on original positions.
+    if NEEDS_SPLIT:
+        if KEYS_PERMUTED:
+            p_kpos_head = kpos_ptr + i_b.to(tl.int64) * stride_kpb + i_hk.to(tl.int64) * stride_kph
+        for it in range(n_unmasked * SUB_N, count * SUB_N):
+            j = tl.load(p_list + it // SUB_N)
+            start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
+            b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            if IEEE_DOT:
+                b_s = tl.dot(b_q, b_k.T, input_precision="ieee")
+            else:
+                b_s = tl.dot(b_q, b_k.T)
+            o_slot = start_n + o_n
+            if CAUSAL:
+                if KEYS_PERMUTED:
+                    b_kpos = tl.load(
+                        p_kpos_head + o_slot * stride_kpn, mask=o_slot < seq_len_k, other=_FAR_FUTURE
+                    ).to(tl.int32)
+                else:
+                    # Slots past Nk have positions past every query, so causality drops them.
+                    b_kpos = o_slot
+                m_keep = b_kpos[None, :] <= b_qpos[:, None]
+            else:
+                m_keep = (o_slot < seq_len_k)[None, :]
+            b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
+            b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+            m_i, l_i, acc = _online_softmax_step(b_s, m_i, l_i, acc, b_v, IEEE_DOT)
+
+    # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    b_o = (acc / l_safe[:, None]).to(b_q.dtype)
+    o_desc.store([i_b, i_hq, row0, 0], b_o.reshape(1, 1, BLOCK_M, HEAD_DIM_V))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and schedule of one launch.
+
+    ``block_m`` / ``block_n`` are capped at the mask's block size; a mask block larger than a tile
+    is covered by several query tiles (programs) or key sub-tiles (loop steps).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def fitted(self, mask_block: int) -> "KernelConfig":
+        return KernelConfig(min(self.block_m, mask_block), min(self.block_n, mask_block), self.num_warps, self.num_stages)
+
+    def __str__(self) -> str:
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelConfig":
+        """From ``"128,128,8,2"`` (block_m, block_n, num_warps, num_stages)."""
+        bm, bn, w, s = (int(x) for x in text.split(","))
+        return cls(bm, bn, w, s)
+
+
+def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> list[KernelConfig]:
+    """The small set the tuner times (the first one is the default; the interpreter gets only it).
+
+    ``head_dim`` is the padded (power of two) head dim.
+    """
+    if interpret:
+        return [KernelConfig(64, 64, 4, 1)]
+    if dtype == torch.float32:
+        # fp32 runs the exact (non-tf32) dot: correctness mode, not a speed target.
+        return [KernelConfig(64, 32, 4, 2), KernelConfig(64, 64, 4, 2)]
+    if head_dim <= 64:
+        return [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 4, 3)]
+    if head_dim <= 128:
+        return [
+            KernelConfig(128, 128, 8, 2),
+            KernelConfig(128, 128, 8, 3),
+            KernelConfig(128, 64, 4, 3),
+            KernelConfig(128, 64, 8, 3),
+        ]
+    return [KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2)]
+
+
+_TUNED: dict[tuple, KernelConfig] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+def _tma_strides(x: torch.Tensor) -> list[int]:
+    """Strides with those of size-1 dims made "contiguous": they never move the address, and TMA
+    wants every stride 16-byte aligned."""
+    strides = list(x.stride())
+    for i in range(x.dim() - 2, -1, -1):
+        if x.shape[i] == 1:
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+    return strides
+
+
+def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if TMA can address it (16-byte aligned base and strides, unit last stride), else a contiguous copy."""
+    elem = x.element_size()
+    strides = _tma_strides(x)
+    if strides[-1] == 1 and x.data_ptr() % 16 == 0 and all((s * elem) % 16 == 0 for s in strides[:-1]):
+        return x
+    return x.contiguous() if not x.is_contiguous() else x.clone()
+
+
+def _descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    return TensorDescriptor(x, list(x.shape), _tma_strides(x), [1, 1, rows, cols])
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every query over the key blocks its query block selected (Triton).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries in permuted order (fp16, bf16 or fp32).
+        k: ``(B, Hk, Nk, D)`` keys in permuted order, ``Hq % Hk == 0``.
+        v: ``(B, Hk, Nk, Dv)`` values in the keys' order.
+        mask: selected key blocks: ``counts (B, Hq, Tq)``, ``indices (B, Hq, Tq, Tk)`` int32.
+        query_positions: ``(B, Hq, Nq)`` original position of each query slot, or None when the
+            queries are not permuted (slot ``t`` is position ``Nk - Nq + t``).
+        key_positions: ``(B, Hk, Nk)`` original position of each key slot, or None when the keys
+            are not permuted.
+        scale: softmax scale, default ``D ** -0.5``.
+        causal: mask pairs with ``key_position > query_position``.
+        config: tile shape and schedule; default: tuned once per shape class (first candidate in
+            the interpreter, or the one named by ``PBS_TRITON_CONFIG="bm,bn,warps,stages"``).
+        out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype.
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
+        key gets 0.
+    """
+    layout = mask.layout
+    b, hq, nq, d = q.shape
+    hk, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    mask_block = layout.block_size
+    scale = d**-0.5 if scale is None else float(scale)
+    head_dim, head_dim_v = _pow2_at_least(d), _pow2_at_least(dv)
+
+    q, k, v = (_descriptor_ready(x) for x in (q, k, v))
+    if out is None:
+        out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
+    counts = mask.counts if mask.counts.dtype == torch.int32 else mask.counts.to(torch.int32)
+    indices = mask.indices if mask.indices.dtype == torch.int32 else mask.indices.to(torch.int32)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    keys_permuted = causal and key_positions is not None
+    queries_permuted = causal and query_positions is not None
+    qpos = query_positions if queries_permuted else counts  # placeholder pointer when unused
+    kpos = key_positions if keys_permuted else counts
+
+    if config is None:
+        config = _pick_config(q, k, v, mask, qpos, kpos, keys_permuted, queries_permuted, scale, causal, out)
+    _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted, scale, causal,
+            config.fitted(mask_block), head_dim, head_dim_v)
+    return out
+
+
+def _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted, scale, causal,
+            config: KernelConfig, head_dim: int, head_dim_v: int) -> None:
+    layout = mask.layout
+    b, hq, nq, _ = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    mask_block = layout.block_size
+    tiles_per_head = cdiv(nq, config.block_m)
+    perm_q_lo, perm_q_hi = layout.permutable_query_range
+    segment = layout.segment_size
+    tail = _pow2_at_least(min(layout.num_key_blocks, 2 * segment // mask_block + 2), floor=2)
+    q_desc = _descriptor(q, config.block_m, head_dim)
+    k_desc = _descriptor(k, config.block_n, head_dim)
+    v_desc = _descriptor(v, config.block_n, head_dim_v)
+    o_desc = _descriptor(out, config.block_m, head_dim_v)
+    qpos_strides = qpos.stride() if queries_permuted else (0, 0, 0)
+    kpos_strides = kpos.stride() if keys_permuted else (0, 0, 0)
+    grid = (b * hq * tiles_per_head,)
+    _block_sparse_attn_fwd[grid](
+        q_desc, k_desc, v_desc, o_desc,
+        counts, indices, qpos, kpos,
+        *counts.stride(), *indices.stride()[:3], *qpos_strides, *kpos_strides,
+        hk, hq // hk, nq, nk, tiles_per_head,
+        nk - nq, layout.permutable_key_len, perm_q_lo, perm_q_hi, segment, layout.num_key_blocks,
+        scale * LOG2_E,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        MASK_BLOCK=mask_block,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        TAIL=tail,
+        CAUSAL=causal,
+        PARTIAL_LAST_KEY_BLOCK=nk % mask_block != 0,
+        KEYS_PERMUTED=keys_permuted,
+        QUERIES_PERMUTED=queries_permuted,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _pick_config(q, k, v, mask, qpos, kpos, keys_permuted, queries_permuted, scale, causal, out) -> KernelConfig:
+    forced = os.environ.get("PBS_TRITON_CONFIG")
+    if forced:
+        return KernelConfig.parse(forced)
+    head_dim, head_dim_v = _pow2_at_least(q.shape[-1]), _pow2_at_least(v.shape[-1])
+    candidates = candidate_configs(q.dtype, max(head_dim, head_dim_v), _interpreting())
+    if len(candidates) == 1 or q.device.type != "cuda":
+        return candidates[0]
+    # One tuning per shape class; lengths are bucketed by powers of two.
+    key = (q.device.index, q.dtype, head_dim, head_dim_v, mask.layout.block_size, causal,
+           q.shape[1] // k.shape[1], max(1, k.shape[2]).bit_length())
+    if key not in _TUNED:
+        counts = mask.counts.to(torch.int32)
+        indices = mask.indices.to(torch.int32)
+        timings = {}
+        for cand in candidates:
+            fitted = cand.fitted(mask.layout.block_size)
+
+            def run(fitted=fitted):
+                _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted,
+                        scale, causal, fitted, head_dim, head_dim_v)
+
+            try:
+                timings[cand] = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+            except Exception:  # a config that does not fit (e.g. shared memory) is just not chosen
+                continue
+        if not timings:
+            raise RuntimeError("no Triton kernel configuration could run this call")
+        _TUNED[key] = min(timings, key=timings.get)
+    return _TUNED[key]

@@ -1,0 +1,80 @@
+"""`pbs demo`, `pbs list`, the synthetic workload and the pinned public API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pbs
+from pbs.cli import main
+
+
+def test_demo_prints_a_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--seq-len", "1024", "--heads-q", "4", "--heads-kv", "2", "--head-dim", "32", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "PBS: last_block + mean_pool" in captured.out and "density" in captured.out
+    assert "[1/5] dense" in captured.err  # progress lines
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["method"] for r in rows][0] == "dense"
+    for r in rows[1:]:
+        assert 0 < r["density"] < 1 and 0 < r["coverage"] <= 1 and r["rel_error"] > 0
+
+
+def test_demo_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--threshold", "1.5"])
+    assert "must be in (0, 1]" in capsys.readouterr().err
+    assert main(["demo", "--heads-q", "3", "--heads-kv", "2"]) == 2
+
+
+def test_list_names_every_component(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in pbs.list_permuters() + pbs.list_selectors():
+        assert name in out
+
+
+def test_make_qkv_is_deterministic_and_shaped():
+    q, k, v = pbs.testing.make_qkv(batch=2, heads_q=6, heads_kv=3, seq_len=500, head_dim=32, seq_len_q=100, seed=7)
+    assert q.shape == (2, 6, 100, 32) and k.shape == v.shape == (2, 3, 500, 32)
+    q2, _, _ = pbs.testing.make_qkv(batch=2, heads_q=6, heads_kv=3, seq_len=500, head_dim=32, seq_len_q=100, seed=7)
+    assert torch.equal(q, q2)
+    with pytest.raises(ValueError, match="heads_q"):
+        pbs.testing.make_qkv(heads_q=3, heads_kv=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        pbs.testing.make_qkv(head_dim=15)
+
+
+def test_make_qkv_has_an_attention_sink():
+    q, k, _ = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=64)
+    probs = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8).masked_fill(
+        torch.ones(1024, 1024, dtype=torch.bool).triu(1), float("-inf")
+    ).softmax(-1)
+    # Far queries still give token 0 a share over 50x a uniform one (1/768).
+    assert probs[..., 512:, 0].mean() > 50 / 768
+
+
+def test_assert_close_to_reference_fails_on_large_error():
+    truth = torch.randn(100)
+    pbs.testing.assert_close_to_reference(truth + 1e-4, truth + 1e-4, truth)
+    with pytest.raises(AssertionError, match="exceeds"):
+        pbs.testing.assert_close_to_reference(truth + 1e-2, truth + 1e-4, truth)
+
+
+def test_public_api_is_pinned():
+    assert sorted(pbs.__all__) == sorted([
+        "BlockMask", "Layout", "PBSConfig", "PermutationInputs", "Permutation", "Permutations",
+        "PermuterConfig", "Plan", "SelectionInputs", "SelectorConfig", "__version__", "attention",
+        "list_backends", "list_permuters", "list_selectors", "plan", "reference", "register_permuter",
+        "register_selector", "run", "testing",
+    ])
+    for name in pbs.__all__:
+        assert hasattr(pbs, name)
+
+
+def test_registries_hold_the_papers_components():
+    assert {"identity", "random", "last_block", "random_query", "avg_query", "greedy", "key_aware_query"} <= set(pbs.list_permuters())
+    assert {"mean_pool", "antidiagonal", "oracle", "budget"} <= set(pbs.list_selectors())

@@ -1,0 +1,159 @@
+"""PBSConfig parsing, JSON round trip, registry behaviour and clear errors."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import pbs
+from pbs.components import permuter_registry, selector_registry
+from pbs.selectors.mean_pool import MeanPoolSelector
+
+
+def test_defaults_follow_the_paper():
+    c = pbs.PBSConfig()
+    assert (c.block_size, c.segment_size, c.causal, c.force_sink_block) == (128, 256, True, True)
+    assert c.permuter.name == "last_block" and c.selector.name == "mean_pool"
+    assert c.selector.threshold == 0.9 and c.backend == "auto" and c.version == 1
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ["mean_pool", {"name": "mean_pool", "threshold": 0.9}, MeanPoolSelector(threshold=0.9)],
+)
+def test_component_given_as_name_dict_or_instance(selector):
+    assert pbs.PBSConfig(selector=selector).selector == MeanPoolSelector(threshold=0.9)
+
+
+@pytest.mark.parametrize("permuter", pbs.list_permuters())
+@pytest.mark.parametrize("selector", pbs.list_selectors())
+def test_json_round_trip(permuter, selector):
+    c = pbs.PBSConfig(permuter=permuter, selector=selector, gqa="per_head", block_size=64, segment_size=512)
+    text = c.model_dump_json()
+    again = pbs.PBSConfig.model_validate_json(text)
+    assert again == c and type(again.selector) is type(c.selector)
+    assert '"version":1' in text.replace(" ", "")
+    assert pbs.PBSConfig.coerce(text) == c and pbs.PBSConfig.coerce(c.model_dump()) == c
+
+
+def test_unknown_name_lists_registered_names():
+    with pytest.raises(ValidationError) as err:
+        pbs.PBSConfig(selector="no_such_selector")
+    for name in pbs.list_selectors():
+        assert name in str(err.value)
+    with pytest.raises(ValidationError, match="last_block"):
+        pbs.PBSConfig(permuter={"name": "nope"})
+
+
+def test_bad_field_names_its_path():
+    with pytest.raises(ValidationError) as err:
+        pbs.PBSConfig(selector={"name": "mean_pool", "threshold": 2.0})
+    assert err.value.errors()[0]["loc"] == ("selector", "threshold")
+    with pytest.raises(ValidationError) as err:
+        pbs.PBSConfig(selector={"name": "mean_pool", "treshold": 0.5})
+    assert err.value.errors()[0]["loc"] == ("selector", "treshold")
+    with pytest.raises(ValidationError, match="gqa"):
+        pbs.PBSConfig(gqa="replicate")
+    with pytest.raises(ValidationError, match="backend"):
+        pbs.PBSConfig(backend="cuda")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_size=128, segment_size=320), "segment_size .* multiple of block_size"),
+        (dict(block_size=96, segment_size=192), "power of two"),
+        (dict(block_size=8), "block_size"),
+        (dict(block_size=64, selector={"name": "antidiagonal", "stride": 48}), "stride .* must divide block_size"),
+    ],
+)
+def test_bad_sizes(kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        pbs.PBSConfig(**kwargs)
+
+
+def test_config_is_frozen_and_strict():
+    c = pbs.PBSConfig()
+    with pytest.raises(ValidationError):
+        c.block_size = 64  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="extra"):
+        pbs.PBSConfig(blocksize=64)
+    with pytest.raises(TypeError, match="config must be"):
+        pbs.PBSConfig.coerce(42)  # type: ignore[arg-type]
+
+
+def test_component_registered_after_import_validates_and_runs():
+    @pbs.register_selector
+    class EveryOtherBlock(pbs.SelectorConfig):
+        name: Literal["every_other_block"] = "every_other_block"
+
+        def select(self, inputs):
+            layout = inputs.layout
+            shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+            return (torch.arange(layout.num_key_blocks) % 2 == 0).expand(shape).clone()
+
+    try:
+        assert "every_other_block" in pbs.list_selectors()
+        config = pbs.PBSConfig.model_validate_json('{"selector": {"name": "every_other_block"}}')
+        q, k, v = pbs.testing.make_qkv(seq_len=512, heads_q=2, heads_kv=1, head_dim=16)
+        plan = pbs.plan(q, k, config.model_copy(update={"block_size": 64}))
+        dense = plan.mask.to_dense()
+        assert dense[..., 2:, 0].all()  # an even block far from the diagonal is kept
+        assert not dense[0, 0, 7, 1]  # an odd off-diagonal block is not
+    finally:
+        selector_registry.unregister("every_other_block")
+    assert "every_other_block" not in pbs.list_selectors()
+
+
+def test_registering_a_different_class_under_a_taken_name_fails():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @pbs.register_permuter
+        class Impostor(pbs.PermuterConfig):
+            name: Literal["last_block"] = "last_block"
+
+
+def test_registering_needs_a_named_subclass():
+    with pytest.raises(TypeError, match="subclass of PermuterConfig"):
+        pbs.register_permuter(MeanPoolSelector)
+    with pytest.raises(TypeError, match="default for its `name`"):
+
+        @pbs.register_selector
+        class Nameless(pbs.SelectorConfig):
+            pass
+
+
+def test_plugins_load_from_entry_points(monkeypatch):
+    import importlib.metadata
+
+    import pbs.registry as registry
+
+    calls = []
+
+    class FakeEntryPoint:
+        name, value = "demo_plugin", "demo_plugin:register"
+
+        def load(self):
+            def register():
+                @pbs.register_permuter
+                class PluginPermuter(pbs.PermuterConfig):
+                    name: Literal["plugin_identity"] = "plugin_identity"
+
+                    def permute(self, inputs):
+                        return pbs.Permutations(keys=None)
+
+                calls.append(PluginPermuter)
+
+            return register
+
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [FakeEntryPoint()] if group == "pbs.plugins" else [])
+    try:
+        config = pbs.PBSConfig(permuter="plugin_identity")
+        assert config.permuter.name == "plugin_identity" and len(calls) == 1
+        assert "plugin_identity" in pbs.list_permuters() and len(calls) == 1  # loaded once
+    finally:
+        permuter_registry.unregister("plugin_identity")

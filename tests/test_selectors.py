@@ -1,0 +1,138 @@
+"""Selector contracts (driven by the registry), Algorithm 2, monotonicity and forced blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.components import SelectionInputs, selector_registry
+from pbs.planning import forced_blocks
+from tests.helpers import random_qkv, small_config
+
+
+def _selection_inputs(permuter="last_block", seq_len=300, seq_len_q=None, gqa="shared", seed=0):
+    q, k, _ = pbs.testing.make_qkv(
+        batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, head_dim=32, seq_len_q=seq_len_q, seed=seed
+    )
+    from pbs.planning import build_plan
+
+    config = small_config(permuter=permuter, gqa=gqa)
+    plan, q_perm, k_perm = build_plan(q, k, config, 32**-0.5)
+    return plan, SelectionInputs(
+        q=q_perm, k=k_perm, layout=plan.layout, query_positions=plan.query_positions(),
+        key_positions=plan.key_positions(), scale=32**-0.5,
+    )
+
+
+@pytest.mark.parametrize("name", pbs.list_selectors())
+@pytest.mark.parametrize("permuter", ["identity", "last_block", "key_aware_query"])
+@pytest.mark.parametrize("seq_len_q", [None, 150])
+def test_selector_contract(name, permuter, seq_len_q):
+    q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, seq_len_q=seq_len_q)
+    config = small_config(permuter=permuter, selector=name)
+    plan = pbs.plan(q, k, config)
+    layout, mask = plan.layout, plan.mask
+    tq, tk = layout.num_query_blocks, layout.num_key_blocks
+    assert mask.counts.shape == (2, 4, tq) and mask.indices.shape == (2, 4, tq, tk)
+    assert mask.counts.dtype == torch.int32 and mask.indices.dtype == torch.int32
+    dense = mask.to_dense()
+    # Never a block wholly in the future; always the forced blocks.
+    assert not (dense & ~layout.allowed_blocks()).any()
+    forced = forced_blocks(layout, plan.key_positions(), force_sink_block=True)
+    assert (dense | ~forced).all()
+    # Indices sorted ascending and padded with -1.
+    valid = torch.arange(tk) < mask.counts[..., None].long()
+    idx = mask.indices.long()
+    assert (idx[valid] >= 0).all() and (idx[~valid] == -1).all()
+    shifted = torch.where(valid, idx, tk + torch.arange(tk))
+    assert (shifted[..., 1:] > shifted[..., :-1]).all()
+    assert 0 < plan.density <= 1
+
+
+def _algorithm_2(q_perm, k_perm, allowed, block, tau):
+    """Direct transcription of Appendix B, Algorithm 2, for one (batch, head)."""
+    n, d = q_perm.shape
+    tq, tk = allowed.shape
+    qb = torch.stack([q_perm[i * block : (i + 1) * block].mean(0) for i in range(tq)])
+    kb = torch.stack([k_perm[j * block : (j + 1) * block].mean(0) for j in range(tk)])
+    c = torch.zeros(tq, tk).masked_fill(~allowed, float("-inf"))
+    s_block = torch.softmax(qb @ kb.T / d**0.5 + c, dim=-1)
+    m = torch.zeros(tq, tk, dtype=torch.bool)
+    for i in range(tq):
+        a = s_block[i]
+        o = torch.argsort(-a, stable=True)
+        cum = torch.cumsum(a[o], 0)
+        reach = [j + 1 for j in range(tk) if cum[j] >= tau]
+        kk = min(reach + [int(allowed[i].sum())])
+        m[i, o[:kk]] = True
+    return m
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("tau", [0.5, 0.9, 0.99])
+def test_mean_pool_equals_algorithm_2(seed, tau):
+    q, k, _ = random_qkv(batch=1, heads_q=2, heads_kv=2, seq_len=300, head_dim=16, seed=seed)
+    from pbs.planning import build_plan
+
+    config = small_config(permuter="random", selector={"name": "mean_pool", "threshold": tau}, gqa="per_head")
+    plan, q_perm, k_perm = build_plan(q, k, config, 16**-0.5)
+    inputs = SelectionInputs(q_perm, k_perm, plan.layout, plan.query_positions(), plan.key_positions(), 16**-0.5)
+    raw = config.selector.select(inputs)
+    allowed = plan.layout.allowed_blocks()
+    for h in range(2):
+        expected = _algorithm_2(q_perm[0, h], k_perm[0, h], allowed, 32, tau)
+        assert torch.equal(raw[0, h], expected)
+
+
+@pytest.mark.parametrize("name", ["mean_pool", "antidiagonal", "oracle"])
+def test_raising_the_threshold_never_removes_a_block(name):
+    field = "coverage" if name == "oracle" else "threshold"
+    plan_inputs = _selection_inputs()
+    _, inputs = plan_inputs
+    previous = None
+    for tau in [0.3, 0.6, 0.8, 0.9, 0.95, 1.0]:
+        selected = selector_registry.get(name)(**{field: tau}).select(inputs)
+        if previous is not None:
+            assert (selected | ~previous).all(), f"threshold {tau} dropped a block"
+        previous = selected
+    assert previous.sum() == inputs.layout.allowed_blocks().expand_as(previous).sum()
+
+
+def test_budget_selector_hits_its_density():
+    q, k, _ = random_qkv(batch=1, heads_q=2, heads_kv=1, seq_len=8192, head_dim=16)
+    for density in [0.1, 0.3, 0.5, 1.0]:
+        config = small_config(block_size=64, segment_size=128, permuter="identity",
+                              selector={"name": "budget", "density": density})
+        plan = pbs.plan(q, k, config)
+        layout = plan.layout
+        forced = forced_blocks(layout, plan.key_positions()).sum(-1)[0, 0]
+        expected = torch.maximum(forced, torch.round(density * layout.allowed_counts().double()).long())
+        assert torch.equal(plan.mask.counts[0, 0].long(), expected)
+        assert plan.density == pytest.approx(density, abs=0.01)
+
+
+def test_oracle_reaches_its_coverage():
+    _, inputs = _selection_inputs(seq_len=512)
+    from pbs.reference import attention_coverage, block_attention_mass
+
+    selected = selector_registry.get("oracle")(coverage=0.8).select(inputs)
+    mass = block_attention_mass(inputs.q, inputs.k, inputs.query_positions, inputs.key_positions, inputs.layout, inputs.scale)
+    assert (attention_coverage(mass, selected, inputs.layout) >= 0.8 - 1e-5).all()
+
+
+def test_sink_block_follows_the_permuted_position_zero():
+    q, k, _ = random_qkv(batch=1, heads_q=2, heads_kv=2, seq_len=256)
+    plan = pbs.plan(q, k, small_config(permuter="random", selector={"name": "mean_pool", "threshold": 0.01}))
+    sink_slot = plan.key_permutation.inverse[..., 0]  # (B, Hk)
+    dense = plan.mask.to_dense()
+    for h in range(2):
+        assert dense[0, h, :, int(sink_slot[0, h]) // 32].all()
+    no_sink = pbs.plan(q, k, small_config(permuter="random", selector={"name": "mean_pool", "threshold": 0.01}, force_sink_block=False))
+    assert no_sink.mask.num_selected().sum() <= plan.mask.num_selected().sum()
+
+
+def test_threshold_outside_range_is_rejected():
+    for bad in [0.0, -0.1, 1.5]:
+        with pytest.raises(ValueError, match="threshold"):
+            pbs.PBSConfig(selector={"name": "mean_pool", "threshold": bad})

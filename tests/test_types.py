@@ -1,0 +1,112 @@
+"""BlockMask, Layout and Permutation values."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pbs.layout import Layout
+from pbs.types import BlockMask, Permutation
+
+
+def _layout(nq=300, nk=300, block=32, segment=64, causal=True, b=2, h=3):
+    return Layout(batch=b, heads_q=h, heads_kv=1, seq_len_q=nq, seq_len_k=nk, block_size=block, segment_size=segment, causal=causal)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), p=st.floats(0.0, 1.0))
+def test_block_mask_dense_round_trip(seed, p):
+    layout = _layout()
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.rand(2, 3, layout.num_query_blocks, layout.num_key_blocks, generator=gen) < p
+    mask = BlockMask.from_dense(dense, layout)
+    assert torch.equal(mask.to_dense(), dense)
+    assert torch.equal(mask.counts, dense.sum(-1).int())
+    for b, h, i in itertools.product(range(2), range(3), range(layout.num_query_blocks)):
+        n = int(mask.counts[b, h, i])
+        assert mask.indices[b, h, i, :n].tolist() == dense[b, h, i].nonzero().flatten().tolist()
+        assert (mask.indices[b, h, i, n:] == -1).all()
+
+
+def test_block_mask_rejects_wrong_input():
+    layout = _layout()
+    with pytest.raises(TypeError, match="bool"):
+        BlockMask.from_dense(torch.zeros(2, 3, 10, 10), layout)
+    with pytest.raises(ValueError, match=r"\(B, Hq, Tq, Tk\) = \(2, 3, 10, 10\)"):
+        BlockMask.from_dense(torch.zeros(2, 3, 10, 9, dtype=torch.bool), layout)
+
+
+def test_density_is_counted_against_allowed_blocks():
+    layout = _layout()
+    allowed = layout.allowed_blocks().expand(2, 3, -1, -1)
+    assert BlockMask.from_dense(allowed.clone(), layout).density() == pytest.approx(1.0)
+    half = allowed & (torch.arange(layout.num_key_blocks) % 2 == 0)
+    expected = half.sum().item() / allowed.sum().item()
+    assert BlockMask.from_dense(half, layout).density() == pytest.approx(expected)
+
+
+def _brute_force_block_sets(layout: Layout):
+    """Allowed / diagonal blocks from explicit token positions and every slot's possible range."""
+    s, bs = layout.segment_size, layout.block_size
+    full = layout.permutable_key_len
+    lo_q, hi_q = layout.permutable_query_range
+
+    def key_range(slot):
+        return (slot // s * s, slot // s * s + s - 1) if slot < full else (slot, slot)
+
+    def query_range(slot):
+        pos = slot + layout.query_offset
+        return (pos // s * s, pos // s * s + s - 1) if lo_q <= slot < hi_q else (pos, pos)
+
+    tq, tk = layout.num_query_blocks, layout.num_key_blocks
+    allowed = torch.zeros(tq, tk, dtype=torch.bool)
+    diagonal = torch.zeros(tq, tk, dtype=torch.bool)
+    for i in range(tq):
+        qs = [query_range(t) for t in range(i * bs, min((i + 1) * bs, layout.seq_len_q))]
+        for j in range(tk):
+            ks = [key_range(t) for t in range(j * bs, min((j + 1) * bs, layout.seq_len_k))]
+            # Some permutation could put a key no later than some query in the pair of blocks.
+            allowed[i, j] = (not layout.causal) or min(k[0] for k in ks) <= max(q[1] for q in qs)
+            # Some permutation could put a key after some query: a per-token check is needed.
+            diagonal[i, j] = max(k[1] for k in ks) >= min(q[0] for q in qs) and min(k[0] for k in ks) <= max(q[1] for q in qs)
+    return allowed, diagonal
+
+
+@pytest.mark.parametrize(
+    "nq, nk, block, segment, causal",
+    [(300, 300, 32, 64, True), (100, 300, 32, 64, True), (37, 250, 16, 64, True), (128, 128, 32, 128, True), (200, 300, 32, 64, False), (5, 40, 16, 32, True)],
+)
+def test_layout_block_sets_match_brute_force(nq, nk, block, segment, causal):
+    layout = _layout(nq=nq, nk=nk, block=block, segment=segment, causal=causal)
+    allowed, diagonal = _brute_force_block_sets(layout)
+    assert torch.equal(layout.allowed_blocks(), allowed)
+    assert torch.equal(layout.diagonal_blocks(), diagonal)
+    assert layout.total_allowed_blocks == int(allowed.sum())
+
+
+def test_on_diagonal_segment_is_allowed_whole():
+    # Prefill, block 128, segment 256: query block 0 may see key block 1 of its own segment.
+    layout = _layout(nq=1024, nk=1024, block=128, segment=256)
+    allowed = layout.allowed_blocks()
+    assert allowed[0, 1] and not allowed[0, 2] and allowed[2, 3] and not allowed[2, 4]
+    assert layout.total_allowed_blocks == 8 * 9 // 2 + 4
+
+
+def test_identity_permutation_is_free():
+    perm = Permutation.identity(1, 2, 10)
+    x = torch.randn(1, 2, 10, 4)
+    assert perm.apply(x) is x and perm.unapply(x) is x
+
+
+def test_per_head_apply_expands_kv_heads():
+    idx = torch.stack([torch.randperm(6) for _ in range(4)]).view(1, 4, 6)
+    perm = Permutation.from_indices(idx)
+    k = torch.randn(1, 2, 6, 3)
+    out = perm.apply(k)
+    assert out.shape == (1, 4, 6, 3)
+    for h in range(4):
+        assert torch.equal(out[0, h], k[0, h // 2, idx[0, h]])
