@@ -95,7 +95,8 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float
     permute = permuter_registry.implementation(config.permuter, backend)
     perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
     b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
-    key_heads = perm_inputs.key_heads
+    # Unpermuted keys need no per-head copy, whatever the GQA mode.
+    key_heads = perm_inputs.key_heads if perms.keys is not None else layout.heads_kv
     key_perm = perms.keys or Permutation.identity(b, key_heads, layout.seq_len_k, q.device)
     query_perm = perms.queries or Permutation.identity(b, hq, nq, q.device)
     _check_permutation(key_perm, (b, key_heads, layout.seq_len_k), "key")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -166,7 +166,6 @@ class Plan:
     query_permutation: Permutation
     mask: BlockMask
     config: "PBSConfig"
-    timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def layout(self) -> Layout:

@@ -54,6 +54,8 @@ def test_shared_mode_never_replicates_keys():
     plan_per_head = pbs.plan(q, k, small_config(gqa="per_head"))
     assert plan_shared.key_permutation.apply(k).shape[1] == 2
     assert plan_per_head.key_permutation.apply(k).shape[1] == 8
+    identity = pbs.plan(q, k, small_config(gqa="per_head", permuter="key_aware_query"))
+    assert identity.key_permutation.apply(k) is k  # keys not permuted: no copy even per head
 
 
 def test_plan_then_run_equals_attention():
