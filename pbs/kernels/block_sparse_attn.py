@@ -154,7 +154,7 @@ def _block_sparse_attn_fwd(
                 o_chunk = c + o_tail
                 b_chunk = tl.load(p_list + o_chunk, mask=o_chunk < count, other=-1)
                 n_masked += tl.sum((b_chunk >= first_masked).to(tl.int32), 0)
-    n_unmasked = count - n_masked * 0
+    n_unmasked = count - n_masked
 
     b_q = q_desc.load([i_b, i_hq, row0, 0]).reshape(BLOCK_M, HEAD_DIM)
     if CAUSAL:

@@ -16,7 +16,7 @@ def scoring_queries(inputs: PermutationInputs) -> torch.Tensor:
     """Queries that decide the key order: ``(B, Hk, Nq, D)``.
 
     Per-head mode keeps every query head; shared mode averages the queries of each GQA group
-    (Appendix F), so one key order serves the whole group.
+    (the paper's "GQA Handling" appendix), so one key order serves the whole group.
     """
     q, layout = inputs.q, inputs.layout
     if inputs.gqa == "per_head":

@@ -1,4 +1,4 @@
-"""``mean_pool``: MeanPooling block selection (Appendix B, Algorithm 2).
+"""``mean_pool``: MeanPooling block selection (the paper's "Block Selection" appendix, Algorithm 2).
 
 Queries and keys are mean-pooled per block; a softmax over the pooled scores (restricted to the
 allowed blocks) estimates each key block's share of a query block's attention, and the fewest

@@ -1,0 +1,150 @@
+"""Which attention one model call gets: PBS or the dense fallback, and why.
+
+This module knows nothing about transformers: it holds the per-model configuration
+(:class:`PBSIntegrationConfig`) and the pure decision rule (:func:`choose_attention`), so both can
+be imported, validated and tested without transformers installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pbs.config import PBSConfig
+
+# Why a call fell back to dense attention. The keys are stable (tests and logs use them); the
+# explanations are written once per key to the log.
+FALLBACK_REASONS: dict[str, str] = {
+    "decode": "a single query token (decode): attention over the cache is memory-bound and cheap",
+    "not_causal": "non-causal attention (PBS is for causal decoders)",
+    "compiling": "torch.compile is tracing (PBS planning is data-dependent and not traceable)",
+    "paged_cache": "a paged (continuous-batching) cache",
+    "dropout": "attention dropout > 0 (training mode)",
+    "softcap": "attention logit softcapping (runs eager attention with the softcap)",
+    "sliding_window": "a sliding-window layer whose window is shorter than the sequence",
+    "attention_mask": (
+        "the model passed an attention mask: padding tokens in the batch, a static cache, or a custom "
+        "mask pattern (PBS runs unpadded causal attention only)"
+    ),
+    "skipped_layer": "the layer is configured dense (skip_first_layers, or a layer_overrides entry of None)",
+    "short_sequence": "the sequence is shorter than min_seq_len",
+    "short_chunk": "the query chunk after a cached prefix is shorter than min_query_len",
+}
+
+
+class PBSIntegrationConfig(BaseModel):
+    """How a whole model uses PBS: one :class:`~pbs.PBSConfig` plus when to stay dense.
+
+    Attributes:
+        pbs: the PBS config of every layer without an override.
+        skip_first_layers: the first layers run dense attention (early layers attend broadly, so
+            sparsity costs them more accuracy than it saves time).
+        min_seq_len: calls whose key length (prompt plus cached prefix) is below this run dense;
+            short sequences are faster dense than planned.
+        min_query_len: chunks of fewer queries after a cached prefix run dense (e.g. speculative
+            decoding drafts); planning a whole cache for a handful of queries does not pay.
+        layer_overrides: ``{layer_idx: PBSConfig or None}``; ``None`` makes that layer dense. An
+            override wins over ``skip_first_layers``.
+
+    Example:
+        >>> from pbs.integrations.dispatch import PBSIntegrationConfig
+        >>> cfg = PBSIntegrationConfig(skip_first_layers=2, layer_overrides={5: None})
+        >>> [cfg.config_for_layer(i) is None for i in (0, 1, 2, 5)]
+        [True, True, False, True]
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pbs: PBSConfig = Field(default_factory=PBSConfig)
+    skip_first_layers: int = Field(0, ge=0)
+    min_seq_len: int = Field(1024, ge=1)
+    min_query_len: int = Field(16, ge=2)
+    layer_overrides: dict[int, PBSConfig | None] = Field(default_factory=dict)
+
+    @field_validator("pbs", mode="before")
+    @classmethod
+    def _coerce_pbs(cls, value: Any) -> PBSConfig:
+        return PBSConfig.coerce(value)
+
+    @field_validator("layer_overrides")
+    @classmethod
+    def _non_negative_layers(cls, value: dict[int, PBSConfig | None]) -> dict[int, PBSConfig | None]:
+        negative = sorted(i for i in value if i < 0)
+        if negative:
+            raise ValueError(f"layer_overrides keys must be layer indices >= 0, got {negative}")
+        return value
+
+    @model_validator(mode="after")
+    def _causal_only(self) -> "PBSIntegrationConfig":
+        configs = {"pbs": self.pbs, **{f"layer_overrides[{i}]": c for i, c in self.layer_overrides.items()}}
+        for where, config in configs.items():
+            if config is not None and not config.causal:
+                raise ValueError(f"{where}.causal must be True: the transformers integration serves causal decoders")
+        return self
+
+    def config_for_layer(self, layer_idx: int | None) -> PBSConfig | None:
+        """The PBS config of layer ``layer_idx`` (``None`` for an unknown layer), or ``None`` if dense."""
+        if layer_idx is None:
+            return self.pbs
+        if layer_idx in self.layer_overrides:
+            return self.layer_overrides[layer_idx]
+        if layer_idx < self.skip_first_layers:
+            return None
+        return self.pbs
+
+
+def choose_attention(
+    config: PBSIntegrationConfig,
+    *,
+    layer_idx: int | None,
+    q_len: int,
+    kv_len: int,
+    has_mask: bool,
+    is_causal: bool = True,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    paged_cache: bool = False,
+    compiling: bool = False,
+) -> tuple[PBSConfig | None, str | None]:
+    """Decides whether one attention call runs PBS.
+
+    Args:
+        config: the model's integration config.
+        layer_idx: the calling layer (``module.layer_idx``), or ``None`` if unknown.
+        q_len: queries ``Nq`` of this call; they are the last ``Nq`` of the ``kv_len`` positions.
+        kv_len: keys ``Nk`` (cached prefix plus this call's tokens).
+        has_mask: the model passed an explicit attention mask. The ``pbs`` mask function returns
+            ``None`` exactly for unpadded causal calls, so a mask means padding or a pattern.
+        is_causal, dropout, softcap, sliding_window, paged_cache, compiling: what the model asks of
+            this call.
+
+    Returns:
+        ``(pbs_config, None)`` to run PBS, or ``(None, reason)`` with a key of
+        :data:`FALLBACK_REASONS` to run dense attention.
+    """
+    if q_len == 1:
+        return None, "decode"
+    if not is_causal:
+        return None, "not_causal"
+    if compiling:
+        return None, "compiling"
+    if paged_cache:
+        return None, "paged_cache"
+    if dropout > 0.0:
+        return None, "dropout"
+    if softcap is not None:
+        return None, "softcap"
+    if sliding_window is not None and kv_len > sliding_window:
+        return None, "sliding_window"
+    if has_mask:
+        return None, "attention_mask"
+    pbs_config = config.config_for_layer(layer_idx)
+    if pbs_config is None:
+        return None, "skipped_layer"
+    if kv_len < config.min_seq_len:
+        return None, "short_sequence"
+    if q_len < kv_len and q_len < config.min_query_len:
+        return None, "short_chunk"
+    return pbs_config, None

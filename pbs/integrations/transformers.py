@@ -1,0 +1,405 @@
+"""PBS-Attn as a Hugging Face transformers attention implementation: ``attn_implementation="pbs"``.
+
+>>> import pbs.integrations.transformers as pbs_hf                      # doctest: +SKIP
+>>> pbs_hf.register({"selector": {"name": "mean_pool", "threshold": 0.9}}, skip_first_layers=2)
+>>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
+>>> model.set_attn_implementation("pbs")                                # or switch a loaded model
+
+:func:`register` adds two things to transformers, under the name ``"pbs"``:
+
+* an **attention function** (``AttentionInterface``) that runs :func:`pbs.attention` on prefill
+  and on chunks after a cached prefix, and falls back to transformers' SDPA function (with
+  ``enable_gqa`` or repeated K/V, as for ``attn_implementation="sdpa"``) everywhere else;
+* a **mask function** (``AttentionMaskInterface``). Without one, transformers builds no mask at all
+  for an unknown implementation, so padding would be silently ignored. Ours returns ``None`` exactly
+  when the call is plain causal attention over unpadded keys with the queries at the end (the case
+  PBS runs), and otherwise the boolean mask SDPA would get, fully materialised.
+
+Why a call fell back is logged once per reason (logger ``pbs.integrations.transformers``), and
+:func:`trace_dispatch` records every decision. transformers is imported only when :func:`register`
+(or a fallback) needs it, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from pbs.api import attention as pbs_attention
+from pbs.config import PBSConfig
+from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig, choose_attention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "Dispatch",
+    "PBSIntegrationConfig",
+    "pbs_attention_forward",
+    "pbs_mask",
+    "register",
+    "registered_config",
+    "trace_dispatch",
+]
+
+ATTENTION_NAME = "pbs"
+MIN_TRANSFORMERS = "4.53"
+
+logger = logging.getLogger(__name__)
+
+_registered: PBSIntegrationConfig | None = None
+_logged_reasons: set[str] = set()
+_active_traces: list[list["Dispatch"]] = []
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One attention call as :func:`trace_dispatch` records it.
+
+    Attributes:
+        layer_idx: ``module.layer_idx`` of the calling layer (``None`` if it has none).
+        q_len: queries ``Nq`` of the call.
+        kv_len: keys ``Nk`` of the call (``Nq < Nk`` after a cached prefix).
+        path: ``"pbs"`` or ``"sdpa"`` (the dense fallback; eager when softcapping).
+        reason: for ``"sdpa"``, a key of :data:`~pbs.integrations.dispatch.FALLBACK_REASONS`.
+        density: for ``"pbs"``, the share of causally allowed blocks that were computed.
+    """
+
+    layer_idx: int | None
+    q_len: int
+    kv_len: int
+    path: Literal["pbs", "sdpa"]
+    reason: str | None = None
+    density: float | None = None
+
+
+@contextmanager
+def trace_dispatch() -> Iterator[list[Dispatch]]:
+    """Records every call of the ``pbs`` attention function made inside the ``with`` block.
+
+    Yields:
+        A list that fills with one :class:`Dispatch` per layer call, in call order. PBS calls also
+        measure their density, which costs a host sync per layer: trace to inspect, not to time.
+    """
+    records: list[Dispatch] = []
+    _active_traces.append(records)
+    try:
+        yield records
+    finally:
+        _active_traces.remove(records)
+
+
+def _coerce_config(config: Any, fields: dict[str, Any]) -> PBSIntegrationConfig:
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config is a string but not valid JSON: {exc}") from exc
+    if config is None:
+        base = PBSIntegrationConfig()
+    elif isinstance(config, PBSIntegrationConfig):
+        base = config
+    elif isinstance(config, PBSConfig):
+        base = PBSIntegrationConfig(pbs=config)
+    elif isinstance(config, dict):
+        integration_keys = set(PBSIntegrationConfig.model_fields)
+        if set(config) <= integration_keys:
+            base = PBSIntegrationConfig.model_validate(config)
+        elif set(config) & integration_keys:
+            raise ValueError(
+                f"config mixes PBSIntegrationConfig fields {sorted(set(config) & integration_keys)} with "
+                f"PBSConfig fields {sorted(set(config) - integration_keys)}; nest the PBSConfig under 'pbs' "
+                "or pass the integration fields as keyword arguments of register()"
+            )
+        else:
+            base = PBSIntegrationConfig(pbs=PBSConfig.coerce(config))
+    else:
+        raise TypeError(
+            "config must be a PBSIntegrationConfig, a PBSConfig, a dict or JSON string of either, or None; "
+            f"got {type(config).__name__}"
+        )
+    if fields:
+        unknown = sorted(set(fields) - set(PBSIntegrationConfig.model_fields))
+        if unknown:
+            raise TypeError(
+                f"register() got unknown keyword arguments {unknown}; "
+                f"accepted: {sorted(PBSIntegrationConfig.model_fields)}"
+            )
+        base = PBSIntegrationConfig.model_validate({**dict(base), **fields})
+    return base
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"pbs.integrations.transformers needs transformers>={MIN_TRANSFORMERS}: "
+            "python3 -m pip install 'pbs-attn[hf]'"
+        ) from exc
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"pbs.integrations.transformers needs transformers>={MIN_TRANSFORMERS}, found {transformers.__version__}"
+        )
+    return transformers
+
+
+def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
+    """Registers ``attn_implementation="pbs"`` (attention and mask function) with transformers.
+
+    Registering again replaces the config (the latest wins) and re-arms the once-per-reason
+    fallback log; models already loaded with ``"pbs"`` use the new config from their next call.
+
+    Args:
+        config: a :class:`PBSIntegrationConfig`, a :class:`~pbs.PBSConfig` (used for every layer), a
+            dict or JSON string of either, or ``None`` for the defaults.
+        **fields: :class:`PBSIntegrationConfig` fields that override ``config``'s, e.g.
+            ``skip_first_layers=2, min_seq_len=4096``.
+
+    Returns:
+        The integration config now in effect.
+
+    Raises:
+        ImportError: transformers is missing or older than 4.53.
+        TypeError / pydantic.ValidationError: an invalid config or keyword.
+    """
+    global _registered
+    integration = _coerce_config(config, fields)
+    transformers = _import_transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    transformers.AttentionInterface.register(ATTENTION_NAME, pbs_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, pbs_mask)
+    _registered = integration
+    _logged_reasons.clear()
+    return integration
+
+
+def registered_config() -> PBSIntegrationConfig | None:
+    """The config of the last :func:`register` call, or ``None`` before the first."""
+    return _registered
+
+
+# --------------------------------------------------------------------------------------------
+# The attention function
+
+
+def pbs_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: PBS where it applies, SDPA otherwise.
+
+    Args:
+        module: the attention layer (its ``layer_idx`` selects per-layer config).
+        query: ``(B, Hq, Nq, D)``, the last ``Nq`` positions.
+        key, value: ``(B, Hkv, Nk, D)``, not repeated for GQA.
+        attention_mask: from :func:`pbs_mask`: ``None`` for unpadded causal attention, else a
+            ``(B, 1, Nq, Nk)`` mask (bool, or float additive).
+        scaling: softmax scale (``None``: ``D ** -0.5``).
+        dropout: attention dropout probability.
+        **kwargs: what the model passes besides (``sliding_window``, ``softcap``, ``is_causal``,
+            position ids, the cache, ...).
+
+    Returns:
+        ``(attn_output (B, Nq, Hq, Dv), None)``; no attention weights are materialised.
+    """
+    config = _registered if _registered is not None else PBSIntegrationConfig()
+    layer_idx = getattr(module, "layer_idx", None)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    pbs_config, reason = choose_attention(
+        config,
+        layer_idx=layer_idx,
+        q_len=q_len,
+        kv_len=kv_len,
+        has_mask=attention_mask is not None,
+        is_causal=bool(is_causal),
+        dropout=float(dropout or 0.0),
+        softcap=kwargs.get("softcap"),
+        sliding_window=kwargs.get("sliding_window"),
+        paged_cache=kwargs.get("cache") is not None,
+        compiling=torch.compiler.is_compiling(),
+    )
+    if pbs_config is None:
+        assert reason is not None
+        _log_fallback_once(reason, layer_idx, q_len, kv_len, config)
+        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason))
+        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    if _active_traces:
+        out, plan = pbs_attention(query, key, value, pbs_config, scale=scaling, return_plan=True)
+        _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
+    else:
+        out = pbs_attention(query, key, value, pbs_config, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _record(dispatch: Dispatch) -> None:
+    for records in _active_traces:
+        records.append(dispatch)
+
+
+def _log_fallback_once(
+    reason: str, layer_idx: int | None, q_len: int, kv_len: int, config: PBSIntegrationConfig
+) -> None:
+    if reason in _logged_reasons or torch.compiler.is_compiling():
+        return
+    _logged_reasons.add(reason)
+    detail = {
+        "short_sequence": f" ({kv_len} < min_seq_len={config.min_seq_len})",
+        "short_chunk": f" ({q_len} < min_query_len={config.min_query_len})",
+        "skipped_layer": f" (layer {layer_idx})",
+    }.get(reason, "")
+    # Decode, short inputs and skipped layers are the design; the others are gaps a user may not expect.
+    expected = reason in ("decode", "short_sequence", "short_chunk", "skipped_layer")
+    logger.log(
+        logging.INFO if expected else logging.WARNING,
+        "pbs: dense attention instead of PBS for %s%s [first seen: layer %s, q_len %d, kv_len %d; logged once per reason]",
+        FALLBACK_REASONS[reason],
+        detail,
+        layer_idx,
+        q_len,
+        kv_len,
+    )
+
+
+def _bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``(1, 1, Nq, Nk)`` bool: query ``i`` sits at position ``Nk - Nq + i`` and sees keys up to it."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+
+
+def _dense_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """The fallback: transformers' own SDPA function, so results match ``attn_implementation="sdpa"``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    is_causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    # pbs_mask returns None also for a causal chunk after a cached prefix, where SDPA's mask would be
+    # materialised: SDPA's is_causal is top-left aligned, so such a call needs its mask spelled out.
+    if attention_mask is None and is_causal and 1 < q_len < kv_len:
+        attention_mask = _bottom_right_causal_mask(q_len, kv_len, query.device)
+    if kwargs.get("softcap") is not None:
+        return _softcapped_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs["softcap"])
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _softcapped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    softcap: float,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention with ``softcap * tanh(scores / softcap)``, which SDPA cannot express."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------
+# The mask function
+
+
+def pbs_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers mask function for ``"pbs"``: ``None`` for the calls PBS runs, else SDPA's mask.
+
+    Called by ``transformers.masking_utils.create_causal_mask`` (and its sliding-window and
+    bidirectional siblings) with keyword arguments: ``batch_size``, ``q_length`` / ``q_offset``
+    (``cache_position`` before transformers 5), ``kv_length``, ``kv_offset``, ``mask_function``,
+    ``attention_mask`` (the 2D padding mask), ``local_size``, ``allow_is_causal_skip``, ...
+
+    Returns:
+        ``None`` when the pattern is plain causal, no key is padding and the queries are the last
+        ``q_length`` of the keys (prefill, or a chunk after a cached prefix); otherwise the mask of
+        transformers' ``sdpa_mask`` (``(B, 1, Nq, Nk)`` bool, or ``None`` only where SDPA's own
+        reading of ``None`` is also bottom-right causal: one query, or ``Nq == Nk``).
+    """
+    from transformers import masking_utils
+
+    sizes = None if args else _mask_sizes(kwargs)
+    aligned = sizes is not None and sizes[0] + sizes[1] == sizes[2] + sizes[3]  # queries end where keys end
+    allow_skip = bool(kwargs.get("allow_is_causal_skip", True))
+    plain_causal = kwargs.get("mask_function", masking_utils.causal_mask_function) is masking_utils.causal_mask_function
+    if (
+        aligned
+        and allow_skip
+        and plain_causal
+        and kwargs.get("local_size") is None
+        and _no_padding(kwargs.get("attention_mask"), kv_length=sizes[2], kv_offset=sizes[3])
+    ):
+        return None
+    # SDPA may also return None for a static cache's first prefill (queries at the *start* of the
+    # keys); we keep None meaning "queries at the end", so only aligned calls may skip.
+    kwargs["allow_is_causal_skip"] = allow_skip and aligned
+    kwargs["allow_is_bidirectional_skip"] = False
+    return masking_utils.sdpa_mask(*args, **kwargs)
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or value.numel() != 1:
+            return None
+        return int(value.item())
+    return None if value is None else int(value)
+
+
+def _mask_sizes(kwargs: dict[str, Any]) -> tuple[int, int, int, int] | None:
+    """``(q_length, q_offset, kv_length, kv_offset)``, or ``None`` if they cannot be read cheaply."""
+    if "q_length" in kwargs:
+        q_length, q_offset = _as_int(kwargs["q_length"]), _as_int(kwargs.get("q_offset", 0))
+    elif kwargs.get("cache_position") is not None:  # transformers 4.x
+        positions = kwargs["cache_position"]
+        q_length, q_offset = positions.shape[0], _as_int(positions[0]) if positions.numel() else None
+    else:
+        return None
+    kv_length, kv_offset = _as_int(kwargs.get("kv_length")), _as_int(kwargs.get("kv_offset", 0))
+    sizes = (q_length, q_offset, kv_length, kv_offset)
+    return None if any(s is None for s in sizes) else sizes  # type: ignore[return-value]
+
+
+def _no_padding(padding_mask: torch.Tensor | None, *, kv_length: int, kv_offset: int) -> bool:
+    """Whether the 2D padding mask keeps every one of the ``kv_length`` keys from ``kv_offset`` on."""
+    if padding_mask is None:
+        return True
+    if padding_mask.dim() != 2 or padding_mask.shape[-1] < kv_offset + kv_length:
+        return False  # transformers pads a short mask with False, i.e. padding
+    return bool(padding_mask[:, kv_offset : kv_offset + kv_length].bool().all())
