@@ -72,6 +72,9 @@ def check_kernel(
     rounded = [x.to(dtype).float() for x in (qp, kp, vp)]
     torch_at_dtype = block_sparse_attention_reference(*rounded, mask, qpos, kpos, causal=causal).to(dtype)
 
+    if config is None and q.is_cuda:
+        # One config per test keeps GPU compile time down; test_gpu_every_candidate covers the rest.
+        config = candidate_configs(dtype, max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length()), False)[0]
     out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=dtype, device=q.device)
     block_sparse_attention(
         qp.to(dtype),
@@ -245,6 +248,16 @@ def test_gpu_batch_and_blocks(block, causal):
     plan = make_plan(q, k, block=block, segment=256, permuter="last_block", causal=causal, density=0.4)
     check_kernel(plan, q, k, v, torch.bfloat16)
     check_kernel(plan, q, k, v, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_every_candidate(head_dim):
+    q, k, v = _gpu_inputs(1, 8, 2, 4096 + 64, head_dim)
+    plan = make_plan(q, k, block=128, segment=256, density=0.4)
+    for config in candidate_configs(torch.bfloat16, head_dim, interpret=False):
+        check_kernel(plan, q, k, v, torch.bfloat16, config=config)
+    check_kernel(plan, q, k, v, torch.bfloat16, config=KernelConfig(128, 64, 8, 2, gqa_order=False))
 
 
 @pytest.mark.gpu

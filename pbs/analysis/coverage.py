@@ -214,8 +214,8 @@ def coverage_density_curves(
             coverages.append(torch.stack([entry.coverage(s) for s in per_target], -1).flatten(0, 1))
             b, h = entry.mass.shape[:2]
             heads.extend(HeadId(layer_id, bi, hi) for bi in range(b) for hi in range(h))
-        density = torch.cat(densities)
-        coverage = torch.cat(coverages)
+        density = torch.cat(densities).cpu()
+        coverage = torch.cat(coverages).cpu()
         curves.append(
             CoverageCurve(
                 permuter=permuter_label(permuter),

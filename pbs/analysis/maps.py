@@ -32,7 +32,8 @@ class AttentionMapPanel:
 
     Attributes:
         permuter: label of the permuter that set the order.
-        mass: ``(Tq, Tk)`` float32 exact block mass in that order; rows sum to 1.
+        mass: ``(Tq, Tk)`` float32 exact block mass in that order; rows sum to 1 (on the CPU, as
+            are the masks: panels are for drawing).
         allowed: ``(Tq, Tk)`` bool, blocks not wholly in the future.
         selected: ``(Tq, Tk)`` bool, blocks the selector keeps (forced blocks included).
         coverage: share of the head's attention inside ``selected``.
@@ -170,9 +171,9 @@ def attention_maps(
         panels.append(
             AttentionMapPanel(
                 permuter=permuter_label(permuter),
-                mass=mass[0, 0],
-                allowed=layout.allowed_blocks(mass.device),
-                selected=selected,
+                mass=mass[0, 0].cpu(),
+                allowed=layout.allowed_blocks(),
+                selected=selected.cpu(),
                 coverage=coverage,
                 density=float(plan.mask.density_per_head()[batch, head]),
             )

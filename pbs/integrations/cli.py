@@ -9,6 +9,7 @@ position's logits are computed, as generation does, so long prompts do not mater
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -94,13 +95,6 @@ def measure_ttft(model: torch.nn.Module, input_ids: torch.Tensor, *, warmup: int
     return statistics.median(times)
 
 
-def _use_attention(model: torch.nn.Module, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # transformers < 4.55: layers read the shared config at call time
-        model.config._attn_implementation = name
-
-
 def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
     import transformers
     from packaging.version import Version
@@ -109,6 +103,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     load_kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "local_files_only": True}
     load_kwargs["dtype" if version >= Version("4.56") else "torch_dtype"] = dtype
+    if importlib.util.find_spec("accelerate") is not None:  # loads straight to the device, not via CPU RAM
+        load_kwargs["device_map"] = args.device
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs)
     return tokenizer, model.to(args.device).eval(), dtype
@@ -177,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[str, dict[str, Any]] = {}
     for name in ["pbs"] if args.pbs_only else ["sdpa", "pbs"]:
-        _use_attention(model, name)
+        pbs_hf.switch_attention(model, name)
         ttft = measure_ttft(model, input_ids, warmup=args.warmup, repeats=args.repeats)
         with pbs_hf.trace_dispatch() as calls:
             answer = _generate(model, tokenizer, input_ids, args.max_new_tokens)

@@ -20,6 +20,10 @@ FALLBACK_REASONS: dict[str, str] = {
     "not_causal": "non-causal attention (PBS is for causal decoders)",
     "compiling": "torch.compile is tracing (PBS planning is data-dependent and not traceable)",
     "paged_cache": "a paged (continuous-batching) cache",
+    "needs_grad": (
+        "gradients are required, and the PBS kernels are forward-only (run inference under "
+        "torch.no_grad() or torch.inference_mode(), as generate() does)"
+    ),
     "dropout": "attention dropout > 0 (training mode)",
     "softcap": "attention logit softcapping (runs eager attention with the softcap)",
     "sliding_window": "a sliding-window layer whose window is shorter than the sequence",
@@ -107,6 +111,7 @@ def choose_attention(
     sliding_window: int | None = None,
     paged_cache: bool = False,
     compiling: bool = False,
+    needs_grad: bool = False,
 ) -> tuple[PBSConfig | None, str | None]:
     """Decides whether one attention call runs PBS.
 
@@ -117,8 +122,8 @@ def choose_attention(
         kv_len: keys ``Nk`` (cached prefix plus this call's tokens).
         has_mask: the model passed an explicit attention mask. The ``pbs`` mask function returns
             ``None`` exactly for unpadded causal calls, so a mask means padding or a pattern.
-        is_causal, dropout, softcap, sliding_window, paged_cache, compiling: what the model asks of
-            this call.
+        is_causal, dropout, softcap, sliding_window, paged_cache, compiling, needs_grad: what the
+            model asks of this call.
 
     Returns:
         ``(pbs_config, None)`` to run PBS, or ``(None, reason)`` with a key of
@@ -132,6 +137,8 @@ def choose_attention(
         return None, "compiling"
     if paged_cache:
         return None, "paged_cache"
+    if needs_grad:
+        return None, "needs_grad"
     if dropout > 0.0:
         return None, "dropout"
     if softcap is not None:

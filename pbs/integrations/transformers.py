@@ -1,9 +1,10 @@
 """PBS-Attn as a Hugging Face transformers attention implementation: ``attn_implementation="pbs"``.
 
->>> import pbs.integrations.transformers as pbs_hf                      # doctest: +SKIP
->>> pbs_hf.register({"selector": {"name": "mean_pool", "threshold": 0.9}}, skip_first_layers=2)
->>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
->>> model.set_attn_implementation("pbs")                                # or switch a loaded model
+    import pbs.integrations.transformers as pbs_hf
+
+    pbs_hf.register({"selector": {"name": "mean_pool", "threshold": 0.9}}, skip_first_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
+    model.set_attn_implementation("pbs")            # or switch a model that is already loaded
 
 :func:`register` adds two things to transformers, under the name ``"pbs"``:
 
@@ -43,6 +44,7 @@ __all__ = [
     "pbs_mask",
     "register",
     "registered_config",
+    "switch_attention",
     "trace_dispatch",
 ]
 
@@ -181,6 +183,18 @@ def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
     return integration
 
 
+def switch_attention(model: torch.nn.Module, name: str = ATTENTION_NAME) -> None:
+    """Switches a loaded model to attention implementation ``name`` (``"pbs"``, ``"sdpa"``, ...).
+
+    ``model.set_attn_implementation(name)`` where transformers has it (4.55 and later); before
+    that, the layers read the shared config at call time, so setting it there is enough.
+    """
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
 def registered_config() -> PBSIntegrationConfig | None:
     """The config of the last :func:`register` call, or ``None`` before the first."""
     return _registered
@@ -234,6 +248,7 @@ def pbs_attention_forward(
         sliding_window=kwargs.get("sliding_window"),
         paged_cache=kwargs.get("cache") is not None,
         compiling=torch.compiler.is_compiling(),
+        needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
     )
     if pbs_config is None:
         assert reason is not None
@@ -268,7 +283,7 @@ def _log_fallback_once(
     expected = reason in ("decode", "short_sequence", "short_chunk", "skipped_layer")
     logger.log(
         logging.INFO if expected else logging.WARNING,
-        "pbs: dense attention instead of PBS for %s%s [first seen: layer %s, q_len %d, kv_len %d; logged once per reason]",
+        "pbs: dense attention instead of PBS: %s%s (first at layer %s, q_len %d, kv_len %d; logged once per reason)",
         FALLBACK_REASONS[reason],
         detail,
         layer_idx,
@@ -301,6 +316,8 @@ def _dense_attention(
     if attention_mask is None and is_causal and 1 < q_len < kv_len:
         attention_mask = _bottom_right_causal_mask(q_len, kv_len, query.device)
     if kwargs.get("softcap") is not None:
+        if attention_mask is None and is_causal and q_len > 1:  # eager has no is_causal flag
+            attention_mask = _bottom_right_causal_mask(q_len, kv_len, query.device)
         return _softcapped_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs["softcap"])
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

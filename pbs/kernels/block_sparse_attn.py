@@ -40,17 +40,18 @@ _FAR_FUTURE = tl.constexpr(1 << 30)
 
 
 @triton.jit
-def _online_softmax_step(b_s, m_i, l_i, acc, b_v, IEEE_DOT: tl.constexpr):
-    """One flash-attention update with log2-domain scores ``b_s`` (already scaled by log2(e)/sqrt(d))."""
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
-    b_p = tl.math.exp2(b_s - m_new[:, None])
+def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.constexpr):
+    """One flash-attention update from raw scores ``b_s``; ``qk_scale`` = softmax scale * log2(e).
+
+    The row max is taken before scaling and the scaling is folded into the exponent's FMA, which
+    saves a multiply per score.
+    """
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+    b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None]
-    if IEEE_DOT:
-        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc)
+    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -98,7 +99,8 @@ def _block_sparse_attn_fwd(
     PARTIAL_LAST_KEY_BLOCK: tl.constexpr,
     KEYS_PERMUTED: tl.constexpr,
     QUERIES_PERMUTED: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GQA_ORDER: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -106,12 +108,18 @@ def _block_sparse_attn_fwd(
 
     # Program order (fastest first): query head within its GQA group, query tile (heaviest, i.e.
     # last, first), KV head, batch. Concurrent programs then share one KV head's K/V in L2, and
-    # the short tiles fill the tail of the launch.
+    # the short tiles fill the tail of the launch. (GQA_ORDER=False: tiles of one query head first.)
     i_pid = tl.program_id(0)
-    i_g = i_pid % group
-    i_rest = i_pid // group
-    i_t = tiles_per_head - 1 - i_rest % tiles_per_head
-    i_rest = i_rest // tiles_per_head
+    if GQA_ORDER:
+        i_g = i_pid % group
+        i_rest = i_pid // group
+        i_t = tiles_per_head - 1 - i_rest % tiles_per_head
+        i_rest = i_rest // tiles_per_head
+    else:
+        i_t = tiles_per_head - 1 - i_pid % tiles_per_head
+        i_rest = i_pid // tiles_per_head
+        i_g = i_rest % group
+        i_rest = i_rest // group
     i_hk = i_rest % heads_k
     i_b = i_rest // heads_k
     i_hq = i_hk * group + i_g
@@ -174,12 +182,9 @@ def _block_sparse_attn_fwd(
         j = tl.load(p_list + it // SUB_N)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        if IEEE_DOT:
-            b_s = tl.dot(b_q, b_k.T, input_precision="ieee")
-        else:
-            b_s = tl.dot(b_q, b_k.T)
+        b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
         b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
-        m_i, l_i, acc = _online_softmax_step(b_s * qk_scale, m_i, l_i, acc, b_v, IEEE_DOT)
+        m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
     # On-diagonal blocks (and a partial last key block): per-token check on original positions.
     if NEEDS_SPLIT:
@@ -189,10 +194,7 @@ def _block_sparse_attn_fwd(
             j = tl.load(p_list + it // SUB_N)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-            if IEEE_DOT:
-                b_s = tl.dot(b_q, b_k.T, input_precision="ieee")
-            else:
-                b_s = tl.dot(b_q, b_k.T)
+            b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
             o_slot = start_n + o_n
             if CAUSAL:
                 if KEYS_PERMUTED:
@@ -205,9 +207,9 @@ def _block_sparse_attn_fwd(
                 m_keep = b_kpos[None, :] <= b_qpos[:, None]
             else:
                 m_keep = (o_slot < seq_len_k)[None, :]
-            b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
+            b_s = tl.where(m_keep, b_s, float("-inf"))
             b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
-            m_i, l_i, acc = _online_softmax_step(b_s, m_i, l_i, acc, b_v, IEEE_DOT)
+            m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
     # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -227,38 +229,43 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    gqa_order: bool = True  # run the query heads of one KV head side by side (False: head by head)
 
     def fitted(self, mask_block: int) -> "KernelConfig":
-        return KernelConfig(min(self.block_m, mask_block), min(self.block_n, mask_block), self.num_warps, self.num_stages)
+        return KernelConfig(
+            min(self.block_m, mask_block), min(self.block_n, mask_block), self.num_warps, self.num_stages, self.gqa_order
+        )
 
     def __str__(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        order = "" if self.gqa_order else "-headmajor"
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{order}"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """From ``"128,128,8,2"`` (block_m, block_n, num_warps, num_stages)."""
-        bm, bn, w, s = (int(x) for x in text.split(","))
-        return cls(bm, bn, w, s)
+        """From ``"128,128,8,2"`` (block_m, block_n, num_warps, num_stages[, headmajor])."""
+        fields = text.split(",")
+        bm, bn, w, s = (int(x) for x in fields[:4])
+        return cls(bm, bn, w, s, gqa_order=not (len(fields) > 4 and fields[4] == "headmajor"))
 
 
 def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> list[KernelConfig]:
     """The small set the tuner times (the first one is the default; the interpreter gets only it).
 
-    ``head_dim`` is the padded (power of two) head dim.
+    ``head_dim`` is the padded (power of two) head dim. Every entry compiles for sm_90 without
+    register spills (checked from ptxas' report), except fp32, which is a correctness mode.
     """
     if interpret:
         return [KernelConfig(64, 64, 4, 1)]
     if dtype == torch.float32:
-        # fp32 runs the exact (non-tf32) dot: correctness mode, not a speed target.
-        return [KernelConfig(64, 32, 4, 2), KernelConfig(64, 64, 4, 2)]
+        return [KernelConfig(64, 32, 4, 2)]
     if head_dim <= 64:
-        return [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 4, 3)]
+        return [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 2)]
     if head_dim <= 128:
         return [
             KernelConfig(128, 128, 8, 2),
             KernelConfig(128, 128, 8, 3),
-            KernelConfig(128, 64, 4, 3),
             KernelConfig(128, 64, 8, 3),
+            KernelConfig(128, 64, 8, 2),
         ]
     return [KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2)]
 
@@ -325,105 +332,146 @@ def block_sparse_attention(
             are not permuted.
         scale: softmax scale, default ``D ** -0.5``.
         causal: mask pairs with ``key_position > query_position``.
-        config: tile shape and schedule; default: tuned once per shape class (first candidate in
-            the interpreter, or the one named by ``PBS_TRITON_CONFIG="bm,bn,warps,stages"``).
-        out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype.
+        config: tile shape and schedule; default :func:`select_config`.
+        out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype (16-byte aligned rows).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
-    layout = mask.layout
-    b, hq, nq, d = q.shape
-    hk, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    mask_block = layout.block_size
-    scale = d**-0.5 if scale is None else float(scale)
-    head_dim, head_dim_v = _pow2_at_least(d), _pow2_at_least(dv)
+    call = _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    if config is None:
+        config = _select(call)
+    _launch(call, config.fitted(mask.layout.block_size))
+    return call.out
 
+
+def select_config(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+) -> KernelConfig:
+    """The config :func:`block_sparse_attention` uses for these arguments.
+
+    ``PBS_TRITON_CONFIG="bm,bn,warps,stages"`` forces one; the interpreter and single-candidate
+    cases take the first candidate; otherwise the candidates are timed once per shape class
+    (device, dtype, head dims, mask block, causality, GQA group, ``Nk`` rounded to a power of two)
+    and the fastest is remembered.
+    """
+    return _select(_prepare(q, k, v, mask, query_positions, key_positions, scale, causal, None))
+
+
+@dataclass
+class _Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    mask: BlockMask
+    counts: torch.Tensor
+    indices: torch.Tensor
+    qpos: torch.Tensor
+    kpos: torch.Tensor
+    queries_permuted: bool
+    keys_permuted: bool
+    scale: float
+    causal: bool
+    head_dim: int
+    head_dim_v: int
+
+
+def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:
+    b, hq, nq, d = q.shape
+    dv = v.shape[-1]
     q, k, v = (_descriptor_ready(x) for x in (q, k, v))
     if out is None:
         out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
-    counts = mask.counts if mask.counts.dtype == torch.int32 else mask.counts.to(torch.int32)
-    indices = mask.indices if mask.indices.dtype == torch.int32 else mask.indices.to(torch.int32)
+    elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
+        raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
+    counts = mask.counts.to(torch.int32)
+    indices = mask.indices.to(torch.int32)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
-    keys_permuted = causal and key_positions is not None
     queries_permuted = causal and query_positions is not None
-    qpos = query_positions if queries_permuted else counts  # placeholder pointer when unused
-    kpos = key_positions if keys_permuted else counts
+    keys_permuted = causal and key_positions is not None
+    return _Call(
+        q, k, v, out, mask, counts, indices,
+        qpos=query_positions if queries_permuted else counts,  # any pointer will do when unused
+        kpos=key_positions if keys_permuted else counts,
+        queries_permuted=queries_permuted,
+        keys_permuted=keys_permuted,
+        scale=d**-0.5 if scale is None else float(scale),
+        causal=causal,
+        head_dim=_pow2_at_least(d),
+        head_dim_v=_pow2_at_least(dv),
+    )
 
-    if config is None:
-        config = _pick_config(q, k, v, mask, qpos, kpos, keys_permuted, queries_permuted, scale, causal, out)
-    _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted, scale, causal,
-            config.fitted(mask_block), head_dim, head_dim_v)
-    return out
 
-
-def _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted, scale, causal,
-            config: KernelConfig, head_dim: int, head_dim_v: int) -> None:
-    layout = mask.layout
-    b, hq, nq, _ = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+def _launch(call: _Call, config: KernelConfig) -> None:
+    layout = call.mask.layout
+    b, hq, nq, _ = call.q.shape
+    hk, nk = call.k.shape[1], call.k.shape[2]
     mask_block = layout.block_size
     tiles_per_head = cdiv(nq, config.block_m)
     perm_q_lo, perm_q_hi = layout.permutable_query_range
     segment = layout.segment_size
+    # Masked entries per list: the on-diagonal segment(s); more only with unusual masks.
     tail = _pow2_at_least(min(layout.num_key_blocks, 2 * segment // mask_block + 2), floor=2)
-    q_desc = _descriptor(q, config.block_m, head_dim)
-    k_desc = _descriptor(k, config.block_n, head_dim)
-    v_desc = _descriptor(v, config.block_n, head_dim_v)
-    o_desc = _descriptor(out, config.block_m, head_dim_v)
-    qpos_strides = qpos.stride() if queries_permuted else (0, 0, 0)
-    kpos_strides = kpos.stride() if keys_permuted else (0, 0, 0)
-    grid = (b * hq * tiles_per_head,)
-    _block_sparse_attn_fwd[grid](
-        q_desc, k_desc, v_desc, o_desc,
-        counts, indices, qpos, kpos,
-        *counts.stride(), *indices.stride()[:3], *qpos_strides, *kpos_strides,
+    _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](
+        _descriptor(call.q, config.block_m, call.head_dim),
+        _descriptor(call.k, config.block_n, call.head_dim),
+        _descriptor(call.v, config.block_n, call.head_dim_v),
+        _descriptor(call.out, config.block_m, call.head_dim_v),
+        call.counts, call.indices, call.qpos, call.kpos,
+        *call.counts.stride(), *call.indices.stride()[:3],
+        *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
+        *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
         hk, hq // hk, nq, nk, tiles_per_head,
         nk - nq, layout.permutable_key_len, perm_q_lo, perm_q_hi, segment, layout.num_key_blocks,
-        scale * LOG2_E,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_V=head_dim_v,
+        call.scale * LOG2_E,
+        HEAD_DIM=call.head_dim,
+        HEAD_DIM_V=call.head_dim_v,
         MASK_BLOCK=mask_block,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         TAIL=tail,
-        CAUSAL=causal,
+        CAUSAL=call.causal,
         PARTIAL_LAST_KEY_BLOCK=nk % mask_block != 0,
-        KEYS_PERMUTED=keys_permuted,
-        QUERIES_PERMUTED=queries_permuted,
-        IEEE_DOT=q.dtype == torch.float32,
+        KEYS_PERMUTED=call.keys_permuted,
+        QUERIES_PERMUTED=call.queries_permuted,
+        # fp32 inputs: three tf32 products per dot, close to fp32 accuracy at tensor-core speed.
+        DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
+        GQA_ORDER=config.gqa_order,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
-def _pick_config(q, k, v, mask, qpos, kpos, keys_permuted, queries_permuted, scale, causal, out) -> KernelConfig:
+def _select(call: _Call) -> KernelConfig:
     forced = os.environ.get("PBS_TRITON_CONFIG")
     if forced:
         return KernelConfig.parse(forced)
-    head_dim, head_dim_v = _pow2_at_least(q.shape[-1]), _pow2_at_least(v.shape[-1])
-    candidates = candidate_configs(q.dtype, max(head_dim, head_dim_v), _interpreting())
-    if len(candidates) == 1 or q.device.type != "cuda":
+    candidates = candidate_configs(call.q.dtype, max(call.head_dim, call.head_dim_v), _interpreting())
+    if len(candidates) == 1 or call.q.device.type != "cuda":
         return candidates[0]
-    # One tuning per shape class; lengths are bucketed by powers of two.
-    key = (q.device.index, q.dtype, head_dim, head_dim_v, mask.layout.block_size, causal,
-           q.shape[1] // k.shape[1], max(1, k.shape[2]).bit_length())
+    mask_block = call.mask.layout.block_size
+    key = (call.q.device.index, call.q.dtype, call.head_dim, call.head_dim_v, mask_block, call.causal,
+           call.q.shape[1] // call.k.shape[1], call.k.shape[2].bit_length())
     if key not in _TUNED:
-        counts = mask.counts.to(torch.int32)
-        indices = mask.indices.to(torch.int32)
+        import triton.testing
+
         timings = {}
-        for cand in candidates:
-            fitted = cand.fitted(mask.layout.block_size)
-
-            def run(fitted=fitted):
-                _launch(q, k, v, out, mask, counts, indices, qpos, kpos, keys_permuted, queries_permuted,
-                        scale, causal, fitted, head_dim, head_dim_v)
-
+        for candidate in candidates:
             try:
-                timings[cand] = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
-            except Exception:  # a config that does not fit (e.g. shared memory) is just not chosen
+                timings[candidate] = triton.testing.do_bench(
+                    lambda c=candidate: _launch(call, c.fitted(mask_block)), warmup=5, rep=20, return_mode="median"
+                )
+            except Exception:  # noqa: BLE001 - a config that does not fit this GPU is just not chosen
                 continue
         if not timings:
             raise RuntimeError("no Triton kernel configuration could run this call")

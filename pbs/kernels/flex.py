@@ -163,4 +163,7 @@ def flex_block_sparse_attention(
     if block_mask is None:
         block_mask = to_flex_block_mask(mask, query_positions, key_positions, causal)
     hq, hk = q.shape[1], k.shape[1]
-    return _flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=hq != hk)
+    block = mask.layout.block_size
+    # Flex's tiles must divide the mask's blocks; its defaults are 128 wide.
+    options = {"BLOCK_M": block, "BLOCK_N": block} if block < _FLEX_TILE else None
+    return _flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=hq != hk, kernel_options=options)

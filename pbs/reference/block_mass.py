@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from pbs.layout import Layout
 from pbs.permuters._segments import grouped_logits
 
-_CHUNK_ELEMENTS = 1 << 26
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def block_attention_mass(

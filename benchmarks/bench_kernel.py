@@ -1,0 +1,206 @@
+"""Speed of the block-sparse attention kernel against cuDNN dense attention and FlexAttention.
+
+Protocol (docs/benchmarks.md): B=1, Hq=32, Hkv=8, D=128, bf16, causal, segment 256, block 128;
+masks from the ``budget`` selector on ``last_block``-permuted keys (shared GQA). Every time is the
+median of CUDA-event timings after warm-up, with the L2 cache flushed before each run
+(:func:`pbs.testing.benchmark_cuda`). Our kernel is timed on already-permuted tensors (attention
+only); ``ideal`` is the plan's actual density times cuDNN's dense causal time.
+
+    python benchmarks/bench_kernel.py --json benchmarks/results/h200.json
+    python benchmarks/bench_kernel.py --n 32768 --densities 0.3 --variants 128,128,8,2 128,64,8,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import pbs
+from pbs.config import PBSConfig
+from pbs.kernels.block_sparse_attn import _TUNED, KernelConfig, block_sparse_attention, select_config
+from pbs.testing import benchmark_cuda
+
+BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SEGMENT, BLOCK = 1, 32, 8, 128, 256, 128
+
+
+def time_ms(fn, budget_ms: float = 1500.0) -> float:
+    """Median CUDA-event time of ``fn`` with as many runs as fit the budget (5 to 50)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate = (time.perf_counter() - start) * 1e3
+    iters = max(5, min(50, int(budget_ms / max(estimate, 1e-3))))
+    return benchmark_cuda(fn, warmup=2, iters=iters)
+
+
+def causal_tflops(n: int, ms: float) -> float:
+    """Dense causal attention FLOPs (QK and PV over the N^2/2 causal pairs) per second."""
+    return 4 * BATCH * HEADS_Q * HEAD_DIM * (n * n / 2) / (ms * 1e-3) / 1e12
+
+
+def block_tflops(num_blocks: int, ms: float) -> float:
+    """FLOPs of the computed (full) 128x128 blocks per second."""
+    return 4 * BLOCK * BLOCK * HEAD_DIM * num_blocks / (ms * 1e-3) / 1e12
+
+
+def cudnn_dense(q, k, v) -> tuple[float, str]:
+    """cuDNN SDPA dense causal time, GQA natively if cuDNN takes enable_gqa, else on expanded K/V."""
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        try:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.cuda.synchronize()
+            return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), "enable_gqa"
+        except RuntimeError:
+            group = q.shape[1] // k.shape[1]
+            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            return time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)), "expanded K/V"
+
+
+def make_plan(q, k, density: float):
+    config = PBSConfig(
+        block_size=BLOCK,
+        segment_size=SEGMENT,
+        permuter="last_block",
+        selector={"name": "budget", "density": density},
+        gqa="shared",
+        backend="reference",
+        check_finite=False,
+    )
+    return pbs.plan(q, k, config)
+
+
+def run(args) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64  # one compiled flex per length and mask
+    from pbs.kernels.flex import flex_block_sparse_attention, to_flex_block_mask
+
+    props = torch.cuda.get_device_properties(0)
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
+                  "dtype": "bfloat16", "segment": SEGMENT, "block": BLOCK, "causal": True,
+                  "permuter": "last_block", "gqa": "shared", "selector": "budget"},
+        "timing": "median of CUDA-event times after warm-up, L2 flushed before each run",
+        "points": [],
+        "variants": [],
+    }
+    variants = [KernelConfig.parse(v) for v in args.variants]
+    for n in args.n:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q = torch.randn(BATCH, HEADS_Q, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(BATCH, HEADS_KV, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(BATCH, HEADS_KV, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        cudnn_ms, cudnn_gqa = cudnn_dense(q, k, v)
+        print(f"N={n}: cuDNN {cudnn_ms:.3f} ms ({causal_tflops(n, cudnn_ms):.0f} TF/s, {cudnn_gqa})", flush=True)
+        dense_ms = None
+        for density in [*args.densities, 1.0]:
+            plan = make_plan(q, k, density)
+            kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+            kpos = plan.key_positions()
+            blocks = int(plan.mask.counts.sum())
+
+            if args.retune:
+                _TUNED.clear()
+            tuned = select_config(q, kp, vp, plan.mask, None, kpos)
+
+            def ours(config=tuned):
+                return block_sparse_attention(q, kp, vp, plan.mask, None, kpos, config=config)
+
+            ours_ms = time_ms(ours)
+            point = {
+                "n": n, "requested_density": density, "density": plan.density, "blocks": blocks,
+                "ours_ms": ours_ms, "ours_config": str(tuned), "cudnn_ms": cudnn_ms, "cudnn_gqa": cudnn_gqa,
+                "ideal_ms": plan.density * cudnn_ms, "ours_tflops_blocks": block_tflops(blocks, ours_ms),
+                "cudnn_tflops": causal_tflops(n, cudnn_ms),
+            }
+            point["ratio_to_ideal"] = ours_ms / point["ideal_ms"]
+            for cfg in variants if density in args.variant_densities and n in args.variant_n else []:
+                try:
+                    ms = time_ms(lambda cfg=cfg: ours(cfg))
+                except Exception as exc:  # noqa: BLE001 - record and go on
+                    ms = float("nan")
+                    print(f"  variant {cfg} failed: {exc}")
+                result["variants"].append({"n": n, "density": plan.density, "config": str(cfg), "ms": ms,
+                                           "ratio_to_ideal": ms / point["ideal_ms"]})
+                print(f"  variant {cfg}: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
+            if density == 1.0:
+                dense_ms = ours_ms
+                point["ours_vs_cudnn_throughput"] = cudnn_ms / ours_ms
+            elif not args.no_flex:
+                block_mask = to_flex_block_mask(plan.mask, None, kpos, causal=True)
+                flex = lambda: flex_block_sparse_attention(q, kp, vp, plan.mask, block_mask=block_mask)  # noqa: E731
+                point["flex_ms"] = time_ms(flex)
+                point["flex_ratio_to_ideal"] = point["flex_ms"] / point["ideal_ms"]
+            if density == args.densities[0]:
+                point["gather_kv_ms"] = time_ms(lambda: (plan.key_permutation.apply(k), plan.key_permutation.apply(v)))
+            result["points"].append(point)
+            flex_txt = f", flex {point['flex_ms']:.3f} ms ({point['flex_ratio_to_ideal']:.2f}x)" if "flex_ms" in point else ""
+            print(f"  density {plan.density:.3f}: ours {ours_ms:.3f} ms [{tuned}] = {point['ratio_to_ideal']:.3f} x ideal "
+                  f"({point['ours_tflops_blocks']:.0f} TF/s on blocks){flex_txt}", flush=True)
+            kp = vp = plan = block_mask = None  # free before the next plan
+        if dense_ms is not None:
+            print(f"  dense mode: ours {dense_ms:.3f} ms vs cuDNN {cudnn_ms:.3f} ms = {cudnn_ms / dense_ms:.3f} x cuDNN throughput")
+        q = k = v = None
+        torch.cuda.empty_cache()
+        if args.json:  # after every length, so a run cut short still leaves its numbers
+            save(result, args.json)
+    return result
+
+
+def save(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(_without_nan(result), f, indent=1)
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}")
+    print(f"{'N':>7} {'dens':>6} {'ours ms':>9} {'cuDNN ms':>9} {'ideal ms':>9} {'ours/ideal':>10} {'flex ms':>9} "
+          f"{'flex/ideal':>10} {'dense/cuDNN thr':>15}")
+    for p in result["points"]:
+        flex = f"{p['flex_ms']:9.3f} {p['flex_ratio_to_ideal']:10.3f}" if "flex_ms" in p else f"{'-':>9} {'-':>10}"
+        thr = f"{p['ours_vs_cudnn_throughput']:15.3f}" if "ours_vs_cudnn_throughput" in p else f"{'':>15}"
+        print(f"{p['n']:>7} {p['density']:6.3f} {p['ours_ms']:9.3f} {p['cudnn_ms']:9.3f} {p['ideal_ms']:9.3f} "
+              f"{p['ratio_to_ideal']:10.3f} {flex} {thr}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
+    parser.add_argument("--variants", nargs="*", default=[], help="extra configs bm,bn,warps,stages[,headmajor]")
+    parser.add_argument("--variant-densities", type=float, nargs="*", default=[0.3, 1.0])
+    parser.add_argument("--variant-n", type=int, nargs="*", default=[32768, 65536])
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--retune", action="store_true", help="tune again at every point")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    result = run(args)
+    print_table(result)
+    if args.json:
+        save(result, args.json)
+
+
+def _without_nan(x):
+    if isinstance(x, dict):
+        return {k: _without_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_without_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""End-to-end time to first token (TTFT) of a Llama-3.1-8B-shaped model: dense SDPA against PBS.
+
+The model has Llama-3.1-8B's shapes (32 layers, hidden 4096, 32 query heads, 8 KV heads, head dim
+128, MLP 14336, vocab 128256) with **random weights** in bf16, built on the GPU from a
+``LlamaConfig`` (no download). Random weights measure speed, not accuracy: a random model's
+attention is nearly flat, so the densities the default selector reaches here say nothing about a
+trained model's, and the forced-density ``budget`` rows are the speed numbers to read.
+
+TTFT is one prefill of ``N`` random tokens with a KV cache (``model.model(...)``) plus the last
+position's logits and the greedy first token; the ``(N, vocab)`` logits are never materialised.
+Each row's time is the median of CUDA-event timings over ``--repeats`` runs after one untimed
+warm-up (which also compiles Triton kernels and, for PBS, records the density).
+
+Rows:
+    sdpa            transformers' ``attn_implementation="sdpa"``, the kernel torch picks
+    sdpa_cudnn      the same dense attention forced onto cuDNN (the strongest dense kernel on
+                    Hopper); GQA natively if cuDNN accepts ``enable_gqa``, else on repeated K/V
+    pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation): the ``budget``
+                    selector's rule with its random priorities drawn on the GPU (``device_budget``
+                    below; the stock selector draws them on the CPU so that every device gets the
+                    same mask, about 0.1-0.2 s per layer at 128K, which would swamp the TTFT)
+    pbs_budget_0.4  the same at density 0.4
+    pbs_default     PBS defaults (``last_block`` + ``mean_pool``, threshold 0.9)
+All PBS rows use ``check_finite=False`` (no NaN scan and host sync per layer) and run every layer.
+
+    python benchmarks/bench_ttft.py                       # 32K and 128K, about 4 minutes on an H200
+    python benchmarks/bench_ttft.py --lengths 32768 --rows sdpa_cudnn pbs_budget_0.2
+
+Writes ``benchmarks/results/ttft_<device>.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import pbs
+import pbs.integrations.transformers as pbs_hf
+from pbs.components import SelectionInputs, register_selector
+from pbs.planning import forced_blocks
+from pbs.selectors.budget import BudgetSelector
+
+MODEL_SHAPE = dict(
+    num_hidden_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+)
+ROWS = ("sdpa", "sdpa_cudnn", "pbs_budget_0.2", "pbs_budget_0.4", "pbs_default")
+LONG = 65536  # lengths above this get --long-repeats, to keep the run within a few minutes
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------------------------
+# Forced density without CPU work
+
+
+@register_selector
+class DeviceBudgetSelector(BudgetSelector):
+    """``budget`` (forced blocks first, then random allowed blocks up to ``density``), with the
+    random priorities drawn on the mask's device rather than on the CPU."""
+
+    name: Literal["device_budget"] = "device_budget"
+
+    def select(self, inputs: SelectionInputs) -> torch.Tensor:
+        layout = inputs.layout
+        allowed = inputs.allowed_blocks()
+        forced = forced_blocks(layout, inputs.key_positions, force_sink_block=True)
+        shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+        generator = torch.Generator(allowed.device).manual_seed(self.seed)
+        priority = torch.rand(shape, generator=generator, device=allowed.device)
+        priority = priority.masked_fill(forced, 2.0).masked_fill(~allowed, -1.0)
+        order = priority.argsort(dim=-1, descending=True, stable=True)
+        budget = torch.round(self.density * allowed.sum(-1).double()).long()
+        keep_sorted = torch.arange(shape[-1], device=allowed.device) < budget[:, None]
+        return torch.zeros(shape, dtype=torch.bool, device=allowed.device).scatter_(-1, order, keep_sorted.expand(shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Dense baseline on cuDNN
+
+
+def cudnn_takes_gqa() -> bool:
+    """Whether cuDNN SDPA runs grouped-query attention natively (``enable_gqa``) on this build."""
+    q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        torch.cuda.synchronize()
+        return True
+    except RuntimeError:
+        return False
+
+
+def make_cudnn_attention(native_gqa: bool):
+    """A transformers attention function: causal prefill on cuDNN, ``(B, N, Hq, D)`` out."""
+
+    def cudnn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            raise ValueError("sdpa_cudnn serves unpadded prefill only (no mask, q_len == kv_len)")
+        group = query.shape[1] // key.shape[1]
+        if group > 1 and not native_gqa:
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scaling, enable_gqa=native_gqa and group > 1
+            )
+        return out.transpose(1, 2).contiguous(), None
+
+    return cudnn_attention
+
+
+def register_cudnn_baseline(native_gqa: bool) -> None:
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    transformers.AttentionInterface.register("sdpa_cudnn", make_cudnn_attention(native_gqa))
+    AttentionMaskInterface.register("sdpa_cudnn", sdpa_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Model and timing
+
+
+def build_model():
+    """Llama-3.1-8B-shaped, random bf16 weights, created directly on the GPU (no CPU copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODEL_SHAPE, max_position_embeddings=131072)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()  # no .to(dtype): it would cast the fp32 rotary frequencies too
+
+
+def use_row(model, row: str) -> None:
+    """Points the model at the attention of ``row`` (re-registering PBS with the row's config)."""
+    if row.startswith("pbs_"):
+        selector = {"name": "device_budget", "density": float(row.rsplit("_", 1)[1])} if "budget" in row else "mean_pool"
+        pbs_hf.register(pbs.PBSConfig(selector=selector, check_finite=False))
+        pbs_hf.switch_attention(model, "pbs")
+    else:
+        pbs_hf.switch_attention(model, row)
+
+
+@torch.inference_mode()
+def prefill_first_token(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Prefill with a KV cache, then the last position's logits only; returns the first token."""
+    hidden = model.model(input_ids=input_ids, use_cache=True).last_hidden_state
+    return model.lm_head(hidden[:, -1:]).argmax(-1)
+
+
+def time_row(model, input_ids: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """One traced warm-up, then ``repeats`` CUDA-event timings of :func:`prefill_first_token`."""
+    with pbs_hf.trace_dispatch() as calls:
+        prefill_first_token(model, input_ids)
+    torch.cuda.synchronize()
+    times_ms, wall_ms = [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        wall = time.perf_counter()
+        start.record()
+        prefill_first_token(model, input_ids)
+        end.record()
+        end.synchronize()
+        wall_ms.append((time.perf_counter() - wall) * 1e3)
+        times_ms.append(start.elapsed_time(end))
+    densities = [c.density for c in calls if c.density is not None]
+    return {
+        "median_ms": statistics.median(times_ms),
+        "runs_ms": times_ms,
+        "wall_median_ms": statistics.median(wall_ms),
+        "pbs_layers": len(densities),
+        "dense_layers": sum(c.path == "sdpa" for c in calls),
+        "mean_density": statistics.fmean(densities) if densities else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def device_slug() -> str:
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'N':>7}  {'attention':<15} {'TTFT ms':>10} {'vs cuDNN':>9} {'density':>8}  note"]
+    baseline = {r["seq_len"]: r.get("median_ms") for r in rows if r["attention"] == "sdpa_cudnn"}
+    for r in rows:
+        ms = r.get("median_ms")
+        base = baseline.get(r["seq_len"])
+        speedup = f"{base / ms:.2f}x" if ms and base else ""
+        density = f"{r['mean_density']:.3f}" if r.get("mean_density") is not None else ""
+        time_text = f"{ms:10.1f}" if ms else f"{'-':>10}"
+        lines.append(f"{r['seq_len']:>7}  {r['attention']:<15} {time_text} {speedup:>9} {density:>8}  {r.get('error', '')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072], help="prompt tokens")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--repeats", type=int, default=3, help=f"timed runs per row up to {LONG} tokens")
+    parser.add_argument("--long-repeats", type=int, default=2, help=f"timed runs per row above {LONG} tokens")
+    parser.add_argument("--budget-s", type=float, default=420, help="skip the remaining rows after this many seconds")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/ttft_<device>.json)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+
+    import transformers
+
+    began = time.perf_counter()
+    native_gqa = cudnn_takes_gqa()
+    register_cudnn_baseline(native_gqa)
+    pbs_hf.register()
+    model = build_model()
+    print(f"model built in {time.perf_counter() - began:.0f} s; cuDNN native GQA: {native_gqa}", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    for seq_len in args.lengths:
+        input_ids = torch.randint(0, MODEL_SHAPE["vocab_size"], (1, seq_len), device="cuda",
+                                  generator=torch.Generator("cuda").manual_seed(0))
+        repeats = args.long_repeats if seq_len > LONG else args.repeats
+        for row in args.rows:
+            result: dict[str, Any] = {"seq_len": seq_len, "attention": row, "repeats": repeats}
+            if time.perf_counter() - began > args.budget_s:
+                result["error"] = "skipped: time budget spent"
+            else:
+                use_row(model, row)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    result.update(time_row(model, input_ids, repeats))
+                except torch.cuda.OutOfMemoryError:
+                    result["error"] = "out of memory"
+                torch.cuda.empty_cache()
+            rows.append(result)
+            print(format_table([result]).splitlines()[1], flush=True)
+
+    payload = {
+        "benchmark": "bench_ttft",
+        "note": "random weights: measures speed, not accuracy",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "pbs": pbs.__version__,
+        "python": platform.python_version(),
+        "model": {**MODEL_SHAPE, "head_dim": 128, "dtype": "bfloat16", "weights": "random"},
+        "cudnn_native_gqa": native_gqa,
+        "pbs_config": {"block_size": 128, "segment_size": 256, "permuter": "last_block", "gqa": "shared",
+                       "budget_rows_selector": "device_budget", "check_finite": False},
+        "total_seconds": time.perf_counter() - began,
+        "rows": rows,
+    }
+    out = args.out or RESULTS / f"ttft_{device_slug()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nTTFT, Llama-3.1-8B shapes, random bf16 weights, {payload['device']}\n{format_table(rows)}\nwrote {out}")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
+#   bash scripts/gpu_check.sh [all|tests|bench] [benchmark arguments...]
+# Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
+# then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
+set -uo pipefail
+mode=${1:-all}
+shift || true
+OUT=${OUT:-.gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --find-links .device-wheels pydantic pytest-benchmark hypothesis 2>&1 | grep -v WARNING
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+if [[ $mode == all || $mode == tests ]]; then
+  timeout 240 python3 -m pytest tests/test_kernel_triton.py tests/test_kernel_flex.py -m gpu -q -p no:cacheprovider \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $mode == all || $mode == bench ]]; then
+  timeout 320 python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $status

@@ -1,0 +1,387 @@
+"""``attn_implementation="pbs"`` in transformers: exactness, fallbacks, the mask function, ``pbs generate``.
+
+Tiny randomly initialised Llama and Qwen2 models (GQA: 4 query heads, 2 KV heads) with PBS set to
+select every block, so PBS must equal SDPA up to fp32 noise wherever it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import pbs  # noqa: E402
+import pbs.integrations.transformers as pbs_hf  # noqa: E402
+from pbs.cli import main  # noqa: E402
+from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig  # noqa: E402
+
+EXACT = {"selector": {"name": "budget", "density": 1.0}, "block_size": 16, "segment_size": 32, "backend": "reference"}
+PROMPT_LEN = 100  # not a multiple of the block size
+TOL = 1e-4
+MODEL_KINDS = ["llama", "qwen2"]
+
+
+def tiny_config(kind: str, **overrides):
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Qwen2Config(**common)
+
+
+def tiny_model(kind: str, **overrides):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), attn_implementation="sdpa")
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module", params=MODEL_KINDS)
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(autouse=True)
+def exact_pbs():
+    """Every test starts from the exact config (and a fresh once-per-reason log)."""
+    pbs_hf.register(EXACT, min_seq_len=32, min_query_len=2)
+    yield
+
+
+def prompt(length: int = PROMPT_LEN, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def forward(model, implementation: str, **inputs):
+    pbs_hf.switch_attention(model, implementation)
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def test_prefill_runs_pbs_and_matches_sdpa(model):
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert [(c.layer_idx, c.q_len, c.kv_len, c.path) for c in calls] == [
+        (0, PROMPT_LEN, PROMPT_LEN, "pbs"),
+        (1, PROMPT_LEN, PROMPT_LEN, "pbs"),
+    ]
+    assert all(c.density == 1.0 for c in calls)
+    assert max_diff(got, expected) < TOL
+
+
+def test_generate_matches_sdpa_and_decodes_with_sdpa(model):
+    ids = prompt()
+    kwargs = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    pbs_hf.switch_attention(model, "sdpa")
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    pbs_hf.switch_attention(model, "pbs")
+    with pbs_hf.trace_dispatch() as calls, torch.no_grad():
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    assert {c.path for c in calls if c.q_len == PROMPT_LEN} == {"pbs"}
+    decode = [c for c in calls if c.q_len == 1]
+    assert decode and all(c.path == "sdpa" and c.reason == "decode" for c in decode)
+
+
+def test_padded_batch_falls_back_to_sdpa_and_matches(model, caplog):
+    ids = prompt(batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding in the second row
+    expected = forward(model, "sdpa", input_ids=ids, attention_mask=mask).logits
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        with pbs_hf.trace_dispatch() as calls:
+            got = forward(model, "pbs", input_ids=ids, attention_mask=mask).logits
+    assert calls and all(c.path == "sdpa" and c.reason == "attention_mask" for c in calls)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "one log line per reason, not per layer"
+    assert "padding" in warnings[0].getMessage()
+    assert max_diff(got[mask.bool()], expected[mask.bool()]) < TOL
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_padded_generate_matches_sdpa(model, cache):
+    ids = prompt(batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0, cache_implementation=cache)
+    pbs_hf.switch_attention(model, "sdpa")
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    pbs_hf.switch_attention(model, "pbs")
+    with pbs_hf.trace_dispatch() as calls, torch.no_grad():
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    assert {c.reason for c in calls} == {"attention_mask", "decode"}
+
+
+def test_unpadded_batch_runs_pbs(model):
+    ids = prompt(batch=2)
+    expected = forward(model, "sdpa", input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert {c.path for c in calls} == {"pbs"}
+    assert max_diff(got, expected) < TOL
+
+
+def test_chunk_after_cached_prefix_runs_pbs_and_matches(model):
+    ids = prompt()
+    prefix, chunk = ids[:, :70], ids[:, 70:]
+    expected = forward(model, "sdpa", input_ids=ids).logits[:, 70:]
+    past = forward(model, "pbs", input_ids=prefix, use_cache=True).past_key_values
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=chunk, past_key_values=past, use_cache=True).logits
+    assert [(c.q_len, c.kv_len, c.path) for c in calls] == [(30, PROMPT_LEN, "pbs")] * 2
+    assert max_diff(got, expected) < TOL
+
+
+def test_decode_after_prefix_uses_sdpa(model):
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits[:, -1]
+    past = forward(model, "pbs", input_ids=ids[:, :-1], use_cache=True).past_key_values
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids[:, -1:], past_key_values=past, use_cache=True).logits[:, -1]
+    assert [(c.q_len, c.kv_len, c.reason) for c in calls] == [(1, PROMPT_LEN, "decode")] * 2
+    assert max_diff(got, expected) < TOL
+
+
+def test_short_chunk_after_prefix_falls_back_with_a_bottom_right_mask(model):
+    pbs_hf.register(EXACT, min_seq_len=32, min_query_len=8)
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits[:, -4:]
+    past = forward(model, "pbs", input_ids=ids[:, :-4], use_cache=True).past_key_values
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids[:, -4:], past_key_values=past, use_cache=True).logits
+    assert {c.reason for c in calls} == {"short_chunk"}
+    assert max_diff(got, expected) < TOL
+
+
+def test_register_twice_is_harmless_and_the_latest_config_wins(model):
+    pbs_hf.register({"selector": {"name": "budget", "density": 0.5}, "block_size": 16, "segment_size": 32})
+    latest = pbs_hf.register(EXACT, min_seq_len=32, min_query_len=2)
+    assert pbs_hf.registered_config() == latest
+    assert transformers.AttentionInterface._global_mapping["pbs"] is pbs_hf.pbs_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionMaskInterface._global_mapping["pbs"] is pbs_hf.pbs_mask
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert all(c.density == 1.0 for c in calls)
+    assert max_diff(got, expected) < TOL
+
+
+def test_default_backend_runs_inside_the_model():
+    # backend "auto": Triton on CUDA; on CPU the conftest routes it through the Triton interpreter
+    model = tiny_model("llama")
+    pbs_hf.register({**EXACT, "backend": "auto"}, min_seq_len=32)
+    ids = prompt(64)
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert {c.path for c in calls} == {"pbs"}
+    assert max_diff(got, expected) < TOL
+
+
+def test_default_selector_runs_and_stays_close_to_sdpa(model):
+    # last_block + mean_pool, the paper's defaults, at test-sized blocks
+    pbs_hf.register({"block_size": 16, "segment_size": 32, "backend": "reference"}, min_seq_len=32)
+    ids = prompt(200)  # long enough for the threshold to drop blocks of a random model's flat attention
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert {c.path for c in calls} == {"pbs"}
+    assert all(0.5 < c.density < 1 for c in calls)
+    assert 1e-5 < pbs.testing.relative_error(got, expected) < 0.1
+
+
+def test_from_pretrained_with_attn_implementation_pbs(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="pbs")
+    assert loaded.config._attn_implementation == "pbs"
+    with pbs_hf.trace_dispatch() as calls, torch.no_grad():
+        loaded(input_ids=prompt())
+    assert {c.path for c in calls} == {"pbs"}
+
+
+def test_skipped_layers_short_sequences_and_overrides(model):
+    pbs_hf.register(EXACT, min_seq_len=32, skip_first_layers=1)
+    with pbs_hf.trace_dispatch() as calls:
+        forward(model, "pbs", input_ids=prompt())
+    assert [(c.path, c.reason) for c in calls] == [("sdpa", "skipped_layer"), ("pbs", None)]
+
+    pbs_hf.register(EXACT, min_seq_len=32, skip_first_layers=1, layer_overrides={0: EXACT, 1: None})
+    with pbs_hf.trace_dispatch() as calls:
+        forward(model, "pbs", input_ids=prompt())
+    assert [(c.path, c.reason) for c in calls] == [("pbs", None), ("sdpa", "skipped_layer")]
+
+    pbs_hf.register(EXACT, min_seq_len=200)
+    with pbs_hf.trace_dispatch() as calls:
+        forward(model, "pbs", input_ids=prompt())
+    assert {c.reason for c in calls} == {"short_sequence"}
+
+
+def test_sliding_window_layers_fall_back_and_match_sdpa():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=40, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert [(c.path, c.reason) for c in calls] == [("pbs", None), ("sdpa", "sliding_window")]
+    assert max_diff(got, expected) < TOL
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer_idx, self.is_causal, self.num_key_value_groups = 0, True, 2
+
+
+def test_softcap_falls_back_to_eager_with_the_cap():
+    q, k, v = (torch.randn(1, h, 40, 16, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
+    with pbs_hf.trace_dispatch() as calls:
+        out, weights = pbs_hf.pbs_attention_forward(_Layer(), q, k, v, None, scaling=0.25, softcap=2.0)
+    assert calls[0].reason == "softcap" and weights is None
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = torch.tanh(q @ kk.transpose(2, 3) * 0.25 / 2.0) * 2.0
+    scores = scores.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    expected = (scores.softmax(-1) @ vv).transpose(1, 2)
+    assert out.shape == (1, 40, 4, 16) and max_diff(out, expected) < 1e-5
+
+
+def test_dropout_non_causal_and_gradient_calls_fall_back():
+    q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    with pbs_hf.trace_dispatch() as calls:
+        pbs_hf.pbs_attention_forward(_Layer().eval(), q, k, v, None, dropout=0.1)
+        pbs_hf.pbs_attention_forward(_Layer(), q, k, v, None, is_causal=False)
+        out, _ = pbs_hf.pbs_attention_forward(_Layer(), q.requires_grad_(), k, v, None)
+    assert [c.reason for c in calls] == ["dropout", "not_causal", "needs_grad"]
+    out.sum().backward()  # the kernels are forward-only, so a call that needs gradients runs SDPA
+    assert q.grad is not None
+
+
+def mask_call(q_length: int, q_offset: int, kv_length: int, attention_mask: torch.Tensor):
+    """Calls pbs_mask as this transformers version's create_causal_mask does."""
+    import inspect
+
+    from transformers import masking_utils
+
+    if "q_length" in inspect.signature(masking_utils.sdpa_mask).parameters:  # transformers 5
+        sizes = dict(q_length=q_length, q_offset=q_offset)
+    else:
+        sizes = dict(cache_position=torch.arange(q_offset, q_offset + q_length))
+    return pbs_hf.pbs_mask(
+        batch_size=attention_mask.shape[0],
+        kv_length=kv_length,
+        kv_offset=0,
+        mask_function=masking_utils.causal_mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=True,
+        device="cpu",
+        **sizes,
+    )
+
+
+def test_mask_function_is_none_only_for_unpadded_causal_calls_with_queries_at_the_end():
+    full = torch.ones(2, 100, dtype=torch.bool)
+    assert mask_call(100, 0, 100, full) is None
+    # a chunk after a cached prefix: SDPA would materialise a mask, PBS needs none
+    assert mask_call(30, 70, 100, full) is None
+    padded = full.clone()
+    padded[1, :5] = False
+    mask = mask_call(100, 0, 100, padded)
+    assert mask.shape == (2, 1, 100, 100) and mask.dtype == torch.bool and not mask[1, 0, :, :5].any()
+    # a static cache's first prefill: queries at the start of longer keys, so never None
+    static = mask_call(30, 0, 100, full[:, :30])
+    assert static is not None and static.shape == (2, 1, 30, 100) and not static[:, :, :, 30:].any()
+
+
+def test_config_coercion_and_errors():
+    assert pbs_hf.register(pbs.PBSConfig(**EXACT)).pbs == pbs.PBSConfig(**EXACT)
+    assert pbs_hf.register(json.dumps(EXACT), skip_first_layers=3).skip_first_layers == 3
+    assert pbs_hf.register({"pbs": EXACT, "min_seq_len": 64}).min_seq_len == 64
+    with pytest.raises(ValueError, match="mixes PBSIntegrationConfig fields"):
+        pbs_hf.register({"block_size": 16, "min_seq_len": 64})
+    with pytest.raises(TypeError, match="unknown keyword arguments"):
+        pbs_hf.register(EXACT, skip_layers=2)
+    with pytest.raises(ValueError, match="causal must be True"):
+        PBSIntegrationConfig(pbs={"causal": False})
+    with pytest.raises(ValueError, match="layer indices >= 0"):
+        PBSIntegrationConfig(layer_overrides={-1: None})
+    with pytest.raises(TypeError, match="config must be"):
+        pbs_hf.register(3)
+    round_trip = PBSIntegrationConfig(pbs=EXACT, layer_overrides={2: None, 3: EXACT})
+    assert PBSIntegrationConfig.model_validate_json(round_trip.model_dump_json()) == round_trip
+    assert set(FALLBACK_REASONS) >= {"decode", "attention_mask", "sliding_window", "softcap", "short_sequence"}
+
+
+def test_import_pbs_does_not_import_transformers():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"  # makes any import of it fail
+        "import pbs, pbs.cli, pbs.integrations.transformers, pbs.integrations.dispatch\n"
+        "pbs.cli.build_parser()\n"
+        "try:\n    pbs.integrations.transformers.register()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'pbs-attn[hf]'" in out
+
+
+def _save_tiny_model_and_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[PAD]", "[EOS]", "[BOS]", "[UNK]"] + [f"w{i}" for i in range(124)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]", unk_token="[UNK]"
+    )
+    fast.save_pretrained(path)
+    tiny_model("llama").save_pretrained(path)
+
+
+def test_pbs_generate_cli(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    _save_tiny_model_and_tokenizer(model_dir)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
+    result = tmp_path / "result.json"
+    args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "4"]
+    args += ["--config", json.dumps(EXACT), "--min-seq-len", "32", "--device", "cpu", "--warmup", "0"]
+    assert main(args + ["--json", str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "90 prompt tokens" in out and "TTFT (s)" in out and "--- answer (pbs) ---" in out
+    assert "PBS ran on 2 of 2 layers" in out and "answers: identical" in out
+    payload = json.loads(result.read_text())
+    assert payload["results"]["pbs"]["mean_density"] == 1.0 and payload["results"]["sdpa"]["ttft_s"] > 0
+
+
+def test_pbs_generate_cli_rejects_bad_input(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "--prompt-file", str(tmp_path / "p.txt")]) == 2
+    assert "local model directory" in capsys.readouterr().err
+    (tmp_path / "p.txt").write_text("w1")
+    assert main(["generate", str(tmp_path), "--prompt-file", str(tmp_path / "p.txt"), "--config", "{bad"]) == 2
+    assert "invalid --config" in capsys.readouterr().err
