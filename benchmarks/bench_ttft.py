@@ -85,7 +85,8 @@ class DeviceBudgetSelector(BudgetSelector):
         order = priority.argsort(dim=-1, descending=True, stable=True)
         budget = torch.round(self.density * allowed.sum(-1).double()).long()
         keep_sorted = torch.arange(shape[-1], device=allowed.device) < budget[:, None]
-        return torch.zeros(shape, dtype=torch.bool, device=allowed.device).scatter_(-1, order, keep_sorted.expand(shape))
+        selected = torch.zeros(shape, dtype=torch.bool, device=allowed.device)
+        return selected.scatter_(-1, order, keep_sorted.expand(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +154,8 @@ def build_model():
 def use_row(model, row: str) -> None:
     """Points the model at the attention of ``row`` (re-registering PBS with the row's config)."""
     if row.startswith("pbs_"):
-        selector = {"name": "device_budget", "density": float(row.rsplit("_", 1)[1])} if "budget" in row else "mean_pool"
+        density = float(row.rsplit("_", 1)[1]) if "budget" in row else None
+        selector = {"name": "device_budget", "density": density} if density else "mean_pool"
         pbs_hf.register(pbs.PBSConfig(selector=selector, check_finite=False))
         pbs_hf.switch_attention(model, "pbs")
     else:
@@ -207,7 +209,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         speedup = f"{base / ms:.2f}x" if ms and base else ""
         density = f"{r['mean_density']:.3f}" if r.get("mean_density") is not None else ""
         time_text = f"{ms:10.1f}" if ms else f"{'-':>10}"
-        lines.append(f"{r['seq_len']:>7}  {r['attention']:<15} {time_text} {speedup:>9} {density:>8}  {r.get('error', '')}")
+        note = r.get("error", "")
+        lines.append(f"{r['seq_len']:>7}  {r['attention']:<15} {time_text} {speedup:>9} {density:>8}  {note}")
     return "\n".join(lines)
 
 

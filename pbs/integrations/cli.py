@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument("model", help="local model directory (config, weights and tokenizer, as save_pretrained writes them)")
+    gen.add_argument("model", help="local model directory (config, weights and tokenizer from save_pretrained)")
     gen.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     gen.add_argument(
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--dtype", choices=sorted(DTYPES), help="model dtype (default bfloat16 on CUDA, float32 on CPU)"
     )
     gen.add_argument("--warmup", type=int, default=1, help="untimed prefills per attention before timing (default 1)")
-    gen.add_argument("--repeats", type=positive_int, default=1, help="timed prefills per attention; the median is shown")
+    gen.add_argument("--repeats", type=positive_int, default=1, help="timed prefills per attention (median shown)")
     gen.add_argument("--pbs-only", action="store_true", help="skip the SDPA baseline")
     gen.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     gen.add_argument("--verbose", action="store_true", help="log why layers fell back to dense attention")

@@ -56,6 +56,23 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
+    """One entry of a selected-block list.
+
+    On the GPU it is read with inline PTX (``ld.global.nc``: the lists are read-only here) because
+    the software pipeliner turns a plain ``tl.load`` in the loop into an async copy through shared
+    memory, which adds a CTA barrier per step and takes the shared memory of a third K/V stage.
+    The interpreter has no inline PTX, so it gets the plain load.
+    """
+    if PLAIN_LOAD:
+        return tl.load(p_entry)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b32 $0, [$1];", "=r,l", [p_entry], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def _block_sparse_attn_fwd(
     q_desc,
     k_desc,
@@ -101,6 +118,7 @@ def _block_sparse_attn_fwd(
     QUERIES_PERMUTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GQA_ORDER: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -179,7 +197,7 @@ def _block_sparse_attn_fwd(
 
     # Off-diagonal blocks: no mask at all.
     for it in range(0, n_unmasked * SUB_N):
-        j = tl.load(p_list + it // SUB_N)
+        j = _load_block_index(p_list + it // SUB_N, INTERPRET)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -191,7 +209,7 @@ def _block_sparse_attn_fwd(
         if KEYS_PERMUTED:
             p_kpos_head = kpos_ptr + i_b.to(tl.int64) * stride_kpb + i_hk.to(tl.int64) * stride_kph
         for it in range(n_unmasked * SUB_N, count * SUB_N):
-            j = tl.load(p_list + it // SUB_N)
+            j = _load_block_index(p_list + it // SUB_N, INTERPRET)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
             b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -447,6 +465,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         # fp32 inputs: three tf32 products per dot, close to fp32 accuracy at tensor-core speed.
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
         GQA_ORDER=config.gqa_order,
+        INTERPRET=_interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -136,8 +136,8 @@ def to_key_permutation(indices: torch.Tensor) -> Permutation:
     return Permutation.from_indices(indices)
 
 
-def seeded_generator(seed: int) -> torch.Generator:
-    """A CPU generator, so that the same seed gives the same permutation on every device."""
-    gen = torch.Generator(device="cpu")
+def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A seeded generator; the CPU default gives the same draws whatever device the data is on."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
