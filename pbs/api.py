@@ -8,7 +8,7 @@ import torch
 
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
-from pbs.planning import build_plan
+from pbs.planning import build_plan, permute_keys_and_values
 from pbs.types import Plan
 from pbs.validation import check_qkv
 
@@ -69,8 +69,8 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             f"k (Hkv={layout.heads_kv}, Nk={layout.seq_len_k}), got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
     q_perm = plan.query_permutation.apply(q)
-    k_perm = plan.key_permutation.apply(k)
-    return _run_permuted(plan, q_perm, k_perm, v, q.dtype, _scale(q, scale))
+    k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k, v)
+    return _run_permuted(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
 
 
 def attention(
@@ -107,15 +107,14 @@ def attention(
     config = PBSConfig.coerce(config)
     check_qkv(q, k, v, check_finite=config.check_finite)
     s = _scale(q, scale)
-    p, q_perm, k_perm = build_plan(q, k, config, s)
-    out = _run_permuted(p, q_perm, k_perm, v, q.dtype, s)
+    p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
+    out = _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s)
     return (out, p) if return_plan else out
 
 
 def _run_permuted(
-    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, scale: float
+    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v_perm: torch.Tensor, dtype: torch.dtype, scale: float
 ) -> torch.Tensor:
-    v_perm = plan.key_permutation.apply(v)
     call = AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale)
     backend = choose_backend(plan.config.backend, call)
     out = backend.run(call)

@@ -34,11 +34,14 @@ class AttentionBackend:
         name: the ``PBSConfig.backend`` value that selects it.
         not_supported_reasons: why it cannot run a call (empty list: it can).
         run: returns ``(B, Hq, Nq, Dv)`` in permuted query order, in any float dtype.
+        not_chosen_by_auto_reasons: further reasons for ``auto`` to pass it over although it can
+            run a call when asked by name (e.g. the Triton interpreter on CPU: right but slow).
     """
 
     name: str
     not_supported_reasons: Callable[[AttentionCall], list[str]]
     run: Callable[[AttentionCall], torch.Tensor]
+    not_chosen_by_auto_reasons: Callable[[AttentionCall], list[str]] | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -104,6 +107,8 @@ def choose_backend(requested: str, call: AttentionCall) -> AttentionBackend:
     for name in _AUTO_ORDER:
         backend = _BACKENDS[name]
         reasons = backend.not_supported_reasons(call)
+        if not reasons and backend.not_chosen_by_auto_reasons is not None:
+            reasons = backend.not_chosen_by_auto_reasons(call)
         if not reasons:
             return backend
         all_reasons.append(f"{name}: {'; '.join(reasons)}")

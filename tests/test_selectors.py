@@ -18,7 +18,7 @@ def _selection_inputs(permuter="last_block", seq_len=300, seq_len_q=None, gqa="s
     from pbs.planning import build_plan
 
     config = small_config(permuter=permuter, gqa=gqa)
-    plan, q_perm, k_perm = build_plan(q, k, config, 32**-0.5)
+    plan, q_perm, k_perm, _ = build_plan(q, k, config, 32**-0.5)
     return plan, SelectionInputs(
         q=q_perm, k=k_perm, layout=plan.layout, query_positions=plan.query_positions(),
         key_positions=plan.key_positions(), scale=32**-0.5,
@@ -76,7 +76,7 @@ def test_mean_pool_equals_algorithm_2(seed, tau):
     from pbs.planning import build_plan
 
     config = small_config(permuter="random", selector={"name": "mean_pool", "threshold": tau}, gqa="per_head")
-    plan, q_perm, k_perm = build_plan(q, k, config, 16**-0.5)
+    plan, q_perm, k_perm, _ = build_plan(q, k, config, 16**-0.5)
     inputs = SelectionInputs(q_perm, k_perm, plan.layout, plan.query_positions(), plan.key_positions(), 16**-0.5)
     raw = config.selector.select(inputs)
     allowed = plan.layout.allowed_blocks()

@@ -3,9 +3,13 @@
 Registers two attention backends:
 
 * ``"triton"``: :func:`pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
-  ``backend="auto"`` on CUDA (and on CPU tensors when ``TRITON_INTERPRET=1``, which the tests use);
+  ``backend="auto"`` on CUDA; on CPU tensors it runs in the Triton interpreter when
+  ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never through ``auto``;
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
+
+:func:`pbs.kernels.gather.gather_kv` applies a key permutation to K and V in one launch (3x faster
+than ``Permutation.apply``'s ``torch.gather`` on an H200; see docs/benchmarks.md).
 
 Triton is imported only when a kernel runs, so ``import pbs`` works without it.
 """
@@ -105,6 +109,12 @@ def _run_flex(call: AttentionCall) -> torch.Tensor:
     )
 
 
-register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton))
+def _triton_auto_reasons(call: AttentionCall) -> list[str]:
+    if call.q.device.type != "cuda":
+        return ["auto uses the Triton kernel on CUDA only (name backend='triton' to run the interpreter)"]
+    return []
+
+
+register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton, _triton_auto_reasons))
 register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex))
 register_auto_candidate("triton", position=0)
