@@ -15,10 +15,8 @@ Rows:
     sdpa            transformers' ``attn_implementation="sdpa"``, the kernel torch picks
     sdpa_cudnn      the same dense attention forced onto cuDNN (the strongest dense kernel on
                     Hopper); GQA natively if cuDNN accepts ``enable_gqa``, else on repeated K/V
-    pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation): the ``budget``
-                    selector's rule with its random priorities drawn on the GPU (``device_budget``
-                    below; the stock selector draws them on the CPU so that every device gets the
-                    same mask, about 0.1-0.2 s per layer at 128K, which would swamp the TTFT)
+    pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation, ``budget`` selector,
+                    whose random priorities are drawn on the GPU)
     pbs_budget_0.4  the same at density 0.4
     pbs_default     PBS defaults (``last_block`` + ``mean_pool``, threshold 0.9)
 All PBS rows use ``check_finite=False`` (no NaN scan and host sync per layer) and run every layer.
@@ -38,7 +36,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +44,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
 import pbs.integrations.transformers as pbs_hf
-from pbs.components import SelectionInputs, register_selector
-from pbs.planning import forced_blocks
-from pbs.selectors.budget import BudgetSelector
 
 MODEL_SHAPE = dict(
     num_hidden_layers=32,
@@ -61,32 +56,6 @@ MODEL_SHAPE = dict(
 ROWS = ("sdpa", "sdpa_cudnn", "pbs_budget_0.2", "pbs_budget_0.4", "pbs_default")
 LONG = 65536  # lengths above this get --long-repeats, to keep the run within a few minutes
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-# --------------------------------------------------------------------------------------------
-# Forced density without CPU work
-
-
-@register_selector
-class DeviceBudgetSelector(BudgetSelector):
-    """``budget`` (forced blocks first, then random allowed blocks up to ``density``), with the
-    random priorities drawn on the mask's device rather than on the CPU."""
-
-    name: Literal["device_budget"] = "device_budget"
-
-    def select(self, inputs: SelectionInputs) -> torch.Tensor:
-        layout = inputs.layout
-        allowed = inputs.allowed_blocks()
-        forced = forced_blocks(layout, inputs.key_positions, force_sink_block=True)
-        shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
-        generator = torch.Generator(allowed.device).manual_seed(self.seed)
-        priority = torch.rand(shape, generator=generator, device=allowed.device)
-        priority = priority.masked_fill(forced, 2.0).masked_fill(~allowed, -1.0)
-        order = priority.argsort(dim=-1, descending=True, stable=True)
-        budget = torch.round(self.density * allowed.sum(-1).double()).long()
-        keep_sorted = torch.arange(shape[-1], device=allowed.device) < budget[:, None]
-        selected = torch.zeros(shape, dtype=torch.bool, device=allowed.device)
-        return selected.scatter_(-1, order, keep_sorted.expand(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +124,7 @@ def use_row(model, row: str) -> None:
     """Points the model at the attention of ``row`` (re-registering PBS with the row's config)."""
     if row.startswith("pbs_"):
         density = float(row.rsplit("_", 1)[1]) if "budget" in row else None
-        selector = {"name": "device_budget", "density": density} if density else "mean_pool"
+        selector = {"name": "budget", "density": density} if density else "mean_pool"
         pbs_hf.register(pbs.PBSConfig(selector=selector, check_finite=False))
         pbs_hf.switch_attention(model, "pbs")
     else:
@@ -270,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {**MODEL_SHAPE, "head_dim": 128, "dtype": "bfloat16", "weights": "random"},
         "cudnn_native_gqa": native_gqa,
         "pbs_config": {"block_size": 128, "segment_size": 256, "permuter": "last_block", "gqa": "shared",
-                       "budget_rows_selector": "device_budget", "check_finite": False},
+                       "budget_rows_selector": "budget", "check_finite": False},
         "total_seconds": time.perf_counter() - began,
         "rows": rows,
     }

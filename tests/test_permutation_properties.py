@@ -11,7 +11,7 @@ import pbs
 from pbs.permuters._segments import sort_within_segments
 from pbs.reference import dense_attention
 from pbs.types import Permutation
-from tests.helpers import layout_of, random_qkv, small_config
+from tests.helpers import random_qkv, small_config
 
 
 def _segment_shuffle(batch, heads, n, segment, seed):
