@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Host-side (CPU) benchmarks of the reference permuters and selectors (pytest-benchmark).
-# Writes benchmarks/results/cpu_host.json. The normal test run neither collects nor times these.
+# Writes benchmarks/results/cpu_host.json with full-length timings. The normal test run (pytest -q)
+# also runs them, briefly, into benchmarks/cpu/last_run.json (git-ignored).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p benchmarks/results
