@@ -63,20 +63,21 @@ def triton_not_supported_reasons(call: AttentionCall) -> list[str]:
     return reasons
 
 
-def _run_triton(call: AttentionCall) -> torch.Tensor:
-    from pbs.kernels.block_sparse_attn import block_sparse_attention
-
+def _kernel_arguments(call: AttentionCall) -> dict:
+    """Keyword arguments shared by both kernels; positions only where something moved."""
     plan = call.plan
-    return block_sparse_attention(
-        call.q,
-        call.k,
-        call.v,
-        plan.mask,
+    return dict(
         query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
         key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
         scale=call.scale,
         causal=plan.layout.causal,
     )
+
+
+def _run_triton(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.block_sparse_attn import block_sparse_attention
+
+    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
 
 
 def flex_not_supported_reasons(call: AttentionCall) -> list[str]:
@@ -96,17 +97,7 @@ def flex_not_supported_reasons(call: AttentionCall) -> list[str]:
 def _run_flex(call: AttentionCall) -> torch.Tensor:
     from pbs.kernels.flex import flex_block_sparse_attention
 
-    plan = call.plan
-    return flex_block_sparse_attention(
-        call.q,
-        call.k,
-        call.v,
-        plan.mask,
-        query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
-        key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
-        scale=call.scale,
-        causal=plan.layout.causal,
-    )
+    return flex_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
 
 
 def _triton_auto_reasons(call: AttentionCall) -> list[str]:
