@@ -77,25 +77,60 @@ class PermuterConfig(ComponentConfig):
         raise NotImplementedError(f"{type(self).__name__} does not implement permute()")
 
 
-@dataclass(frozen=True)
 class SelectionInputs:
     """What a selector sees: permuted tensors plus where every slot came from.
 
     Attributes:
         q: ``(B, Hq, Nq, D)`` queries in permuted order.
-        k: ``(B, Hk, Nk, D)`` keys in permuted order (``Hk`` is ``Hq`` or ``Hkv``).
+        k: ``(B, Hk, Nk, D)`` keys in permuted order (``Hk`` is ``Hq`` or ``Hkv``); gathered on
+            first use when only ``source_k`` and ``key_permutation`` were given.
         layout: geometry of the call.
         query_positions: ``(B, Hq, Nq)`` original position of each query slot.
         key_positions: ``(B, Hk, Nk)`` original position of each key slot.
         scale: softmax scale.
+        source_k: ``(B, Hkv, Nk, D)`` keys in original order, when known: fast selectors read them
+            through ``key_positions`` instead of gathering a permuted copy.
+        key_permutation: the key :class:`~pbs.types.Permutation` (needed to gather ``k`` lazily).
+        force_sink_block: whether the selection must keep the block holding position 0 (selectors
+            that return a finished :class:`~pbs.types.BlockMask` apply it themselves).
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
-    layout: Layout
-    query_positions: torch.Tensor
-    key_positions: torch.Tensor
-    scale: float
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        layout: Layout,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        scale: float,
+        *,
+        source_k: torch.Tensor | None = None,
+        key_permutation: Permutation | None = None,
+        force_sink_block: bool = True,
+    ):
+        if k is None and (source_k is None or key_permutation is None):
+            raise ValueError("SelectionInputs needs the permuted keys k, or source_k and key_permutation")
+        self.q = q
+        self._k = k
+        self.layout = layout
+        self.query_positions = query_positions
+        self.key_positions = key_positions
+        self.scale = scale
+        self.source_k = source_k
+        self.key_permutation = key_permutation
+        self.force_sink_block = force_sink_block
+
+    @property
+    def k(self) -> torch.Tensor:
+        if self._k is None:
+            assert self.key_permutation is not None
+            self._k = self.key_permutation.apply(self.source_k)
+        return self._k
+
+    @property
+    def has_permuted_k(self) -> bool:
+        """Whether the permuted keys exist already (reading ``k`` costs nothing)."""
+        return self._k is not None
 
     def allowed_blocks(self) -> torch.Tensor:
         """``(Tq, Tk)`` bool: blocks not wholly in the future."""

@@ -79,9 +79,9 @@ def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
 
 def resolve_component_backend(config: PBSConfig, device: torch.device) -> str:
     """Backend whose permuter/selector implementations to use ("reference" unless a faster one exists)."""
-    if config.backend == "reference":
+    if config.backend == "reference" or device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return "reference"
-    return "triton" if device.type == "cuda" else "reference"
+    return "triton"
 
 
 def permute_keys_and_values(
@@ -101,22 +101,16 @@ def permute_keys_and_values(
     return perm.apply(k), (perm.apply(v) if v is not None else None)
 
 
-def build_plan(
-    q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None
-) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Runs the permuter and the selector.
+def run_permuter(q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSConfig, scale: float) -> tuple[Permutation, Permutation]:
+    """The permutation stage: ``(key_permutation, query_permutation)``.
 
     Args:
-        q, k: inputs of :func:`pbs.plan`.
-        config: the validated config.
-        scale: softmax scale.
-        v: values, when attention follows: they are permuted together with the keys.
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``, both in original order.
 
     Returns:
-        ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
-        keys ``(B, Hk, Nk, D)`` and values (None without ``v``), so nothing is gathered twice.
+        Key permutation ``(B, Hk, Nk)`` (``Hk`` is ``Hq`` in per-head mode, else ``Hkv``; identity
+        permutations use ``Hkv`` heads so K/V are never copied) and query permutation ``(B, Hq, Nq)``.
     """
-    layout = make_layout(q, k, config)
     backend = resolve_component_backend(config, q.device)
     perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
     permute = permuter_registry.implementation(config.permuter, backend)
@@ -128,9 +122,29 @@ def build_plan(
     query_perm = perms.queries or Permutation.identity(b, hq, nq, q.device)
     _check_permutation(key_perm, (b, key_heads, layout.seq_len_k), "key")
     _check_permutation(query_perm, (b, hq, nq), "query")
+    return key_perm, query_perm
 
-    q_perm = query_perm.apply(q)
-    k_perm, v_perm = permute_keys_and_values(key_perm, k, v)
+
+def run_selector(
+    q_perm: torch.Tensor,
+    k: torch.Tensor,
+    key_perm: Permutation,
+    query_perm: Permutation,
+    layout: Layout,
+    config: PBSConfig,
+    scale: float,
+    k_perm: torch.Tensor | None = None,
+) -> BlockMask:
+    """The selection stage: the :class:`BlockMask` over permuted blocks, forced blocks included.
+
+    Args:
+        q_perm: ``(B, Hq, Nq, D)`` queries in permuted order.
+        k: ``(B, Hkv, Nk, D)`` keys in original order.
+        key_perm, query_perm: from :func:`run_permuter`.
+        k_perm: the permuted keys when they already exist; otherwise a selector that needs them
+            gathers them (GPU selectors read ``k`` through the permutation instead).
+    """
+    backend = resolve_component_backend(config, q_perm.device)
     sel_inputs = SelectionInputs(
         q=q_perm,
         k=k_perm,
@@ -138,12 +152,38 @@ def build_plan(
         query_positions=query_perm.indices + layout.query_offset,
         key_positions=key_perm.indices,
         scale=scale,
+        source_k=k,
+        key_permutation=key_perm,
+        force_sink_block=config.force_sink_block,
     )
     select = selector_registry.implementation(config.selector, backend)
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
-    mask = result if isinstance(result, BlockMask) else finalize_selection(
-        result, layout, key_perm.indices, config.force_sink_block
-    )
+    if isinstance(result, BlockMask):
+        return result
+    return finalize_selection(result, layout, key_perm.indices, config.force_sink_block)
+
+
+def build_plan(
+    q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None
+) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Runs the permuter and the selector.
+
+    Args:
+        q, k: inputs of :func:`pbs.plan`.
+        config: the validated config.
+        scale: softmax scale.
+        v: values, when attention follows: they are permuted together with the keys.
+
+    Returns:
+        ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
+        keys ``(B, Hk, Nk, D)`` and values, so nothing is gathered twice. Without ``v`` the keys are
+        not gathered here (``k_perm`` and ``v_perm`` are None), which keeps :func:`pbs.plan` light.
+    """
+    layout = make_layout(q, k, config)
+    key_perm, query_perm = run_permuter(q, k, layout, config, scale)
+    q_perm = query_perm.apply(q)
+    k_perm, v_perm = permute_keys_and_values(key_perm, k, v) if v is not None else (None, None)
+    mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm)
     plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config)
     return plan, q_perm, k_perm, v_perm
 

@@ -84,6 +84,11 @@ class Permutation:
         return Permutation(self.indices.to(device), self.inverse.to(device), self.is_identity)
 
 
+def block_index_dtype(num_key_blocks: int) -> torch.dtype:
+    """The dtype of :attr:`BlockMask.indices` for ``num_key_blocks`` key blocks."""
+    return torch.int16 if num_key_blocks < 2**15 else torch.int32
+
+
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """Selected key blocks per (batch, query head, query block), as counts plus sorted indices.
@@ -93,7 +98,9 @@ class BlockMask:
 
     Attributes:
         counts: ``(B, Hq, Tq)`` int32, number of selected key blocks.
-        indices: ``(B, Hq, Tq, Tk)`` int32, selected key blocks in ascending order, then ``-1``.
+        indices: ``(B, Hq, Tq, Tk)`` selected key blocks in ascending order, then ``-1``; int16
+            while ``Tk < 2**15`` (up to 4M tokens at block 128: half the memory of int32, which
+            matters at 512K where the list alone is ``Hq * Tq * Tk`` entries), int32 beyond.
         layout: the geometry the mask was built for.
     """
 
@@ -115,7 +122,7 @@ class BlockMask:
         # the selected ones ascending.
         arange = torch.arange(tk, device=dense.device, dtype=torch.int32)
         keys = torch.where(dense, arange, tk + arange)
-        order = keys.argsort(dim=-1, stable=True).to(torch.int32)
+        order = keys.argsort(dim=-1, stable=True).to(block_index_dtype(tk))
         valid = arange < counts[..., None]
         indices = torch.where(valid, order, torch.full_like(order, -1))
         return cls(counts=counts, indices=indices, layout=layout)

@@ -18,9 +18,9 @@ def _selection_inputs(permuter="last_block", seq_len=300, seq_len_q=None, gqa="s
     from pbs.planning import build_plan
 
     config = small_config(permuter=permuter, gqa=gqa)
-    plan, q_perm, k_perm, _ = build_plan(q, k, config, 32**-0.5)
+    plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
     return plan, SelectionInputs(
-        q=q_perm, k=k_perm, layout=plan.layout, query_positions=plan.query_positions(),
+        q=q_perm, k=plan.key_permutation.apply(k), layout=plan.layout, query_positions=plan.query_positions(),
         key_positions=plan.key_positions(), scale=32**-0.5,
     )
 
@@ -35,7 +35,7 @@ def test_selector_contract(name, permuter, seq_len_q):
     layout, mask = plan.layout, plan.mask
     tq, tk = layout.num_query_blocks, layout.num_key_blocks
     assert mask.counts.shape == (2, 4, tq) and mask.indices.shape == (2, 4, tq, tk)
-    assert mask.counts.dtype == torch.int32 and mask.indices.dtype == torch.int32
+    assert mask.counts.dtype == torch.int32 and mask.indices.dtype == torch.int16
     dense = mask.to_dense()
     # Never a block wholly in the future; always the forced blocks.
     assert not (dense & ~layout.allowed_blocks()).any()
@@ -76,7 +76,8 @@ def test_mean_pool_equals_algorithm_2(seed, tau):
     from pbs.planning import build_plan
 
     config = small_config(permuter="random", selector={"name": "mean_pool", "threshold": tau}, gqa="per_head")
-    plan, q_perm, k_perm, _ = build_plan(q, k, config, 16**-0.5)
+    plan, q_perm, _, _ = build_plan(q, k, config, 16**-0.5)
+    k_perm = plan.key_permutation.apply(k)
     inputs = SelectionInputs(q_perm, k_perm, plan.layout, plan.query_positions(), plan.key_positions(), 16**-0.5)
     raw = config.selector.select(inputs)
     allowed = plan.layout.allowed_blocks()

@@ -110,3 +110,12 @@ def test_per_head_apply_expands_kv_heads():
     assert out.shape == (1, 4, 6, 3)
     for h in range(4):
         assert torch.equal(out[0, h], k[0, h // 2, idx[0, h]])
+
+
+def test_block_index_dtype_is_int16_below_2_to_15_blocks():
+    from pbs.types import block_index_dtype
+
+    # int16 halves the mask's memory; lists longer than int16 can index fall back to int32.
+    assert block_index_dtype(1) == torch.int16
+    assert block_index_dtype(2**15 - 1) == torch.int16
+    assert block_index_dtype(2**15) == torch.int32

@@ -154,7 +154,8 @@ def attention_maps(
             permuter=permuter_registry.parse(permuter).model_dump(),
             selector=selector_config.model_dump(),
         )
-        plan, q_perm, k_perm, _ = build_plan(q, k, cfg, s)
+        plan, q_perm, _, _ = build_plan(q, k, cfg, s)
+        k_perm = plan.key_permutation.apply(k)
         layout = plan.layout
         key_head = head * k_perm.shape[1] // hq  # per-head keys: the head itself; shared: its group
         one = slice(batch, batch + 1)

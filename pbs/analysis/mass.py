@@ -103,7 +103,8 @@ def permuted_block_mass(
     cfg = config_with(config, permuter=permuter_registry.parse(permuter).model_dump())
     q, k = q.float(), k.float()
     s = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    plan, q_perm, k_perm, _ = build_plan(q, k, cfg, s)
+    plan, q_perm, _, _ = build_plan(q, k, cfg, s)
+    k_perm = plan.key_permutation.apply(k)
     layout = plan.layout
     mass = block_attention_mass(q_perm, k_perm, plan.query_positions(), plan.key_positions(), layout, s)
     return PermutedMass(

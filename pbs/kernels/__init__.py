@@ -22,6 +22,7 @@ import os
 import torch
 
 from pbs.backends import AttentionBackend, AttentionCall, register_auto_candidate, register_backend
+from pbs.components import permuter_registry, selector_registry
 
 __all__ = ["triton_not_supported_reasons", "flex_not_supported_reasons"]
 
@@ -105,6 +106,30 @@ def _triton_auto_reasons(call: AttentionCall) -> list[str]:
         return ["auto uses the Triton kernel on CUDA only (name backend='triton' to run the interpreter)"]
     return []
 
+
+def _last_block_permute(config, inputs):
+    from pbs.kernels.last_block import last_block_permute
+
+    return last_block_permute(config, inputs)
+
+
+def _mean_pool_select(config, inputs):
+    from pbs.kernels.selection import mean_pool_select
+
+    return mean_pool_select(config, inputs)
+
+
+def _antidiagonal_select(config, inputs):
+    from pbs.kernels.selection import antidiagonal_select
+
+    return antidiagonal_select(config, inputs)
+
+
+# Planning on the GPU: the `triton` implementations of the default permuter and both
+# score-based selectors (pbs.planning uses them for CUDA inputs unless backend="reference").
+permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
+selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
+selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
 
 register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton, _triton_auto_reasons))
 register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex))

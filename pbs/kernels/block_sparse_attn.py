@@ -56,8 +56,8 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
-    """One entry of a selected-block list.
+def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr, INDEX_16: tl.constexpr):
+    """One entry of a selected-block list (int16 or int32 in memory), as int32.
 
     On the GPU it is read with inline PTX (``ld.global.nc``: the lists are read-only here) because
     the software pipeliner turns a plain ``tl.load`` in the loop into an async copy through shared
@@ -65,7 +65,11 @@ def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
     The interpreter has no inline PTX, so it gets the plain load.
     """
     if PLAIN_LOAD:
-        return tl.load(p_entry)
+        return tl.load(p_entry).to(tl.int32)
+    elif INDEX_16:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b16 $0, [$1];", "=h,l", [p_entry], dtype=tl.int16, is_pure=True, pack=1
+        ).to(tl.int32)
     else:
         return tl.inline_asm_elementwise(
             "ld.global.nc.b32 $0, [$1];", "=r,l", [p_entry], dtype=tl.int32, is_pure=True, pack=1
@@ -119,6 +123,7 @@ def _block_sparse_attn_fwd(
     DOT_PRECISION: tl.constexpr,
     GQA_ORDER: tl.constexpr,
     INTERPRET: tl.constexpr,
+    INDEX_16: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -197,7 +202,7 @@ def _block_sparse_attn_fwd(
 
     # Off-diagonal blocks: no mask at all.
     for it in range(0, n_unmasked * SUB_N):
-        j = _load_block_index(p_list + it // SUB_N, INTERPRET)
+        j = _load_block_index(p_list + it // SUB_N, INTERPRET, INDEX_16)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -209,7 +214,7 @@ def _block_sparse_attn_fwd(
         if KEYS_PERMUTED:
             p_kpos_head = kpos_ptr + i_b.to(tl.int64) * stride_kpb + i_hk.to(tl.int64) * stride_kph
         for it in range(n_unmasked * SUB_N, count * SUB_N):
-            j = _load_block_index(p_list + it // SUB_N, INTERPRET)
+            j = _load_block_index(p_list + it // SUB_N, INTERPRET, INDEX_16)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
             b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -410,7 +415,7 @@ def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) 
     elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
     counts = mask.counts.to(torch.int32)
-    indices = mask.indices.to(torch.int32)
+    indices = mask.indices if mask.indices.dtype in (torch.int16, torch.int32) else mask.indices.to(torch.int32)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     queries_permuted = causal and query_positions is not None
@@ -464,6 +469,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
         GQA_ORDER=config.gqa_order,
         INTERPRET=_interpreting(),
+        INDEX_16=call.indices.dtype == torch.int16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

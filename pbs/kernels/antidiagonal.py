@@ -1,0 +1,387 @@
+"""XAttention's strided antidiagonal block shares in Triton: the fast twin of
+:func:`pbs.selectors.antidiagonal.antidiagonal_block_scores`.
+
+The reference concatenates ``stride`` consecutive queries in reverse order and ``stride``
+consecutive keys in order, so the strided logit of row ``r`` and column ``c`` is
+``sum_s q[r * stride + stride - 1 - s] . k[c * stride + s]``. The kernel never builds those
+reshaped copies: for each ``s`` it loads every ``stride``-th row of Q and K (a strided row load)
+and adds one ``tl.dot``.
+
+One program handles ``BLOCK_QB`` query blocks of one (batch, query head): their strided rows form
+the N side of the dot and ``BLOCK_KB`` key blocks' strided keys the M side (the logits are computed
+transposed, keys x rows, so that the many keys fill the tensor core's M dimension even when a
+program has only 16 rows). Two passes walk the key blocks from the first to the last allowed one of
+the program's query blocks, masked with ``allowed`` (block level, as in the reference):
+
+1. online softmax statistics (running max and sum of ``exp2``) of every strided row;
+2. the logits again, turned into probabilities and summed per (query block, key block) tile.
+
+Every valid strided row with any allowed key sums to one, so a query block's row total, by which
+the reference divides, is its number of such rows: known after pass 1, which lets pass 2 store
+finished shares without a third pass. Key blocks outside the walked range are stored as zeros.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pbs.layout import Layout, cdiv
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _strided_logits_t(
+    q_head,
+    k_head,
+    idx_head,
+    stride_qn,
+    stride_kn,
+    row_tok,
+    row_valid,
+    col_tok,
+    col_valid,
+    seq_len_q,
+    seq_len_k,
+    head_dim,
+    STRIDE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Raw strided logits, transposed: ``(BLOCK_C, BLOCK_R)`` float32 (keys x query rows).
+
+    Tokens past ``Nq`` / ``Nk`` read as zero, like the reference's zero padding.
+    """
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_dim
+    acc = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    for s in range(STRIDE):
+        q_tok = row_tok + (STRIDE - 1 - s)
+        m_q = (row_valid & (q_tok < seq_len_q))[:, None] & m_d[None, :]
+        p_q = q_head + q_tok.to(tl.int64)[:, None] * stride_qn + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_q, other=0.0)
+        k_tok = col_tok + s
+        m_k_row = col_valid & (k_tok < seq_len_k)
+        if USE_INDICES:
+            k_row = tl.load(idx_head + k_tok, mask=m_k_row, other=0)
+        else:
+            k_row = k_tok
+        p_k = k_head + k_row.to(tl.int64)[:, None] * stride_kn + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_k_row[:, None] & m_d[None, :], other=0.0)
+        acc = tl.dot(b_k, tl.trans(b_q), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _antidiagonal_shares_kernel(
+    q_ptr,
+    k_ptr,
+    idx_ptr,
+    allowed_ptr,
+    lo_ptr,
+    hi_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_ib,
+    stride_ih,
+    stride_ob,
+    stride_oh,
+    stride_oq,
+    n_heads,
+    head_start,
+    q_group,
+    k_group,
+    num_groups,
+    seq_len_q,
+    seq_len_k,
+    num_q_blocks,
+    num_k_blocks,
+    head_dim,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    STRIDE: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
+    PB: tl.constexpr,
+    BLOCK_QB: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_R: tl.constexpr = BLOCK_QB * PB
+    BLOCK_C: tl.constexpr = BLOCK_KB * PB
+
+    # Program order (fastest first): query head, query-block group (the longest rows first, so
+    # short ones fill the tail of a causal launch), batch. Neighbouring heads of one GQA group run
+    # together and walk the same keys, which then stay in L2.
+    i_pid = tl.program_id(0)
+    i_h = i_pid % n_heads
+    i_rest = i_pid // n_heads
+    i_g = num_groups - 1 - i_rest % num_groups
+    i_b = i_rest // num_groups
+    i_hq = head_start + i_h
+    i_hk = i_hq // q_group
+
+    q_head = q_ptr + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
+    k_head = k_ptr + i_b.to(tl.int64) * stride_kb + (i_hk // k_group).to(tl.int64) * stride_kh
+    idx_head = idx_ptr
+    if USE_INDICES:
+        idx_head = idx_ptr + i_b.to(tl.int64) * stride_ib + i_hk.to(tl.int64) * stride_ih
+    out_head = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+
+    # Strided query rows: PB (PER_BLOCK rounded up to a power of two) per query block.
+    o_r = tl.arange(0, BLOCK_R)
+    r_in = o_r % PB
+    qb = i_g * BLOCK_QB + o_r // PB
+    row_tok = qb * BLOCK_SIZE + r_in * STRIDE
+    # As in the reference, a strided row counts when its first token is a real query.
+    row_valid = (r_in < PER_BLOCK) & (row_tok < seq_len_q)
+
+    o_c = tl.arange(0, BLOCK_C)
+    c_in = o_c % PB
+    kb_local = o_c // PB
+    o_qb = i_g * BLOCK_QB + tl.arange(0, BLOCK_QB)
+    o_kb = tl.arange(0, BLOCK_KB)
+
+    lo = tl.load(lo_ptr + i_g)
+    hi = tl.load(hi_ptr + i_g)
+    end = lo + tl.cdiv(hi - lo, BLOCK_KB) * BLOCK_KB
+
+    # Pass 1: softmax statistics per strided row, in the log2 domain. A finite start for the
+    # running max keeps rows that see no key free of inf - inf.
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for kb0 in range(lo, end, BLOCK_KB):
+        kb = kb0 + kb_local
+        col_tok = kb * BLOCK_SIZE + c_in * STRIDE
+        col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
+        b_s = _strided_logits_t(
+            q_head, k_head, idx_head, stride_qn, stride_kn, row_tok, row_valid, col_tok, col_valid,
+            seq_len_q, seq_len_k, head_dim,
+            STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+        )
+        b_allowed = tl.load(
+            allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
+            mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
+            other=0,
+        )
+        m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
+        b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 0))
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
+        m_i = m_new
+
+    # The reference divides each query block's tile sums by their total, which is the number of
+    # its strided rows that see any key (each such row's probabilities sum to one).
+    seen = (l_i > 0.0).to(tl.float32)
+    n_seen = tl.sum(tl.reshape(seen, [BLOCK_QB, PB]), 1)
+    n_seen_r = tl.reshape(tl.broadcast_to(n_seen[:, None], [BLOCK_QB, PB]), [BLOCK_R])
+    w_r = tl.where(l_i > 0.0, 1.0 / (tl.where(l_i > 0.0, l_i, 1.0) * tl.maximum(n_seen_r, 1.0)), 0.0)
+
+    # Pass 2: probabilities summed per (key block, query block) tile; finished shares are stored.
+    m_out_q = (o_qb < num_q_blocks)[None, :]
+    for kb0 in range(lo, end, BLOCK_KB):
+        kb = kb0 + kb_local
+        col_tok = kb * BLOCK_SIZE + c_in * STRIDE
+        col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
+        b_s = _strided_logits_t(
+            q_head, k_head, idx_head, stride_qn, stride_kn, row_tok, row_valid, col_tok, col_valid,
+            seq_len_q, seq_len_k, head_dim,
+            STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+        )
+        b_allowed = tl.load(
+            allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
+            mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
+            other=0,
+        )
+        m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
+        b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
+        b_p = tl.math.exp2(b_s - m_i[None, :]) * w_r[None, :]
+        b_tile = tl.sum(tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_QB, PB]), 3), 1)
+        o_k = kb0 + o_kb
+        p_out = out_head + o_qb[None, :] * stride_oq + o_k[:, None]
+        tl.store(p_out, b_tile, mask=(o_k < num_k_blocks)[:, None] & m_out_q)
+
+    # Key blocks outside the walked range are not allowed for any query block here.
+    zeros = tl.zeros([BLOCK_KB, BLOCK_QB], dtype=tl.float32)
+    for kb0 in range(0, lo, BLOCK_KB):
+        o_k = kb0 + o_kb
+        tl.store(out_head + o_qb[None, :] * stride_oq + o_k[:, None], zeros, mask=(o_k < lo)[:, None] & m_out_q)
+    for kb0 in range(end, num_k_blocks, BLOCK_KB):
+        o_k = kb0 + o_kb
+        tl.store(
+            out_head + o_qb[None, :] * stride_oq + o_k[:, None], zeros, mask=(o_k < num_k_blocks)[:, None] & m_out_q
+        )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _walk_ranges(allowed: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and one-past-last allowed key block of each group of ``group`` query blocks.
+
+    Returns:
+        ``(lo, hi)``, each ``(ceil(Tq / group),)`` int32; ``lo == hi == 0`` for a group that sees
+        nothing.
+    """
+    tq, tk = allowed.shape
+    a8 = allowed.to(torch.uint8)
+    seen = allowed.any(-1)
+    # argmax returns the first maximal index: the first allowed block, and (flipped) the last one.
+    first = torch.where(seen, a8.argmax(-1), tk)
+    last = torch.where(seen, tk - a8.flip(-1).argmax(-1), 0)
+    pad = cdiv(tq, group) * group - tq
+    if pad:
+        first = torch.cat([first, first.new_full((pad,), tk)])
+        last = torch.cat([last, last.new_zeros(pad)])
+    hi = last.view(-1, group).amax(-1)
+    lo = torch.minimum(first.view(-1, group).amin(-1), hi)
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+
+
+def _blocks_per_program(per_block_pow2: int, rows: int, cols: int) -> tuple[int, int]:
+    """``(BLOCK_QB, BLOCK_KB)`` giving about ``rows`` strided rows and ``cols`` strided keys (>= 16 each)."""
+    return max(1, max(rows, 16) // per_block_pow2), max(1, max(cols, 16) // per_block_pow2)
+
+
+def antidiagonal_block_shares(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: Layout,
+    stride: int,
+    scale: float,
+    key_indices: torch.Tensor | None = None,
+    head_start: int = 0,
+    head_stop: int | None = None,
+    allowed: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    query_blocks_per_program: int | None = None,
+    key_blocks_per_step: int | None = None,
+) -> torch.Tensor:
+    """Strided antidiagonal block shares of attention, equal to ``antidiagonal_block_scores``.
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries in permuted order (fp16, bf16 or fp32).
+        k: ``(B, Hk, Nk, D)`` keys in permuted order with ``Hq % Hk == 0`` (query head ``h`` reads
+            key head ``h // (Hq // Hk)``); with ``key_indices``, ``(B, Hkv, Nk, D)`` keys in
+            original order with ``Hk % Hkv == 0``.
+        layout: geometry of the call (block size, lengths, causality).
+        stride: antidiagonal stride; must divide ``layout.block_size``.
+        scale: softmax scale (the strided logits use ``scale / stride``, as the reference).
+        key_indices: ``(B, Hk, Nk)`` int64 or None: permuted key slot ``t`` of key head ``h`` is row
+            ``key_indices[b, h, t]`` of ``k``'s head ``h * Hkv // Hk``; None when ``k`` is permuted.
+        head_start, head_stop: compute query heads ``[head_start, head_stop)`` only.
+        allowed: ``(Tq, Tk)`` bool block mask of the softmax, default ``layout.allowed_blocks``.
+        out: optional ``(B, head_stop - head_start, Tq, Tk)`` float32 buffer to write (every
+            element is written); allocated when None.
+        query_blocks_per_program, key_blocks_per_step: tuning overrides (powers of two); by default
+            about 64 strided rows x 128 strided keys per step on a GPU, 16 x 32 in the interpreter.
+
+    Returns:
+        ``(B, head_stop - head_start, Tq, Tk)`` float32: per query block, the share of its strided
+        attention that falls in each key block (rows sum to one, or are all zero).
+    """
+    b, hq, nq, d = q.shape
+    bs = layout.block_size
+    if stride <= 0 or bs % stride:
+        raise ValueError(f"stride ({stride}) must divide block_size ({bs})")
+    if nq != layout.seq_len_q or k.shape[2] != layout.seq_len_k or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match the layout {layout}")
+    if key_indices is None:
+        hk = k.shape[1]
+        k_group = 1
+    else:
+        hk = key_indices.shape[1]
+        if key_indices.shape != (b, hk, layout.seq_len_k) or hk % k.shape[1]:
+            raise ValueError(f"key_indices {tuple(key_indices.shape)} do not fit k {tuple(k.shape)}")
+        k_group = hk // k.shape[1]
+    if k.dtype != q.dtype:
+        raise ValueError(f"q and k must have one dtype, got {q.dtype} and {k.dtype}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key heads ({hk})")
+    head_stop = hq if head_stop is None else head_stop
+    if not 0 <= head_start < head_stop <= hq:
+        raise ValueError(f"head range [{head_start}, {head_stop}) is not inside [0, {hq})")
+    tq, tk = layout.num_query_blocks, layout.num_key_blocks
+    if allowed is None:
+        allowed = layout.allowed_blocks(q.device)
+    if allowed.shape != (tq, tk):
+        raise ValueError(f"allowed must be ({tq}, {tk}), got {tuple(allowed.shape)}")
+    allowed = allowed.to(device=q.device, dtype=torch.bool).contiguous()
+
+    n_heads = head_stop - head_start
+    if out is None:
+        out = torch.empty(b, n_heads, tq, tk, dtype=torch.float32, device=q.device)
+    elif out.shape != (b, n_heads, tq, tk) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be float32 ({b}, {n_heads}, {tq}, {tk}) with unit last stride")
+    if out.numel() == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if key_indices is not None and key_indices.stride(-1) != 1:
+        key_indices = key_indices.contiguous()
+
+    per_block = bs // stride
+    pb = triton.next_power_of_2(per_block)
+    on_gpu = q.is_cuda and not _interpreting()
+    # GPU: 64 rows x 128 keys makes each step one 128x64 wgmma per stride offset (M = keys, a full
+    # warpgroup tile) and reuses every K row for 64 query rows. The interpreter: small tiles, so
+    # the tests' short sequences still take several steps and groups.
+    qb_per, kb_per = _blocks_per_program(pb, 64, 128) if on_gpu else _blocks_per_program(pb, 16, 32)
+    if query_blocks_per_program is not None:
+        qb_per = query_blocks_per_program
+    if key_blocks_per_step is not None:
+        kb_per = key_blocks_per_step
+    if qb_per * pb < 16 or kb_per * pb < 16:
+        raise ValueError("a program needs at least 16 strided rows and 16 strided keys (tl.dot)")
+    if on_gpu:
+        # Short sequences: fewer query blocks per program rather than idle SMs.
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        while qb_per * pb > 16 and b * n_heads * cdiv(tq, qb_per) < 2 * sms:
+            qb_per //= 2
+
+    lo, hi = _walk_ranges(allowed, qb_per)
+    num_groups = lo.shape[0]
+    idx = key_indices if key_indices is not None else lo  # any pointer; not read without indices
+    grid = (b * n_heads * num_groups,)
+    _antidiagonal_shares_kernel[grid](
+        q, k, idx, allowed.view(torch.uint8), lo, hi, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        *(key_indices.stride()[:2] if key_indices is not None else (0, 0)),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_heads, head_start, hq // hk, k_group, num_groups,
+        layout.seq_len_q, layout.seq_len_k, tq, tk, d,
+        scale / stride * LOG2_E,
+        BLOCK_SIZE=bs,
+        STRIDE=stride,
+        PER_BLOCK=per_block,
+        PB=pb,
+        BLOCK_QB=qb_per,
+        BLOCK_KB=kb_per,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        USE_INDICES=key_indices is not None,
+        # fp32: exact products so that the result matches the fp32 reference closely.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        # 4 warps = one warpgroup for the 128x64 wgmma; 3 stages of (128 + 64) x 128 fp16 K/Q tiles
+        # (144 KB) keep the strided row loads in flight within sm_90's shared memory.
+        num_warps=4,
+        num_stages=3 if on_gpu else 1,
+    )
+    return out

@@ -1,0 +1,103 @@
+"""GPU implementations of the ``mean_pool`` and ``antidiagonal`` selectors, producing a BlockMask directly.
+
+Both score one chunk of query heads at a time into a bounded fp32 buffer and hand it to the row
+kernel of :mod:`pbs.kernels.threshold_select`, so the float scores of all heads never exist at once
+(``Hq * Tq * Tk * 4`` bytes would be 2 GiB at 512K tokens). Registered as the ``triton``
+implementations of the selector configs in :mod:`pbs.kernels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pbs.components import SelectionInputs
+from pbs.kernels.block_means import block_means
+from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
+from pbs.planning import sink_blocks
+from pbs.types import BlockMask
+
+# Upper bound on the fp32 score buffer of one head chunk.
+SCORE_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def heads_per_chunk(inputs: SelectionInputs, chunk_bytes: int = SCORE_CHUNK_BYTES) -> int:
+    """Query heads scored together: as many as fit ``chunk_bytes``, a multiple of the GQA group."""
+    layout = inputs.layout
+    per_head = layout.batch * layout.num_query_blocks * layout.num_key_blocks * 4
+    group = layout.heads_q // inputs.key_positions.shape[1]
+    groups = max(1, min(layout.heads_q // group, chunk_bytes // max(1, per_head * group)))
+    return groups * group
+
+
+def _permuted_key_rows(inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys to read and the indices to read them through (None when ``k`` is already permuted)."""
+    if inputs.has_permuted_k or inputs.source_k is None or inputs.key_permutation is None:
+        return inputs.k, None
+    if inputs.key_permutation.is_identity and inputs.source_k.shape[1] == inputs.key_positions.shape[1]:
+        return inputs.source_k, None
+    return inputs.source_k, inputs.key_positions
+
+
+def select_in_head_chunks(
+    inputs: SelectionInputs,
+    threshold: float,
+    score_chunk: Callable[[int, int], torch.Tensor],
+    from_logits: bool,
+    logit_scale: float = 1.0,
+) -> BlockMask:
+    """Runs ``score_chunk(h0, h1) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
+
+    The sink block and the on-diagonal segment are forced here, as
+    :func:`pbs.planning.finalize_selection` does for the reference selectors.
+    """
+    layout = inputs.layout
+    device = inputs.q.device
+    counts, indices = empty_block_mask_tensors(layout, device)
+    allowed = layout.allowed_blocks(device)
+    diagonal = layout.diagonal_blocks(device)
+    sinks = sink_blocks(layout, inputs.key_positions) if inputs.force_sink_block else None
+    step = heads_per_chunk(inputs)
+    for h0 in range(0, layout.heads_q, step):
+        h1 = min(layout.heads_q, h0 + step)
+        scores = score_chunk(h0, h1)
+        threshold_select_rows(
+            scores, layout, threshold, counts, indices, head_offset=h0, sink_blocks=sinks,
+            from_logits=from_logits, logit_scale=logit_scale, allowed=allowed, diagonal=diagonal,
+        )
+    return BlockMask(counts=counts, indices=indices, layout=layout)
+
+
+def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
+    """``triton`` implementation of :class:`~pbs.selectors.mean_pool.MeanPoolSelector`."""
+    layout = inputs.layout
+    q_bar = block_means(inputs.q, layout.block_size)  # (B, Hq, Tq, D)
+    k_rows, k_indices = _permuted_key_rows(inputs)
+    k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
+    group = layout.heads_q // k_bar.shape[1]
+
+    def logits(h0: int, h1: int) -> torch.Tensor:
+        b, _, tq, d = q_bar.shape
+        queries = q_bar[:, h0:h1].reshape(b, (h1 - h0) // group, group, tq, d)
+        keys = k_bar[:, h0 // group : h1 // group]
+        return torch.einsum("bhgqd,bhkd->bhgqk", queries, keys).reshape(b, h1 - h0, tq, -1)
+
+    return select_in_head_chunks(inputs, config.threshold, logits, from_logits=True, logit_scale=inputs.scale)
+
+
+def antidiagonal_select(config, inputs: SelectionInputs) -> BlockMask:
+    """``triton`` implementation of :class:`~pbs.selectors.antidiagonal.AntidiagonalSelector`."""
+    from pbs.kernels.antidiagonal import antidiagonal_block_shares
+
+    layout = inputs.layout
+    allowed = layout.allowed_blocks(inputs.q.device)
+    k_rows, k_indices = _permuted_key_rows(inputs)
+
+    def shares(h0: int, h1: int) -> torch.Tensor:
+        return antidiagonal_block_shares(
+            inputs.q, k_rows, layout, config.stride, inputs.scale, key_indices=k_indices,
+            head_start=h0, head_stop=h1, allowed=allowed,
+        )
+
+    return select_in_head_chunks(inputs, config.threshold, shares, from_logits=False)

@@ -1,0 +1,149 @@
+"""Cumulative-threshold block selection straight to a :class:`~pbs.types.BlockMask`, one row per program.
+
+The fast twin of :func:`pbs.selectors._threshold.select_by_cumulative_threshold` followed by
+:func:`pbs.planning.finalize_selection` and :meth:`BlockMask.from_dense`: softmax (for logits),
+sort, cumulative sum, threshold, forced blocks and the compaction to a sorted list all happen in
+registers, so no ``(B, Hq, Tq, Tk)`` bool or float mask is ever written.
+
+Ties: a score and its block index are packed into one int64 key (score bits high, reversed index
+low), so a descending sort ranks equal scores by ascending block index, as the reference's stable
+sort does, and the kept set is exactly the first ``needed`` keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pbs.layout import Layout
+from pbs.types import block_index_dtype
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _threshold_select_kernel(
+    scores_ptr,
+    allowed_ptr,
+    diagonal_ptr,
+    sink_ptr,
+    counts_ptr,
+    indices_ptr,
+    heads_chunk,
+    head_offset,
+    heads_total,
+    num_query_blocks,
+    num_key_blocks,
+    threshold,
+    logit_scale,
+    TK_PAD: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+):
+    i_row = tl.program_id(0)  # (b, local head, query block) of this chunk, row-major
+    i_q = i_row % num_query_blocks
+    i_bh = i_row // num_query_blocks
+    i_h = i_bh % heads_chunk + head_offset
+    i_b = i_bh // heads_chunk
+    o_j = tl.arange(0, TK_PAD)
+    m_j = o_j < num_key_blocks
+
+    allowed = tl.load(allowed_ptr + i_q * num_key_blocks + o_j, mask=m_j, other=0) != 0
+    x = tl.load(scores_ptr + i_row.to(tl.int64) * num_key_blocks + o_j, mask=m_j, other=0.0)
+    if FROM_LOGITS:
+        x = tl.where(allowed, x * logit_scale, float("-inf"))
+        row_max = tl.max(x, 0)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        p = tl.math.exp2(x - row_max)
+        total = tl.sum(p, 0)
+        p = p / tl.where(total > 0.0, total, 1.0)
+    else:
+        p = tl.where(allowed, x, 0.0)
+    p = tl.maximum(p, 0.0)  # -0.0 and tiny negatives would break the bit-order of the key
+
+    # Non-negative floats order like their bit patterns; -1 sorts every disallowed block last.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (TK_PAD - 1 - o_j).to(tl.int64)
+    key = tl.where(allowed, key, -1)
+    ranked = tl.sort(key, 0, descending=True)
+    ranked_p = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    cumulative = tl.cumsum(ranked_p, 0)
+    num_allowed = tl.sum(allowed.to(tl.int32), 0)
+    needed = tl.sum((cumulative < threshold).to(tl.int32), 0) + 1
+    needed = tl.minimum(needed, num_allowed)
+    o_rank = tl.arange(0, TK_PAD)
+    cutoff = tl.max(tl.where(o_rank == needed - 1, ranked, -1), 0)
+    selected = allowed & (key >= cutoff) & (needed > 0)
+
+    forced = tl.load(diagonal_ptr + i_q * num_key_blocks + o_j, mask=m_j, other=0) != 0
+    if FORCE_SINK:
+        sink = tl.load(sink_ptr + i_b * heads_total + i_h)
+        forced = forced | (o_j == sink)
+    selected = selected | (forced & allowed)
+
+    taken = selected.to(tl.int32)
+    count = tl.sum(taken, 0)
+    slot = tl.cumsum(taken, 0) - 1
+    out_row = (i_b.to(tl.int64) * heads_total + i_h) * num_query_blocks + i_q
+    p_list = indices_ptr + out_row * num_key_blocks
+    tl.store(p_list + slot, o_j.to(indices_ptr.dtype.element_ty), mask=taken != 0)
+    tl.store(p_list + o_j, tl.full([TK_PAD], -1, indices_ptr.dtype.element_ty), mask=m_j & (o_j >= count))
+    tl.store(counts_ptr + out_row, count)
+
+
+def empty_block_mask_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``counts (B, Hq, Tq)`` int32 and ``indices (B, Hq, Tq, Tk)`` for a BlockMask."""
+    b, hq, tq, tk = layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks
+    counts = torch.empty(b, hq, tq, dtype=torch.int32, device=device)
+    indices = torch.empty(b, hq, tq, tk, dtype=block_index_dtype(tk), device=device)
+    return counts, indices
+
+
+def threshold_select_rows(
+    scores: torch.Tensor,
+    layout: Layout,
+    threshold: float,
+    counts: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    head_offset: int,
+    sink_blocks: torch.Tensor | None,
+    from_logits: bool,
+    logit_scale: float = 1.0,
+    allowed: torch.Tensor | None = None,
+    diagonal: torch.Tensor | None = None,
+) -> None:
+    """Selects the blocks of query heads ``[head_offset, head_offset + hc)`` into ``counts``/``indices``.
+
+    Args:
+        scores: ``(B, hc, Tq, Tk)`` float32, contiguous: logits (``from_logits``, softmax over the
+            allowed blocks is taken here after multiplying by ``logit_scale``) or shares that
+            already sum to 1 over the allowed blocks of each row.
+        layout: geometry of the call.
+        threshold: ``tau`` in ``(0, 1]``.
+        counts, indices: the BlockMask tensors of all ``Hq`` heads (see
+            :func:`empty_block_mask_tensors`); rows of this chunk are written.
+        head_offset: first query head of the chunk.
+        sink_blocks: ``(B, Hq)`` int64 block holding position 0 per head, or None to not force it.
+        allowed, diagonal: ``(Tq, Tk)`` bool from the layout (passed in when a caller loops over
+            chunks, so they are built once).
+    """
+    b, hc, tq, tk = scores.shape
+    device = scores.device
+    if allowed is None:
+        allowed = layout.allowed_blocks(device)
+    if diagonal is None:
+        diagonal = layout.diagonal_blocks(device)
+    scores = scores.contiguous()
+    sink = sink_blocks.to(torch.int32).contiguous() if sink_blocks is not None else counts
+    tk_pad = max(16, triton.next_power_of_2(tk))
+    _threshold_select_kernel[(b * hc * tq,)](
+        scores, allowed.to(torch.int8).contiguous(), diagonal.to(torch.int8).contiguous(), sink,
+        counts, indices,
+        hc, head_offset, layout.heads_q, tq, tk,
+        float(threshold), float(logit_scale) * LOG2_E if from_logits else 1.0,
+        TK_PAD=tk_pad,
+        FROM_LOGITS=from_logits,
+        FORCE_SINK=sink_blocks is not None,
+        num_warps=max(1, min(8, tk_pad // 256)),
+    )

@@ -1,0 +1,221 @@
+"""Differential tests: the Triton antidiagonal block-share kernel against its eager twin.
+
+Truth is :func:`pbs.selectors.antidiagonal.antidiagonal_block_scores` on the permuted tensors. On
+CPU the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes
+are tiny and dtypes are fp32/fp16 (the interpreter's bf16 dot products are wrong); the ``gpu`` test
+reruns the check in bf16 at a longer length. Every output buffer is NaN-poisoned first, so a block
+that the kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.components import SelectionInputs
+from pbs.kernels.antidiagonal import antidiagonal_block_shares
+from pbs.layout import Layout
+from pbs.permuters._segments import sort_within_segments
+from pbs.planning import make_layout
+from pbs.selectors.antidiagonal import antidiagonal_block_scores
+from pbs.testing import make_qkv
+from pbs.types import Permutation
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _CustomAllowedInputs(SelectionInputs):
+    """Selection inputs whose allowed blocks are given, not derived from the layout."""
+
+    def __init__(self, *args, allowed: torch.Tensor, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._allowed = allowed
+
+    def allowed_blocks(self) -> torch.Tensor:
+        return self._allowed
+
+
+def segment_shuffle(batch: int, heads: int, length: int, lo: int, hi: int, segment: int, seed: int) -> Permutation:
+    """A random permutation that moves tokens only inside the full segments of ``[lo, hi)``."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(batch, heads, length, generator=gen)
+    return Permutation.from_indices(sort_within_segments(scores, lo, hi, segment))
+
+
+def reference(q, k_perm, layout, stride, scale, allowed=None) -> torch.Tensor:
+    """The eager shares of ``q (B, Hq, Nq, D)`` and permuted ``k_perm (B, Hk, Nk, D)``, fp32."""
+    b, hq, nq, _ = q.shape
+    hk, nk = k_perm.shape[1], k_perm.shape[2]
+    args = dict(
+        q=q.float(),
+        k=k_perm.float(),
+        layout=layout,
+        # The reference does not read positions; give plausible ones.
+        query_positions=(torch.arange(nq, device=q.device) + layout.query_offset).expand(b, hq, nq),
+        key_positions=torch.arange(nk, device=q.device).expand(b, hk, nk),
+        scale=scale,
+    )
+    inputs = SelectionInputs(**args) if allowed is None else _CustomAllowedInputs(**args, allowed=allowed)
+    return antidiagonal_block_scores(inputs, stride)
+
+
+def run_kernel(q, k, layout, stride, scale, head_start=0, head_stop=None, **kwargs) -> torch.Tensor:
+    """The kernel on a NaN-poisoned output buffer."""
+    stop = q.shape[1] if head_stop is None else head_stop
+    out = torch.full(
+        (q.shape[0], stop - head_start, layout.num_query_blocks, layout.num_key_blocks), float("nan"), device=q.device
+    )
+    got = antidiagonal_block_shares(q, k, layout, stride, scale, head_start=head_start, head_stop=head_stop, out=out, **kwargs)
+    assert got is out
+    assert not got.isnan().any(), "some output element was not written"
+    return got
+
+
+def workload(heads_q=4, heads_kv=2, seq_len=200, seq_len_q=None, head_dim=32, dtype=torch.float32, batch=2, seed=0):
+    q, k, _ = make_qkv(
+        batch, heads_q, heads_kv, seq_len, head_dim, seq_len_q=seq_len_q, slash_offsets=(16, 64), seed=seed,
+        dtype=dtype, device=DEVICE,
+    )
+    return q, k
+
+
+@pytest.mark.parametrize(
+    "block,stride",
+    [(32, 4), (32, 8), (32, 16), (64, 4), (64, 8), (64, 16)],
+)
+def test_matches_reference_fp32_gqa(block, stride):
+    # GQA 4:2, batch 2, 200 keys (not a multiple of the block), causal prefill.
+    q, k = workload()
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=block, segment_size=2 * block))
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q, k, layout, stride, scale)
+    torch.testing.assert_close(got, reference(q, k, layout, stride, scale), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("nq", [37, 90])
+def test_fewer_queries_than_keys_mha(nq):
+    # Hk == Hq; the queries are the last nq of 230 positions (neither a multiple of the block).
+    q, k = workload(heads_q=2, heads_kv=2, seq_len=230, seq_len_q=nq, seed=1)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    scale = 0.3
+    got = run_kernel(q, k, layout, 8, scale)
+    torch.testing.assert_close(got, reference(q, k, layout, 8, scale), atol=1e-5, rtol=0)
+
+
+def test_fp16_fewer_queries():
+    q, k = workload(seq_len=256, seq_len_q=150, dtype=torch.float16, seed=2)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=64, segment_size=128))
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q, k, layout, 8, scale)
+    # fp16 products are exact in fp32 on both sides; only the order of the sums differs.
+    torch.testing.assert_close(got, reference(q, k, layout, 8, scale), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "shared"])
+def test_key_indices_equal_permuted_keys(per_head):
+    # Segmented permutations of keys and queries: k read through key_indices (original order,
+    # Hkv = 2 heads) must give what the gathered permuted copy gives, and both the reference.
+    q, k = workload(seq_len=224, seq_len_q=192, seed=3)
+    b, hq, nq, _ = q.shape
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    hk = hq if per_head else k.shape[1]
+    key_perm = segment_shuffle(b, hk, layout.seq_len_k, 0, layout.permutable_key_len, 64, seed=4)
+    q_lo, q_hi = layout.permutable_query_range
+    query_perm = segment_shuffle(b, hq, nq, q_lo, q_hi, 64, seed=5)
+    assert not torch.equal(key_perm.indices, torch.arange(layout.seq_len_k).expand_as(key_perm.indices))
+    q_perm, k_perm = query_perm.apply(q), key_perm.apply(k)
+    scale = q.shape[-1] ** -0.5
+    via_indices = run_kernel(q_perm, k, layout, 8, scale, key_indices=key_perm.indices.to(DEVICE))
+    via_copy = run_kernel(q_perm, k_perm, layout, 8, scale)
+    torch.testing.assert_close(via_indices, via_copy, atol=1e-6, rtol=0)
+    torch.testing.assert_close(via_indices, reference(q_perm, k_perm, layout, 8, scale), atol=1e-5, rtol=0)
+
+
+def test_plan_permutation_and_head_range():
+    # A real plan (last_block permuter, per-head GQA), query heads [1, 3) only.
+    q, k = workload(seq_len=256, seed=6)
+    config = pbs.PBSConfig(
+        block_size=32, segment_size=64, permuter="last_block", gqa="per_head", backend="reference", check_finite=False
+    )
+    plan = pbs.plan(q, k, config)
+    q_perm, k_perm = plan.query_permutation.apply(q), plan.key_permutation.apply(k)
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q_perm, k, plan.layout, 4, scale, head_start=1, head_stop=3, key_indices=plan.key_positions())
+    want = reference(q_perm, k_perm, plan.layout, 4, scale)[:, 1:3]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_start,head_stop", [(0, 1), (3, 4)])
+def test_head_range_shared_kv(head_start, head_stop):
+    q, k = workload(seq_len=160, seed=7)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    got = run_kernel(q, k, layout, 8, 0.2, head_start=head_start, head_stop=head_stop)
+    want = reference(q, k, layout, 8, 0.2)[:, head_start:head_stop]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_non_causal():
+    q, k = workload(seq_len=200, seq_len_q=100, seed=8)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=64, segment_size=128, causal=False))
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q, k, layout, 16, scale)
+    torch.testing.assert_close(got, reference(q, k, layout, 16, scale), atol=1e-5, rtol=0)
+
+
+def test_custom_allowed_with_empty_rows_and_small_steps():
+    # Rows that start late, have holes or see nothing; several query blocks per program and one
+    # key block per step, so the zero-filled ranges before and after the walk are exercised.
+    q, k = workload(heads_q=2, heads_kv=1, seq_len=288, seed=9)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    gen = torch.Generator().manual_seed(10)
+    allowed = torch.rand(layout.num_query_blocks, layout.num_key_blocks, generator=gen) < 0.4
+    allowed[2] = False
+    allowed[3, :4] = False
+    allowed[5] = False
+    allowed[5, 6] = True
+    allowed = allowed.to(DEVICE)
+    scale = q.shape[-1] ** -0.5
+    want = reference(q, k, layout, 4, scale, allowed=allowed)
+    # Stride 4: eight strided rows per block, so (4, 2) is 32 rows x 16 keys per step.
+    for qb_per, kb_per in [(4, 2), (2, 4)]:
+        got = run_kernel(
+            q, k, layout, 4, scale, allowed=allowed, query_blocks_per_program=qb_per, key_blocks_per_step=kb_per
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got[:, :, 2] == 0).all()
+
+
+def test_per_block_not_a_power_of_two():
+    # block 48, stride 16: three strided rows per block, padded to four inside the kernel.
+    q, k = workload(heads_q=2, heads_kv=1, seq_len=200, seq_len_q=170, seed=11)
+    layout = Layout(batch=2, heads_q=2, heads_kv=1, seq_len_q=170, seq_len_k=200, block_size=48, segment_size=96)
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q, k, layout, 16, scale)
+    torch.testing.assert_close(got, reference(q, k, layout, 16, scale), atol=1e-5, rtol=0)
+
+
+def test_rejects_bad_arguments():
+    q, k = workload(seq_len=64, batch=1)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    with pytest.raises(ValueError, match="must divide"):
+        antidiagonal_block_shares(q, k, layout, 12, 1.0)
+    with pytest.raises(ValueError, match="head range"):
+        antidiagonal_block_shares(q, k, layout, 8, 1.0, head_start=2, head_stop=2)
+    with pytest.raises(ValueError, match="one dtype"):
+        antidiagonal_block_shares(q, k.half(), layout, 8, 1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_long():
+    q, k = workload(heads_q=8, heads_kv=2, seq_len=8192, head_dim=128, dtype=torch.bfloat16, batch=1, seed=12)
+    config = pbs.PBSConfig(block_size=128, segment_size=1024)
+    layout = make_layout(q, k, config)
+    scale = q.shape[-1] ** -0.5
+    want = reference(q, k, layout, 8, scale)  # fp32 from the same bf16 inputs
+    got = run_kernel(q, k, layout, 8, scale)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    # The same through a segmented key permutation read via key_indices (per-head GQA).
+    key_perm = segment_shuffle(1, 8, 8192, 0, layout.permutable_key_len, 1024, seed=13).to(DEVICE)
+    got = run_kernel(q, k, layout, 8, scale, key_indices=key_perm.indices)
+    torch.testing.assert_close(got, reference(q, key_perm.apply(k), layout, 8, scale), atol=1e-3, rtol=0)
