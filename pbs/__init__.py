@@ -10,6 +10,7 @@ torch.Size([1, 4, 1024, 32])
 from pbs import permuters as _permuters  # noqa: F401  (registers the built-in permuters)
 from pbs import selectors as _selectors  # noqa: F401  (registers the built-in selectors)
 from pbs import kernels  # noqa: F401  (registers the Triton and FlexAttention backends)
+from pbs import ops  # noqa: F401  (registers torch.ops.pbs.attention for torch.compile)
 from pbs import reference, testing
 from pbs.api import attention, plan, run
 from pbs.backends import list_backends

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
+from pbs.dense import dense_attention_sdpa, density_fallback_reason, length_fallback_reason
 from pbs.planning import build_plan, permute_keys_and_values
 from pbs.types import Plan
 from pbs.validation import check_qkv
@@ -94,7 +96,9 @@ def attention(
         return_plan: also return the :class:`~pbs.types.Plan` (density, mask, permutations).
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``).
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``). With
+        ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense SDPA instead: the plan
+        is then None (too short to plan) or has ``plan.fallback`` set (density too high).
 
     Example:
         >>> import torch, pbs
@@ -104,12 +108,29 @@ def attention(
         >>> bool(((out.float() - dense).norm() / dense.norm()) < 0.1)
         True
     """
+    if torch.compiler.is_compiling():
+        if return_plan:
+            raise ValueError("return_plan=True is not supported under torch.compile (the plan is not a tensor)")
+        return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
     check_qkv(q, k, v, check_finite=config.check_finite)
     s = _scale(q, scale)
+    if length_fallback_reason(config, q, k) is not None:
+        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
+        return (out, None) if return_plan else out
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
+    reason = density_fallback_reason(config, p)
+    if reason is not None:
+        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
+        return (out, dataclasses.replace(p, fallback=reason)) if return_plan else out
     out = _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s)
     return (out, p) if return_plan else out
+
+
+@torch.compiler.assume_constant_result
+def _config_json(config: ConfigLike) -> str:
+    # Validated once when the graph is traced; the custom op receives the JSON string.
+    return PBSConfig.coerce(config).model_dump_json()
 
 
 def _run_permuted(

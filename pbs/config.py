@@ -14,6 +14,30 @@ Backend = Literal["auto", "reference", "triton", "flex"]
 GQAMode = Literal["per_head", "shared"]
 
 
+class DenseFallback(BaseModel):
+    """When ``backend="auto"`` runs dense attention (SDPA) instead, because sparse cannot win there.
+
+    The defaults come from the crossover measured on an H200 (docs/benchmarks.md): below about
+    ``min_seq_len`` keys planning and launch costs eat the saving, and above ``max_density`` the
+    block-sparse kernel is slower than cuDNN's dense one.
+
+    Attributes:
+        min_seq_len: run dense when ``Nk`` is below this (decided from shapes: no planning, no sync).
+            0 turns the length rule off.
+        max_density: run dense when the planned density is above this. Deciding needs the density
+            on the host, so it costs one device-to-host sync after planning and is skipped (with a
+            log line) while a CUDA graph is being captured. None turns the density rule off.
+        devices: device types the policy applies to (the crossover was measured on CUDA; on CPU
+            the reference path is for study, not speed).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_seq_len: int = Field(16384, ge=0)
+    max_density: float | None = Field(0.8, gt=0.0, le=1.0)
+    devices: tuple[str, ...] = ("cuda",)
+
+
 def _default_permuter() -> PermuterConfig:
     return permuter_registry.parse("last_block")
 
@@ -43,6 +67,7 @@ class PBSConfig(BaseModel):
             ``"triton"`` or ``"flex"`` (FlexAttention with the same mask).
         force_sink_block: always compute the key block that holds position 0 (the attention sink).
         check_finite: reject NaN/inf inputs (one extra read of q, k and v, and a host sync).
+        dense_fallback: when ``backend="auto"`` runs dense SDPA instead (:class:`DenseFallback`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,6 +82,7 @@ class PBSConfig(BaseModel):
     backend: Backend = "auto"
     force_sink_block: bool = True
     check_finite: bool = True
+    dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
 
     @field_validator("permuter", mode="before")
     @classmethod

@@ -167,12 +167,15 @@ class Plan:
         mask: the selected blocks in permuted order.
         config: the config that produced the plan.
         layout: geometry of the call.
+        fallback: set by :func:`pbs.attention` when the plan was made but dense attention ran
+            instead (the reason, e.g. the density was above ``dense_fallback.max_density``).
     """
 
     key_permutation: Permutation
     query_permutation: Permutation
     mask: BlockMask
     config: "PBSConfig"
+    fallback: str | None = None
 
     @property
     def layout(self) -> Layout:

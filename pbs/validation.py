@@ -54,9 +54,26 @@ def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> Non
             f"q has more positions (Nq = {nq}) than k (Nk = {nk}); queries are the last Nq of the Nk positions"
         )
     if check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError(f"{name} contains NaN or inf values")
+        check_all_finite({"q": q, "k": k, "v": v})
+
+
+def check_all_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Raises ``ValueError`` naming the first tensor that holds NaN or inf.
+
+    One min/max reduction per tensor (NaN propagates through both, inf shows in one of them), so
+    nothing of the inputs' size is allocated, and a single host sync for all of them.
+    """
+    first = next(iter(tensors.values()))
+    if first.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "check_finite=True reads a flag on the host, which a CUDA graph capture cannot do; "
+            "pass a config with check_finite=False to capture pbs.attention in a graph"
+        )
+    extremes = torch.stack([torch.stack(torch.aminmax(x)).float() for x in tensors.values()])
+    finite = torch.isfinite(extremes).all(-1).tolist()
+    for name, ok in zip(tensors, finite):
+        if not ok:
+            raise ValueError(f"{name} contains NaN or inf values")
 
 
 def _layout_hint(name: str) -> str:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
-#   bash scripts/gpu_check.sh [all|tests|bench] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning] [benchmark arguments...]
+# tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
+# and memory benchmarks (issue #4).
 # Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
 # then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
 set -uo pipefail
@@ -14,11 +16,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $mode == all || $mode == tests ]]; then
-  timeout 240 python3 -m pytest tests/test_kernel_triton.py tests/test_kernel_flex.py -m gpu -q -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests -m gpu -q -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   status=${PIPESTATUS[0]}
 fi
 if [[ $mode == all || $mode == bench ]]; then
   timeout 320 python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ $mode == all || $mode == planning ]]; then
+  timeout ${PLANNING_TIMEOUT:-330} python3 benchmarks/bench_planning.py --json "$OUT/planning.json" 2>&1 | tee "$OUT/planning.log"
+  timeout ${MEMORY_TIMEOUT:-120} python3 benchmarks/bench_plan_memory.py --json "$OUT/plan_memory.json" 2>&1 | tee "$OUT/plan_memory.log"
 fi
 exit $status

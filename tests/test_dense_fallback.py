@@ -1,0 +1,81 @@
+"""The ``auto`` dense-fallback policy (``PBSConfig.dense_fallback``) and the SDPA dense path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.dense import dense_attention_sdpa
+from pbs.testing import relative_error
+
+SMALL = {"block_size": 32, "segment_size": 64}
+
+
+def _qkv(seq_len=256, seq_len_q=None):
+    return pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q, head_dim=32)
+
+
+@pytest.mark.parametrize("seq_len_q", [None, 100])
+def test_sdpa_path_equals_dense_reference(seq_len_q):
+    # Bottom-right causal alignment for Nq < Nk, GQA without expanding K/V.
+    q, k, v = _qkv(seq_len_q=seq_len_q)
+    out = dense_attention_sdpa(q, k, v, scale=32**-0.5)
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
+
+
+def test_short_inputs_run_dense_without_planning():
+    q, k, v = _qkv()
+    config = {**SMALL, "dense_fallback": {"min_seq_len": 257, "devices": ["cpu"]}}
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is None
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
+    # One key more than the limit: PBS runs (its output differs from dense).
+    config["dense_fallback"]["min_seq_len"] = 256
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is not None and plan.fallback is None and plan.density < 1
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) > 1e-3
+
+
+def test_dense_selection_falls_back_after_planning():
+    q, k, v = _qkv()
+    sparse = pbs.plan(q, k, SMALL)
+    config = {**SMALL, "dense_fallback": {"min_seq_len": 0, "max_density": sparse.density - 0.01, "devices": ["cpu"]}}
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is not None and "max_density" in plan.fallback
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
+    config["dense_fallback"]["max_density"] = min(1.0, sparse.density + 0.01)
+    _, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan.fallback is None
+
+
+def test_policy_only_for_auto_and_listed_devices():
+    q, k, v = _qkv()
+    always = {"min_seq_len": 10**9, "devices": ["cpu"]}
+    # Named backends are never replaced.
+    _, plan = pbs.attention(q, k, v, {**SMALL, "backend": "reference", "dense_fallback": always}, return_plan=True)
+    assert plan is not None
+    # The default policy applies on CUDA only: CPU runs PBS.
+    _, plan = pbs.attention(q, k, v, SMALL, return_plan=True)
+    assert plan is not None and pbs.PBSConfig().dense_fallback.devices == ("cuda",)
+
+
+def test_dense_fallback_config_is_validated_and_round_trips():
+    config = pbs.PBSConfig(dense_fallback={"min_seq_len": 0, "max_density": None})
+    assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
+    with pytest.raises(ValueError, match="max_density"):
+        pbs.PBSConfig(dense_fallback={"max_density": 1.5})
+    with pytest.raises(ValueError, match="min_seq_len"):
+        pbs.PBSConfig(dense_fallback={"min_seq_len": -1})
+
+
+@pytest.mark.gpu
+def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=4096, head_dim=128,
+                                   dtype=torch.bfloat16, device="cuda")
+    out, plan = pbs.attention(q, k, v, {"check_finite": False}, return_plan=True)
+    assert plan is None  # 4K < the default min_seq_len
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
+    config = {"check_finite": False, "dense_fallback": {"min_seq_len": 0, "max_density": 1.0}}
+    _, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is not None and plan.fallback is None
