@@ -25,7 +25,7 @@ from pbs.components import (
     register_permuter,
     register_selector,
 )
-from pbs.config import PBSConfig
+from pbs.config import DenseFallback, PBSConfig
 from pbs.layout import Layout
 from pbs.types import BlockMask, Permutation, Plan
 
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
+    "DenseFallback",
     "Layout",
     "PBSConfig",
     "PermutationInputs",

@@ -66,7 +66,7 @@ def test_assert_close_to_reference_fails_on_large_error():
 
 def test_public_api_is_pinned():
     assert sorted(pbs.__all__) == sorted([
-        "BlockMask", "Layout", "PBSConfig", "PermutationInputs", "Permutation", "Permutations",
+        "BlockMask", "DenseFallback", "Layout", "PBSConfig", "PermutationInputs", "Permutation", "Permutations",
         "PermuterConfig", "Plan", "SelectionInputs", "SelectorConfig", "__version__", "attention",
         "list_backends", "list_permuters", "list_selectors", "plan", "reference", "register_permuter",
         "register_selector", "run", "testing",

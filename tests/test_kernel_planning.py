@@ -14,7 +14,9 @@ from pbs.kernels.selection import heads_per_chunk, mean_pool_select
 from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
 from pbs.permuters._segments import mean_attention_over_queries, scoring_queries, sort_within_segments
 from pbs.permuters.avg_query import block_means as reference_block_means
-from pbs.planning import build_plan, make_layout, sink_blocks
+from pbs.kernels.block_sets import block_sets
+from pbs.layout import Layout
+from pbs.planning import build_plan, make_layout
 from pbs.selectors._threshold import select_by_cumulative_threshold
 from pbs.selectors.mean_pool import mean_pool_block_scores
 from pbs.types import BlockMask
@@ -104,9 +106,23 @@ def test_last_block_permutation_sorts_reference_scores(case):
 
 def test_sort_segments_breaks_ties_towards_the_lower_index():
     scores = torch.tensor([[[0.5, 0.5, 0.25, 0.5, 0.0, 1.0, 1.0, 0.0, 0.3]]])
-    perm = sort_segments(scores, segment_size=4, num_segments=2)
+    perm = sort_segments(scores, segment_size=4)
     expected = sort_within_segments(scores, 0, 8, 4)
     assert perm.indices.tolist() == expected.tolist() == [[[0, 1, 3, 2, 5, 6, 4, 7, 8]]]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "seq_len_q, seq_len_k, block, segment",
+    [(512, 512, 64, 128), (300, 300, 32, 64), (130, 300, 32, 64), (77, 1000, 16, 64), (1000, 1000, 64, 256),
+     (40, 40, 16, 64), (257, 513, 32, 96)],
+)
+def test_block_sets_match_layout(seq_len_q, seq_len_k, block, segment, causal):
+    layout = Layout(batch=1, heads_q=1, heads_kv=1, seq_len_q=seq_len_q, seq_len_k=seq_len_k,
+                    block_size=block, segment_size=segment, causal=causal)
+    allowed, diagonal = block_sets(layout, "cpu")
+    assert torch.equal(allowed, layout.allowed_blocks())
+    assert torch.equal(diagonal, layout.diagonal_blocks() & layout.allowed_blocks())
 
 
 def _reference_mask(scores, layout, threshold, key_positions, force_sink=True):
@@ -132,9 +148,10 @@ def test_threshold_select_exact_ties_and_forced_blocks():
     for threshold in (0.5, 0.75, 1.0):
         expected = _reference_mask(shares, layout, threshold, key_positions)
         counts, indices = empty_block_mask_tensors(layout, shares.device)
+        allowed, diagonal = block_sets(layout, shares.device)
         threshold_select_rows(
-            shares, layout, threshold, counts, indices, head_offset=0,
-            sink_blocks=sink_blocks(layout, key_positions), from_logits=False,
+            shares, layout, threshold, counts, indices, head_offset=0, key_inverse=key_positions,
+            from_logits=False, allowed=allowed, diagonal=diagonal,
         )
         assert torch.equal(counts, expected.counts) and torch.equal(indices, expected.indices)
 
@@ -182,8 +199,10 @@ def test_mean_pool_select_in_several_head_chunks(monkeypatch):
     )
     layout = plan.layout
     per_head = layout.batch * layout.num_query_blocks * layout.num_key_blocks * 4
-    assert heads_per_chunk(inputs, chunk_bytes=per_head) == 2  # never splits a GQA group
-    monkeypatch.setattr("pbs.kernels.selection.SCORE_CHUNK_BYTES", per_head * 2)
+    assert heads_per_chunk(inputs, chunk_bytes=per_head) == 1
+    assert heads_per_chunk(inputs, chunk_bytes=1) == 1
+    # Chunks of 3 heads split the GQA groups of 2: the pooled keys must follow each query head.
+    monkeypatch.setattr("pbs.kernels.selection.SCORE_CHUNK_BYTES", per_head * 3)
     chunked = mean_pool_select(config.selector, inputs)
     assert torch.equal(chunked.counts, plan.mask.counts) and torch.equal(chunked.indices, plan.mask.indices)
 

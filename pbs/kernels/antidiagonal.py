@@ -252,6 +252,20 @@ def _walk_ranges(allowed: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
+def _gpu_tile() -> tuple[int, int, int, int]:
+    """``(strided rows, strided keys, warps, stages)`` per program on the GPU.
+
+    ``PBS_ANTIDIAGONAL_TILE="rows,keys,warps,stages"`` overrides it (benchmarks/sweep_antidiagonal.py).
+    The default is 64 x 128 with 4 warps (one warpgroup for the 128x64 wgmma) and 3 stages of
+    (128 + 64) x 128 fp16 K/Q tiles (144 KB of shared memory).
+    """
+    forced = os.environ.get("PBS_ANTIDIAGONAL_TILE")
+    if forced:
+        rows, cols, warps, stages = (int(x) for x in forced.split(","))
+        return rows, cols, warps, stages
+    return 64, 128, 4, 3
+
+
 def _blocks_per_program(per_block_pow2: int, rows: int, cols: int) -> tuple[int, int]:
     """``(BLOCK_QB, BLOCK_KB)`` giving about ``rows`` strided rows and ``cols`` strided keys (>= 16 each)."""
     return max(1, max(rows, 16) // per_block_pow2), max(1, max(cols, 16) // per_block_pow2)
@@ -343,7 +357,8 @@ def antidiagonal_block_shares(
     # GPU: 64 rows x 128 keys makes each step one 128x64 wgmma per stride offset (M = keys, a full
     # warpgroup tile) and reuses every K row for 64 query rows. The interpreter: small tiles, so
     # the tests' short sequences still take several steps and groups.
-    qb_per, kb_per = _blocks_per_program(pb, 64, 128) if on_gpu else _blocks_per_program(pb, 16, 32)
+    rows, cols, num_warps, num_stages = _gpu_tile() if on_gpu else (16, 32, 4, 1)
+    qb_per, kb_per = _blocks_per_program(pb, rows, cols)
     if query_blocks_per_program is not None:
         qb_per = query_blocks_per_program
     if key_blocks_per_step is not None:
@@ -379,9 +394,7 @@ def antidiagonal_block_shares(
         USE_INDICES=key_indices is not None,
         # fp32: exact products so that the result matches the fp32 reference closely.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        # 4 warps = one warpgroup for the 128x64 wgmma; 3 stages of (128 + 64) x 128 fp16 K/Q tiles
-        # (144 KB) keep the strided row loads in flight within sm_90's shared memory.
-        num_warps=4,
-        num_stages=3 if on_gpu else 1,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -15,20 +15,20 @@ import torch
 from pbs.components import SelectionInputs
 from pbs.kernels.block_means import block_means
 from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
-from pbs.planning import sink_blocks
-from pbs.types import BlockMask
+from pbs.kernels.block_sets import block_sets
+from pbs.types import BlockMask, Permutation
 
 # Upper bound on the fp32 score buffer of one head chunk.
 SCORE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
-def heads_per_chunk(inputs: SelectionInputs, chunk_bytes: int = SCORE_CHUNK_BYTES) -> int:
-    """Query heads scored together: as many as fit ``chunk_bytes``, a multiple of the GQA group."""
+def heads_per_chunk(inputs: SelectionInputs, chunk_bytes: int | None = None) -> int:
+    """Query heads scored together: as many as fit ``chunk_bytes`` (default
+    :data:`SCORE_CHUNK_BYTES`), at least one."""
     layout = inputs.layout
+    chunk_bytes = SCORE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     per_head = layout.batch * layout.num_query_blocks * layout.num_key_blocks * 4
-    group = layout.heads_q // inputs.key_positions.shape[1]
-    groups = max(1, min(layout.heads_q // group, chunk_bytes // max(1, per_head * group)))
-    return groups * group
+    return max(1, min(layout.heads_q, chunk_bytes // max(1, per_head)))
 
 
 def _permuted_key_rows(inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -43,11 +43,11 @@ def _permuted_key_rows(inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Ten
 def select_in_head_chunks(
     inputs: SelectionInputs,
     threshold: float,
-    score_chunk: Callable[[int, int], torch.Tensor],
+    score_chunk: Callable[[int, int, torch.Tensor], torch.Tensor],
     from_logits: bool,
     logit_scale: float = 1.0,
 ) -> BlockMask:
-    """Runs ``score_chunk(h0, h1) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
+    """Runs ``score_chunk(h0, h1, allowed) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
 
     The sink block and the on-diagonal segment are forced here, as
     :func:`pbs.planning.finalize_selection` does for the reference selectors.
@@ -55,15 +55,17 @@ def select_in_head_chunks(
     layout = inputs.layout
     device = inputs.q.device
     counts, indices = empty_block_mask_tensors(layout, device)
-    allowed = layout.allowed_blocks(device)
-    diagonal = layout.diagonal_blocks(device)
-    sinks = sink_blocks(layout, inputs.key_positions) if inputs.force_sink_block else None
+    allowed, diagonal = block_sets(layout, device)
+    inverse = None
+    if inputs.force_sink_block:
+        perm = inputs.key_permutation or Permutation.from_indices(inputs.key_positions)
+        inverse = perm.inverse
     step = heads_per_chunk(inputs)
     for h0 in range(0, layout.heads_q, step):
         h1 = min(layout.heads_q, h0 + step)
-        scores = score_chunk(h0, h1)
+        scores = score_chunk(h0, h1, allowed)
         threshold_select_rows(
-            scores, layout, threshold, counts, indices, head_offset=h0, sink_blocks=sinks,
+            scores, layout, threshold, counts, indices, head_offset=h0, key_inverse=inverse,
             from_logits=from_logits, logit_scale=logit_scale, allowed=allowed, diagonal=diagonal,
         )
     return BlockMask(counts=counts, indices=indices, layout=layout)
@@ -77,11 +79,11 @@ def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
     k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
     group = layout.heads_q // k_bar.shape[1]
 
-    def logits(h0: int, h1: int) -> torch.Tensor:
-        b, _, tq, d = q_bar.shape
-        queries = q_bar[:, h0:h1].reshape(b, (h1 - h0) // group, group, tq, d)
-        keys = k_bar[:, h0 // group : h1 // group]
-        return torch.einsum("bhgqd,bhkd->bhgqk", queries, keys).reshape(b, h1 - h0, tq, -1)
+    def logits(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
+        # Pooled keys of each query head's KV head: (B, hc, Tk, D), small next to the scores.
+        heads = torch.arange(h0, h1, device=k_bar.device) // group
+        keys = k_bar.index_select(1, heads) if group > 1 else k_bar[:, h0:h1]
+        return torch.matmul(q_bar[:, h0:h1], keys.transpose(-1, -2))
 
     return select_in_head_chunks(inputs, config.threshold, logits, from_logits=True, logit_scale=inputs.scale)
 
@@ -91,10 +93,9 @@ def antidiagonal_select(config, inputs: SelectionInputs) -> BlockMask:
     from pbs.kernels.antidiagonal import antidiagonal_block_shares
 
     layout = inputs.layout
-    allowed = layout.allowed_blocks(inputs.q.device)
     k_rows, k_indices = _permuted_key_rows(inputs)
 
-    def shares(h0: int, h1: int) -> torch.Tensor:
+    def shares(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
         return antidiagonal_block_shares(
             inputs.q, k_rows, layout, config.stride, inputs.scale, key_indices=k_indices,
             head_start=h0, head_stop=h1, allowed=allowed,

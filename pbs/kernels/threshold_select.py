@@ -27,7 +27,10 @@ def _threshold_select_kernel(
     scores_ptr,
     allowed_ptr,
     diagonal_ptr,
-    sink_ptr,
+    inverse_ptr,
+    stride_inv_b,
+    stride_inv_h,
+    key_group,
     counts_ptr,
     indices_ptr,
     heads_chunk,
@@ -37,6 +40,7 @@ def _threshold_select_kernel(
     num_key_blocks,
     threshold,
     logit_scale,
+    block_size,
     TK_PAD: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
     FORCE_SINK: tl.constexpr,
@@ -77,8 +81,9 @@ def _threshold_select_kernel(
 
     forced = tl.load(diagonal_ptr + i_q * num_key_blocks + o_j, mask=m_j, other=0) != 0
     if FORCE_SINK:
-        sink = tl.load(sink_ptr + i_b * heads_total + i_h)
-        forced = forced | (o_j == sink)
+        # The sink is the block of the slot that original position 0 moved to.
+        sink_slot = tl.load(inverse_ptr + i_b.to(tl.int64) * stride_inv_b + (i_h // key_group).to(tl.int64) * stride_inv_h)
+        forced = forced | (o_j == sink_slot // block_size)
     selected = selected | (forced & allowed)
 
     taken = selected.to(tl.int32)
@@ -107,11 +112,11 @@ def threshold_select_rows(
     indices: torch.Tensor,
     *,
     head_offset: int,
-    sink_blocks: torch.Tensor | None,
+    key_inverse: torch.Tensor | None,
     from_logits: bool,
+    allowed: torch.Tensor,
+    diagonal: torch.Tensor,
     logit_scale: float = 1.0,
-    allowed: torch.Tensor | None = None,
-    diagonal: torch.Tensor | None = None,
 ) -> None:
     """Selects the blocks of query heads ``[head_offset, head_offset + hc)`` into ``counts``/``indices``.
 
@@ -124,26 +129,25 @@ def threshold_select_rows(
         counts, indices: the BlockMask tensors of all ``Hq`` heads (see
             :func:`empty_block_mask_tensors`); rows of this chunk are written.
         head_offset: first query head of the chunk.
-        sink_blocks: ``(B, Hq)`` int64 block holding position 0 per head, or None to not force it.
-        allowed, diagonal: ``(Tq, Tk)`` bool from the layout (passed in when a caller loops over
-            chunks, so they are built once).
+        key_inverse: ``(B, Hk, Nk)`` inverse key permutation (original index -> slot), whose
+            entry for position 0 gives the sink block; None to not force the sink.
+        from_logits: whether ``scores`` are logits or shares.
+        allowed, diagonal: ``(Tq, Tk)`` bool block sets of the layout (:mod:`pbs.kernels.block_sets`).
     """
     b, hc, tq, tk = scores.shape
-    device = scores.device
-    if allowed is None:
-        allowed = layout.allowed_blocks(device)
-    if diagonal is None:
-        diagonal = layout.diagonal_blocks(device)
     scores = scores.contiguous()
-    sink = sink_blocks.to(torch.int32).contiguous() if sink_blocks is not None else counts
+    inverse = key_inverse if key_inverse is not None else counts
+    key_group = layout.heads_q // key_inverse.shape[1] if key_inverse is not None else 1
     tk_pad = max(16, triton.next_power_of_2(tk))
     _threshold_select_kernel[(b * hc * tq,)](
-        scores, allowed.to(torch.int8).contiguous(), diagonal.to(torch.int8).contiguous(), sink,
+        scores, allowed.view(torch.int8), diagonal.view(torch.int8),
+        inverse, inverse.stride(0) if key_inverse is not None else 0,
+        inverse.stride(1) if key_inverse is not None else 0, key_group,
         counts, indices,
         hc, head_offset, layout.heads_q, tq, tk,
-        float(threshold), float(logit_scale) * LOG2_E if from_logits else 1.0,
+        float(threshold), float(logit_scale) * LOG2_E if from_logits else 1.0, layout.block_size,
         TK_PAD=tk_pad,
         FROM_LOGITS=from_logits,
-        FORCE_SINK=sink_blocks is not None,
+        FORCE_SINK=key_inverse is not None,
         num_warps=max(1, min(8, tk_pad // 256)),
     )

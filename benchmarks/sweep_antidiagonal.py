@@ -1,0 +1,57 @@
+"""Tile sweep of the antidiagonal share kernel on the GPU (pbs/kernels/antidiagonal.py).
+
+    python3 benchmarks/sweep_antidiagonal.py --json $OUT/antidiagonal_sweep.json
+
+Times ``antidiagonal_block_shares`` for all 32 heads (B=1, Hq=32, Hkv=8, D=128, bf16, block 128,
+stride 8) under each ``PBS_ANTIDIAGONAL_TILE`` variant, in a fresh process per variant so the tile
+choice is read at launch; prints ms and the fraction of cuDNN dense time (benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+VARIANTS = ["64,128,4,3", "128,128,8,3", "128,128,8,2", "128,64,4,3", "256,128,8,2"]
+
+CHILD = r"""
+import json, sys, torch, pbs
+from pbs.kernels.antidiagonal import antidiagonal_block_shares
+from pbs.planning import make_layout
+from pbs.testing import benchmark_cuda
+out = {}
+for n in [int(x) for x in sys.argv[1:]]:
+    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    layout = make_layout(q, k, pbs.PBSConfig())
+    fn = lambda: antidiagonal_block_shares(q, k, layout, 8, 128 ** -0.5)
+    out[n] = benchmark_cuda(fn, warmup=2, iters=5)
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for variant in VARIANTS:
+        env = {**os.environ, "PBS_ANTIDIAGONAL_TILE": variant}
+        proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args.lengths)], env=env,
+                              capture_output=True, text=True, timeout=150)
+        if proc.returncode:
+            rows.append({"variant": variant, "error": proc.stderr[-400:]})
+        else:
+            rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
+        print(rows[-1], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
