@@ -415,7 +415,10 @@ def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) 
     elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
     counts = mask.counts.to(torch.int32)
-    indices = mask.indices if mask.indices.dtype in (torch.int16, torch.int32) else mask.indices.to(torch.int32)
+    # The kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
+    # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
+    # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
+    indices = mask.indices.to(torch.int32)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
     queries_permuted = causal and query_positions is not None
