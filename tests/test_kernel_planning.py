@@ -247,3 +247,21 @@ def test_gpu_planning_matches_reference_bf16(selector):
     same = (fast.mask.to_dense() == reference.mask.to_dense()).all(-1).float().mean()
     assert same > 0.95
     assert abs(fast.density - reference.density) < 0.01
+
+
+def test_mean_pool_select_non_causal_matches_reference():
+    case = (2, 4, 2, 300, None, 32, 32, 64, "shared")
+    q, k, _, config, _ = _permutation_inputs(case, torch.float32)
+    config = config.model_copy(update={"causal": False})
+    plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
+    inputs = SelectionInputs(
+        q_perm, None, plan.layout, plan.query_positions(), plan.key_positions(), 32**-0.5,
+        source_k=k, key_permutation=plan.key_permutation,
+    )
+    actual = mean_pool_select(config.selector, inputs)
+    # Every block is allowed, so rows may select future blocks; the reference must agree.
+    assert (actual.to_dense() & ~plan.layout.diagonal_blocks()).any()
+    reference_inputs = SelectionInputs(
+        q_perm, plan.key_permutation.apply(k), plan.layout, plan.query_positions(), plan.key_positions(), 32**-0.5,
+    )
+    _assert_same_selection(actual, plan.mask, mean_pool_block_scores(reference_inputs), 0.9)

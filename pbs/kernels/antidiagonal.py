@@ -80,6 +80,31 @@ def _strided_logits_t(
 
 
 @triton.jit
+def _masked_step_logits(
+    q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb, kb, c_in,
+    seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+    BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_INDICES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key step of either pass: ``log2``-scaled strided logits ``(BLOCK_C, BLOCK_R)``, -inf
+    where the block pair is not allowed or a row/column is padding."""
+    col_tok = kb * BLOCK_SIZE + c_in * STRIDE
+    col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
+    b_s = _strided_logits_t(
+        q_head, k_head, idx_head, stride_qn, stride_kn, row_tok, row_valid, col_tok, col_valid,
+        seq_len_q, seq_len_k, head_dim,
+        STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+    )
+    b_allowed = tl.load(
+        allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
+        mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
+        other=0,
+    )
+    m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
+    return tl.where(m_keep, b_s * qk_scale, float("-inf"))
+
+
+@triton.jit
 def _antidiagonal_shares_kernel(
     q_ptr,
     k_ptr,
@@ -164,21 +189,11 @@ def _antidiagonal_shares_kernel(
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     for kb0 in range(lo, end, BLOCK_KB):
-        kb = kb0 + kb_local
-        col_tok = kb * BLOCK_SIZE + c_in * STRIDE
-        col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
-        b_s = _strided_logits_t(
-            q_head, k_head, idx_head, stride_qn, stride_kn, row_tok, row_valid, col_tok, col_valid,
-            seq_len_q, seq_len_k, head_dim,
-            STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+        b_s = _masked_step_logits(
+            q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+            kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+            BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
         )
-        b_allowed = tl.load(
-            allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
-            mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
-            other=0,
-        )
-        m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
-        b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 0))
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
         m_i = m_new
@@ -193,21 +208,11 @@ def _antidiagonal_shares_kernel(
     # Pass 2: probabilities summed per (key block, query block) tile; finished shares are stored.
     m_out_q = (o_qb < num_q_blocks)[None, :]
     for kb0 in range(lo, end, BLOCK_KB):
-        kb = kb0 + kb_local
-        col_tok = kb * BLOCK_SIZE + c_in * STRIDE
-        col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
-        b_s = _strided_logits_t(
-            q_head, k_head, idx_head, stride_qn, stride_kn, row_tok, row_valid, col_tok, col_valid,
-            seq_len_q, seq_len_k, head_dim,
-            STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+        b_s = _masked_step_logits(
+            q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+            kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+            BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
         )
-        b_allowed = tl.load(
-            allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
-            mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
-            other=0,
-        )
-        m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
-        b_s = tl.where(m_keep, b_s * qk_scale, float("-inf"))
         b_p = tl.math.exp2(b_s - m_i[None, :]) * w_r[None, :]
         b_tile = tl.sum(tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_QB, PB]), 3), 1)
         o_k = kb0 + o_kb
