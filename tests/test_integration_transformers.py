@@ -385,3 +385,16 @@ def test_pbs_generate_cli_rejects_bad_input(tmp_path, capsys):
     (tmp_path / "p.txt").write_text("w1")
     assert main(["generate", str(tmp_path), "--prompt-file", str(tmp_path / "p.txt"), "--config", "{bad"]) == 2
     assert "invalid --config" in capsys.readouterr().err
+
+
+def test_trace_records_the_dense_fallback_of_pbs_attention(model):
+    # PBSConfig.dense_fallback (here applied on CPU) makes pbs.attention run SDPA itself: the trace
+    # says so instead of failing on a missing plan, and the logits are SDPA's.
+    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": {"min_seq_len": 10_000, "devices": ["cpu"]}},
+                    min_seq_len=32, min_query_len=2)
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert [(c.path, c.reason) for c in calls] == [("sdpa", "dense_fallback")] * 2
+    assert max_diff(got, expected) < TOL

@@ -257,7 +257,11 @@ def pbs_attention_forward(
         return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if _active_traces:
         out, plan = pbs_attention(query, key, value, pbs_config, scale=scaling, return_plan=True)
-        _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
+        if plan is None or plan.fallback is not None:
+            # pbs.attention itself ran dense SDPA (PBSConfig.dense_fallback).
+            _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback"))
+        else:
+            _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
     else:
         out = pbs_attention(query, key, value, pbs_config, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
