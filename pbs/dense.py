@@ -91,7 +91,10 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _log_once("pbs: dense_fallback.max_density is not applied inside a CUDA graph capture (it needs a host sync)")
         return None
-    density = plan.density
+    # One reduction and one read on the host (Plan.density would take several small ops).
+    layout = plan.layout
+    selected = int(plan.mask.counts.sum(dtype=torch.int64))
+    density = selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
     if density > limit:
         return f"density {density:.3f} is above dense_fallback.max_density = {limit}"
     return None

@@ -22,7 +22,7 @@ and the off-diagonal rest (wholly in the past: no per-token mask).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 import torch
 
@@ -149,10 +149,22 @@ class Layout:
         """Number of allowed key blocks per query block: ``(Tq,)`` int64."""
         return self.allowed_blocks(device).sum(-1)
 
-    @cached_property
+    @property
     def total_allowed_blocks(self) -> int:
-        """Allowed (query block, key block) pairs of one head: the denominator of density."""
-        return int(self.allowed_blocks().sum())
+        """Allowed (query block, key block) pairs of one head: the denominator of density.
+
+        Cached per geometry: every call builds a new Layout, and building the ``(Tq, Tk)`` set on
+        the CPU costs about a millisecond at 128K, which the dense-fallback check would pay per call.
+        """
+        return _total_allowed_blocks(
+            self.seq_len_q, self.seq_len_k, self.block_size, self.segment_size, self.causal
+        )
+
+
+@lru_cache(maxsize=1024)
+def _total_allowed_blocks(seq_len_q: int, seq_len_k: int, block_size: int, segment_size: int, causal: bool) -> int:
+    layout = Layout(1, 1, 1, seq_len_q, seq_len_k, block_size, segment_size, causal)
+    return int(layout.allowed_blocks().sum())
 
 
 def _block_reduce(values: torch.Tensor, block_size: int, how: str) -> torch.Tensor:
