@@ -190,6 +190,14 @@ def run(args) -> dict:
     return result
 
 
+def package_version(module: str) -> str | None:
+    """``module.__version__``, or None when it is not installed (shared by the benchmark scripts)."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
 def save(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(_without_nan(result), f, indent=1)

@@ -36,7 +36,6 @@ exist only for CUDA):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 
 import pbs
+from bench_kernel import package_version, save
 from pbs.config import PBSConfig
 
 DEFAULT_LENGTHS = [131072, 524288]
@@ -146,18 +146,6 @@ def print_table(result: dict) -> None:
         print(f"{verdict} N={r['n']} {r['config']}: peak {_fmt(r['peak_fraction'], '.3f')} x qkv")
 
 
-def save(result: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -179,7 +167,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.machine()})",
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "shape": {"batch": 1, "heads_q": args.heads_q, "heads_kv": args.heads_kv, "head_dim": args.head_dim,

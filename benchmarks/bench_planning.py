@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 import bench_kernel
 import pbs
-from bench_kernel import cudnn_dense, save, time_ms
+from bench_kernel import cudnn_dense, package_version, save, time_ms
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
 from pbs.planning import make_layout, permute_keys_and_values, run_permuter, run_selector
@@ -321,13 +321,6 @@ def print_paper_comparison(result: dict) -> None:
               f"{_fmt(r.get('overhead_pct'), '.1f', '%'):>8} | {_fmt(r.get('speedup_sparse'), '.2f', 'x'):>7}")
 
 
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -359,7 +352,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
         "python": platform.python_version(),

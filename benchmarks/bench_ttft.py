@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
 import pbs.integrations.transformers as pbs_hf
+from bench_kernel import package_version
 
 MODEL_SHAPE = dict(
     num_hidden_layers=32,
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "pbs": pbs.__version__,
@@ -248,13 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nTTFT, Llama-3.1-8B shapes, random bf16 weights, {payload['device']}\n{format_table(rows)}\nwrote {out}")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":
