@@ -4,7 +4,9 @@ Protocol (docs/benchmarks.md): B=1, Hq=32, Hkv=8, D=128, bf16, causal, segment 2
 masks from the ``budget`` selector on ``last_block``-permuted keys (shared GQA). Every time is the
 median of CUDA-event timings after warm-up, with the L2 cache flushed before each run
 (:func:`pbs.testing.benchmark_cuda`). Our kernel is timed on already-permuted tensors (attention
-only); ``ideal`` is the plan's actual density times cuDNN's dense causal time.
+only); ``ideal`` is the plan's actual density times cuDNN's dense causal time. "ours" is what
+``block_sparse_attention`` runs by default (the warp-specialized Gluon kernel on Hopper); the
+software-pipelined Triton kernel is timed too (``triton_ms``).
 
     python benchmarks/bench_kernel.py --json benchmarks/results/h200.json
     python benchmarks/bench_kernel.py --n 32768 --densities 0.3 --variants 128,128,8,2 128,64,8,3
@@ -24,7 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
 from pbs.config import PBSConfig
-from pbs.kernels.block_sparse_attn import _TUNED, KernelConfig, block_sparse_attention, select_config
+from pbs.kernels.block_sparse_attn import (
+    _TUNED, KernelConfig, _prepare, _sm_count, _tma_strides, _use_hopper_kernel, block_sparse_attention, select_config,
+)
 from pbs.testing import benchmark_cuda
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SEGMENT, BLOCK = 1, 32, 8, 128, 256, 128
@@ -146,12 +150,16 @@ def run(args) -> dict:
             tuned = select_config(q, kp, vp, plan.mask, None, kpos)
 
             def ours(config=tuned):
-                return block_sparse_attention(q, kp, vp, plan.mask, None, kpos, config=config)
+                return block_sparse_attention(q, kp, vp, plan.mask, None, kpos, config=config, kernel="triton")
 
-            ours_ms = time_ms(ours)
+            call = _prepare(q, kp, vp, plan.mask, None, kpos, None, True, None)
+            kernel = "hopper" if _use_hopper_kernel(call, "auto", None) else "triton"
+            triton_ms = time_ms(ours)
+            ours_ms = time_ms(lambda: block_sparse_attention(q, kp, vp, plan.mask, None, kpos)) if kernel == "hopper" else triton_ms
             point = {
-                "n": n, "requested_density": density, "density": plan.density, "blocks": blocks,
-                "ours_ms": ours_ms, "ours_config": str(tuned), "cudnn_ms": cudnn_ms, "cudnn_gqa": cudnn_gqa,
+                "n": n, "requested_density": density, "density": plan.density, "blocks": blocks, "kernel": kernel,
+                "ours_ms": ours_ms, "triton_ms": triton_ms, "triton_config": str(tuned),
+                "cudnn_ms": cudnn_ms, "cudnn_gqa": cudnn_gqa,
                 "ideal_ms": plan.density * cudnn_ms, "ours_tflops_blocks": block_tflops(blocks, ours_ms),
                 "cudnn_tflops": causal_tflops(n, cudnn_ms),
             }
@@ -166,6 +174,13 @@ def run(args) -> dict:
                 result["variants"].append({"n": n, "density": plan.density, "config": name, "ms": ms,
                                            "ratio_to_ideal": ms / point["ideal_ms"]})
                 print(f"  variant {name}: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
+            for stages in args.hopper_stages if kernel == "hopper" and n in args.variant_n else []:
+                from pbs.kernels.hopper_attn import launch_hopper
+
+                ms = time_ms(lambda s=stages: launch_hopper(call, _tma_strides, _sm_count(q.device), s))
+                result["variants"].append({"n": n, "density": plan.density, "config": f"hopper-stages{stages}", "ms": ms,
+                                           "ratio_to_ideal": ms / point["ideal_ms"]})
+                print(f"  hopper, {stages} stages: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
             if density == 1.0:
                 dense_ms = ours_ms
                 point["ours_vs_cudnn_throughput"] = cudnn_ms / ours_ms
@@ -178,9 +193,9 @@ def run(args) -> dict:
                 gather_ms(point, plan, k, v)
             result["points"].append(point)
             flex_txt = f", flex {point['flex_ms']:.3f} ms ({point['flex_ratio_to_ideal']:.2f}x)" if "flex_ms" in point else ""
-            print(f"  density {plan.density:.3f}: ours {ours_ms:.3f} ms [{tuned}] = {point['ratio_to_ideal']:.3f} x ideal "
-                  f"({point['ours_tflops_blocks']:.0f} TF/s on blocks){flex_txt}", flush=True)
-            kp = vp = plan = block_mask = None  # free before the next plan
+            print(f"  density {plan.density:.3f}: ours ({kernel}) {ours_ms:.3f} ms = {point['ratio_to_ideal']:.3f} x ideal "
+                  f"({point['ours_tflops_blocks']:.0f} TF/s on blocks), triton [{tuned}] {triton_ms:.3f} ms{flex_txt}", flush=True)
+            kp = vp = plan = block_mask = call = None  # free before the next plan
         if dense_ms is not None:
             print(f"  dense mode: ours {dense_ms:.3f} ms vs cuDNN {cudnn_ms:.3f} ms = {cudnn_ms / dense_ms:.3f} x cuDNN throughput")
         q = k = v = None
@@ -206,12 +221,12 @@ def save(result: dict, path: str) -> None:
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}")
     print(f"{'N':>7} {'dens':>6} {'ours ms':>9} {'cuDNN ms':>9} {'ideal ms':>9} {'ours/ideal':>10} {'flex ms':>9} "
-          f"{'flex/ideal':>10} {'dense/cuDNN thr':>15}")
+          f"{'flex/ideal':>10} {'dense/cuDNN thr':>15} {'triton ms':>9}")
     for p in result["points"]:
         flex = f"{p['flex_ms']:9.3f} {p['flex_ratio_to_ideal']:10.3f}" if "flex_ms" in p else f"{'-':>9} {'-':>10}"
         thr = f"{p['ours_vs_cudnn_throughput']:15.3f}" if "ours_vs_cudnn_throughput" in p else f"{'':>15}"
         print(f"{p['n']:>7} {p['density']:6.3f} {p['ours_ms']:9.3f} {p['cudnn_ms']:9.3f} {p['ideal_ms']:9.3f} "
-              f"{p['ratio_to_ideal']:10.3f} {flex} {thr}")
+              f"{p['ratio_to_ideal']:10.3f} {flex} {thr} {p.get('triton_ms', float('nan')):9.3f}")
 
 
 def main() -> None:
@@ -221,6 +236,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=[], help="extra configs bm,bn,warps,stages[,headmajor]")
     parser.add_argument("--variant-densities", type=float, nargs="*", default=[0.3, 1.0])
     parser.add_argument("--variant-n", type=int, nargs="*", default=[32768, 65536])
+    parser.add_argument("--hopper-stages", type=int, nargs="*", default=[], help="also time the Hopper kernel with these K/V ring depths")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--gather-only", action="store_true", help="only time applying the key permutation")
     parser.add_argument("--retune", action="store_true", help="tune again at every point")

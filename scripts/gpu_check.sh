@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
-# and memory benchmarks (issue #4).
+# and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark.
 # Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
 # then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
 set -uo pipefail
@@ -20,8 +20,14 @@ if [[ $mode == all || $mode == tests ]]; then
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   status=${PIPESTATUS[0]}
 fi
-if [[ $mode == all || $mode == bench ]]; then
-  timeout 320 python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
+if [[ $mode == hopper ]]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_kernel_hopper.py -m gpu -q -p no:cacheprovider -x \
+    2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 40
+  status=${PIPESTATUS[0]}
+  [[ $status == 0 ]] || exit $status
+fi
+if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
+  timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
 if [[ $mode == all || $mode == planning ]]; then
   timeout ${PLANNING_TIMEOUT:-330} python3 benchmarks/bench_planning.py --json "$OUT/planning.json" 2>&1 | tee "$OUT/planning.log"

@@ -60,8 +60,11 @@ def check_kernel(
     dtype: torch.dtype,
     mask: BlockMask | None = None,
     config: KernelConfig | None = None,
+    kernel: str = "triton",
 ) -> torch.Tensor:
-    """Runs the kernel on NaN-poisoned output and compares it with the reference; returns the output."""
+    """Runs the kernel on NaN-poisoned output and compares it with the reference; returns the output.
+
+    ``kernel="hopper"`` runs the warp-specialized Gluon kernel instead (GPU only)."""
     mask = plan.mask if mask is None else mask
     causal = plan.layout.causal
     qp = plan.query_permutation.apply(q).float()
@@ -72,7 +75,7 @@ def check_kernel(
     rounded = [x.to(dtype).float() for x in (qp, kp, vp)]
     torch_at_dtype = block_sparse_attention_reference(*rounded, mask, qpos, kpos, causal=causal).to(dtype)
 
-    if config is None and q.is_cuda:
+    if config is None and q.is_cuda and kernel == "triton":
         # One config per test keeps GPU compile time down; test_gpu_every_candidate covers the rest.
         config = candidate_configs(dtype, max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length()), False)[0]
     out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=dtype, device=q.device)
@@ -86,6 +89,7 @@ def check_kernel(
         causal=causal,
         config=config,
         out=out,
+        kernel=kernel,
     )
     assert not out.isnan().any(), "some output element was never written (or is NaN)"
     assert_close_to_reference(out, torch_at_dtype, truth)

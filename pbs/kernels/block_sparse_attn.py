@@ -56,8 +56,8 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr, INDEX_16: tl.constexpr):
-    """One entry of a selected-block list (int16 or int32 in memory), as int32.
+def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
+    """One entry of a selected-block list (int32).
 
     On the GPU it is read with inline PTX (``ld.global.nc``: the lists are read-only here) because
     the software pipeliner turns a plain ``tl.load`` in the loop into an async copy through shared
@@ -65,15 +65,10 @@ def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr, INDEX_16: tl.constexpr)
     The interpreter has no inline PTX, so it gets the plain load.
     """
     if PLAIN_LOAD:
-        return tl.load(p_entry).to(tl.int32)
-    elif INDEX_16:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.b16 $0, [$1];", "=h,l", [p_entry], dtype=tl.int16, is_pure=True, pack=1
-        ).to(tl.int32)
-    else:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.b32 $0, [$1];", "=r,l", [p_entry], dtype=tl.int32, is_pure=True, pack=1
-        )
+        return tl.load(p_entry)
+    return tl.inline_asm_elementwise(
+        "ld.global.nc.b32 $0, [$1];", "=r,l", [p_entry], dtype=tl.int32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -123,7 +118,6 @@ def _block_sparse_attn_fwd(
     DOT_PRECISION: tl.constexpr,
     GQA_ORDER: tl.constexpr,
     INTERPRET: tl.constexpr,
-    INDEX_16: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -202,7 +196,7 @@ def _block_sparse_attn_fwd(
 
     # Off-diagonal blocks: no mask at all.
     for it in range(0, n_unmasked * SUB_N):
-        j = _load_block_index(p_list + it // SUB_N, INTERPRET, INDEX_16)
+        j = _load_block_index(p_list + it // SUB_N, INTERPRET)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -214,7 +208,7 @@ def _block_sparse_attn_fwd(
         if KEYS_PERMUTED:
             p_kpos_head = kpos_ptr + i_b.to(tl.int64) * stride_kpb + i_hk.to(tl.int64) * stride_kph
         for it in range(n_unmasked * SUB_N, count * SUB_N):
-            j = _load_block_index(p_list + it // SUB_N, INTERPRET, INDEX_16)
+            j = _load_block_index(p_list + it // SUB_N, INTERPRET)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
             b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
@@ -339,6 +333,7 @@ def block_sparse_attention(
     causal: bool = True,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention of every query over the key blocks its query block selected (Triton).
 
@@ -355,16 +350,57 @@ def block_sparse_attention(
         causal: mask pairs with ``key_position > query_position``.
         config: tile shape and schedule; default :func:`select_config`.
         out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype (16-byte aligned rows).
+        kernel: ``"auto"`` runs the warp-specialized Gluon kernel
+            (:mod:`pbs.kernels.hopper_attn`) where it applies (Hopper, fp16/bf16, head dim 64 or
+            128, mask block 128, no ``config``) and this Triton kernel elsewhere; ``"triton"``
+            always runs this one; ``"hopper"`` insists on the Gluon one. The environment variable
+            ``PBS_ATTENTION_KERNEL`` overrides ``"auto"``.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
     call = _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    if _use_hopper_kernel(call, kernel, config):
+        from pbs.kernels.hopper_attn import launch_hopper
+
+        launch_hopper(call, _tma_strides, _sm_count(q.device))
+        return call.out
     if config is None:
         config = _select(call)
     _launch(call, config.fitted(mask.layout.block_size))
     return call.out
+
+
+KERNELS = ("auto", "triton", "hopper")
+
+
+def _use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) -> bool:
+    if kernel == "auto":
+        kernel = os.environ.get("PBS_ATTENTION_KERNEL", "auto")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "triton" or (kernel == "auto" and (config is not None or _interpreting())):
+        return False
+    if call.q.device.type != "cuda":
+        reasons = ["needs CUDA tensors"]
+    else:
+        from pbs.kernels.hopper_attn import hopper_not_supported_reasons
+
+        reasons = hopper_not_supported_reasons(call.q, call.k, call.v, call.mask.layout.block_size)
+    if reasons and kernel == "hopper":
+        raise ValueError("kernel='hopper' cannot run this call: " + "; ".join(reasons))
+    return not reasons
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def select_config(
@@ -415,12 +451,7 @@ def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) 
     elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
     counts = mask.counts.to(torch.int32)
-    # The kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
-    # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
-    # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
-    indices = mask.indices.to(torch.int32)
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    indices = mask.indices if mask.indices.stride(-1) == 1 else mask.indices.contiguous()
     queries_permuted = causal and query_positions is not None
     keys_permuted = causal and key_positions is not None
     return _Call(
@@ -446,13 +477,17 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     segment = layout.segment_size
     # Masked entries per list: the on-diagonal segment(s); more only with unusual masks.
     tail = _pow2_at_least(min(layout.num_key_blocks, 2 * segment // mask_block + 2), floor=2)
+    # This kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
+    # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
+    # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
+    indices = call.indices.to(torch.int32)
     _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](
         _descriptor(call.q, config.block_m, call.head_dim),
         _descriptor(call.k, config.block_n, call.head_dim),
         _descriptor(call.v, config.block_n, call.head_dim_v),
         _descriptor(call.out, config.block_m, call.head_dim_v),
-        call.counts, call.indices, call.qpos, call.kpos,
-        *call.counts.stride(), *call.indices.stride()[:3],
+        call.counts, indices, call.qpos, call.kpos,
+        *call.counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
         hk, hq // hk, nq, nk, tiles_per_head,
@@ -472,7 +507,6 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
         GQA_ORDER=config.gqa_order,
         INTERPRET=_interpreting(),
-        INDEX_16=call.indices.dtype == torch.int16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

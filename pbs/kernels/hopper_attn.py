@@ -1,0 +1,403 @@
+"""Warp-specialized block-sparse attention forward for Hopper (sm_90), written in Gluon.
+
+The Triton kernel (:mod:`pbs.kernels.block_sparse_attn`) is software-pipelined by the compiler:
+every loop step ends in CTA-wide barriers, so its two warpgroups do their softmax at the same time
+while the tensor cores wait, and each program pays its prologue (list scan, Q load, pipeline
+fill) with nothing to overlap it. This kernel splits a CTA into three partitions that talk only
+through mbarriers:
+
+* a **producer** warp walks the selected-block list of each tile and streams Q and the selected
+  K/V blocks into shared-memory rings with TMA, running ahead of the consumers;
+* two **consumer** warpgroups each own 64 of the tile's 128 query rows. Per key block a consumer
+  issues ``S = Q K^T`` for block ``j`` and then ``O += P V`` for block ``j - 1`` and does the
+  softmax of ``S_j`` while that product runs, so exponentials overlap tensor-core work; the two
+  warpgroups drift apart freely and fill each other's gaps.
+
+The grid is persistent (one CTA per SM): programs take tiles round-robin in the same order as the
+Triton kernel (query heads of one KV head side by side, heaviest tiles first), and the producer
+loads the next tile's Q and first K/V blocks while the consumers finish the current one.
+
+It covers the common case only, and :func:`hopper_not_supported_reasons` says when it does not
+apply: fp16/bf16, head dims 64 or 128 (same for values), mask blocks of 128. Causality is checked
+on original positions in the masked tail of each list exactly as in the Triton kernel, which is
+this kernel's differential twin (``tests/test_hopper_kernel.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from pbs.layout import cdiv
+
+# Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOG2_E = 1.4426950408889634
+BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
+HALF_ROWS = 64  # query rows per consumer warpgroup
+BLOCK = gl.constexpr(BLOCK_SIZE)
+HALF = gl.constexpr(HALF_ROWS)
+STAGES = 2  # K/V ring depth; 2 x (K + V) + Q = 160 KB of shared memory at head dim 128
+_FAR_FUTURE = gl.constexpr(1 << 30)
+_PRODUCER_REGS = gl.constexpr(24)
+_CONSUMER_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _tile_coords(rank, group, tiles_per_head, heads_k):
+    """(batch, KV head, query head, tile) of tile ``rank``: query heads of one KV head fastest, then
+    tiles heaviest (last) first, then KV heads, then batches."""
+    i_g = rank % group
+    rest = rank // group
+    i_t = tiles_per_head - 1 - rest % tiles_per_head
+    rest = rest // tiles_per_head
+    i_hk = rest % heads_k
+    i_b = rest // heads_k
+    return i_b, i_hk, i_hk * group + i_g, i_t
+
+
+@gluon.jit
+def _first_masked_block(row0, dims, CAUSAL: gl.constexpr, PARTIAL_LAST_KEY_BLOCK: gl.constexpr):
+    """Key blocks from this one on may hold a key later than some query of the tile (or a padded
+    slot past Nk); the closed form of Layout.key_block_ranges, as in the Triton kernel."""
+    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
+     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
+    first_masked = num_key_blocks
+    if CAUSAL:
+        q_first_pos = row0 + query_offset
+        q_permutable = (row0 >= permutable_q_lo) & (row0 < permutable_q_hi)
+        q_lo = gl.where(q_permutable, (q_first_pos // segment_size) * segment_size, q_first_pos)
+        first_masked = gl.where(q_lo < permutable_key_len, (q_lo // segment_size) * (segment_size // BLOCK),
+                                q_lo // BLOCK)
+    if PARTIAL_LAST_KEY_BLOCK:
+        first_masked = gl.minimum(first_masked, num_key_blocks - 1)
+    return first_masked
+
+
+@gluon.jit
+def _count_masked(p_list, count, first_masked, TAIL: gl.constexpr):
+    """How many of the list's (ascending) entries are >= ``first_masked``: the last TAIL entries
+    decide unless all of them are masked, then the whole list is scanned."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    o_tail = gl.arange(0, TAIL, layout=layout)
+    o_last = count - TAIL + o_tail
+    b_last = gl.load(p_list + o_last, mask=o_last >= 0, other=-1)
+    n_masked = gl.sum((b_last >= first_masked).to(gl.int32), 0)
+    if n_masked == TAIL:
+        n_masked = count * 0
+        for c in range(0, count, TAIL):
+            o_chunk = c + o_tail
+            b_chunk = gl.load(p_list + o_chunk, mask=o_chunk < count, other=-1)
+            n_masked += gl.sum((b_chunk >= first_masked).to(gl.int32), 0)
+    return n_masked
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """Online-softmax update from raw scores (scale folded into the exponent's FMA)."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return m_new, l_i, p, alpha
+
+
+@gluon.jit
+def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr = ptrs
+    (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
+     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
+    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
+     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
+
+    kv_i = 0
+    t = 0
+    for rank in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
+        row0 = i_t * BLOCK
+        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
+        p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
+
+        mbarrier.wait(q_empty, (t & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [i_b, i_hq, row0, 0], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [i_b, i_hq, row0 + HALF, 0], q_ready, q_smem.index(1))
+
+        for it in range(count):
+            start_n = gl.load(p_list + it).to(gl.int32) * BLOCK
+            slot = kv_i % STAGES
+            phase = (kv_i // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [i_b, i_hk, start_n, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [i_b, i_hk, start_n, 0], v_ready.index(slot), v_smem.index(slot))
+            kv_i += 1
+        t += 1
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+              PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
+              QUERIES_PERMUTED: gl.constexpr):
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr = ptrs
+    (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
+     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
+    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
+     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
+    NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    zero_s = gl.zeros([HALF, BLOCK], gl.float32, s_layout)
+
+    kv_i = 0
+    t = 0
+    for rank in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
+        row0 = i_t * BLOCK
+        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
+        p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
+        n_unmasked = count
+        if NEEDS_SPLIT:
+            first_masked = _first_masked_block(row0, dims, CAUSAL, PARTIAL_LAST_KEY_BLOCK)
+            n_unmasked = count - _count_masked(p_list, count, first_masked, TAIL)
+
+        o_m = row0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
+        q_pos = o_m + query_offset
+        if CAUSAL:
+            if QUERIES_PERMUTED:
+                p_qpos = qpos_ptr + i_b.to(gl.int64) * stride_qpb + i_hq.to(gl.int64) * stride_qph + o_m * stride_qpn
+                q_pos = gl.load(p_qpos, mask=o_m < seq_len_q, other=0).to(gl.int32)
+        p_kpos = kpos_ptr + i_b.to(gl.int64) * stride_kpb + i_hk.to(gl.int64) * stride_kph
+
+        # A finite start for the running max keeps rows that see no key free of inf - inf.
+        m_i = gl.full([HALF], -1.0e30, gl.float32, s_rows)
+        l_i = gl.zeros([HALF], gl.float32, s_rows)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_ready, t & 1)
+        q = q_smem.index(WG).reshape([HALF, HEAD_DIM])
+        if count > 0:
+            slot = kv_i % STAGES
+            phase = (kv_i // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(k_empty.index(slot))
+            if n_unmasked == 0:
+                s = _mask_scores(s, gl.load(p_list).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn, seq_len_k,
+                                 s_cols, CAUSAL, KEYS_PERMUTED)
+            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+            p = gl.convert_layout(p_f32.to(dtype), p_layout)
+            prev_slot = slot
+            prev_phase = phase
+            kv_i += 1
+            for it in range(1, count):
+                slot = kv_i % STAGES
+                phase = (kv_i // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
+                s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+                acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
+                # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
+                s = warpgroup_mma_wait(1, deps=[s])
+                mbarrier.arrive(k_empty.index(slot))
+                if it >= n_unmasked:
+                    s = _mask_scores(s, gl.load(p_list + it).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn,
+                                     seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                mbarrier.arrive(v_empty.index(prev_slot))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                p = gl.convert_layout(p_f32.to(dtype), p_layout)
+                prev_slot = slot
+                prev_phase = phase
+                kv_i += 1
+            mbarrier.arrive(q_empty)
+            mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+            acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            mbarrier.arrive(v_empty.index(prev_slot))
+        else:
+            mbarrier.arrive(q_empty)
+
+        # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
+        l_safe = gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), o_rows)
+        out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
+        o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
+        o_d = gl.arange(0, HEAD_DIM, layout=o_cols)
+        p_out = (o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
+                 + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0))
+        gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
+        t += 1
+
+
+@gluon.jit
+def _mask_scores(s, start_n, q_pos, p_kpos, stride_kpn, seq_len_k, s_cols: gl.constexpr, CAUSAL: gl.constexpr,
+                 KEYS_PERMUTED: gl.constexpr):
+    """``s`` with pairs whose key is after the query (original positions), or past Nk, at -inf."""
+    o_slot = start_n + gl.arange(0, BLOCK, layout=s_cols)
+    if CAUSAL:
+        if KEYS_PERMUTED:
+            k_pos = gl.load(p_kpos + o_slot * stride_kpn, mask=o_slot < seq_len_k, other=_FAR_FUTURE).to(gl.int32)
+        else:
+            # Slots past Nk have positions past every query, so causality drops them.
+            k_pos = o_slot
+        keep = gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1)
+    else:
+        keep = gl.expand_dims(o_slot < seq_len_k, 0)
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
+               QUERIES_PERMUTED: gl.constexpr):
+    """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
+    if ROLE == 2:
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES)
+    else:
+        _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)
+
+
+@gluon.jit
+def _hopper_block_sparse_attn_fwd(
+    q_desc, k_desc, v_desc, counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
+    stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
+    stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
+    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
+    permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+    PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
+):
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # "ready": the producer's TMA bytes landed; "empty": both consumer warpgroups are done with it.
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    descs = (q_desc, k_desc, v_desc)
+    bufs = (q_smem, k_smem, v_smem)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr)
+    strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
+               stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on)
+    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
+            permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale)
+    gl.warp_specialize(
+        [
+            (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+            (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+            (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _PRODUCER_REGS],
+    )
+
+
+def hopper_not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_block: int) -> list[str]:
+    """Why this kernel cannot take the call (empty: it can); the Triton kernel takes the rest."""
+    reasons = []
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        reasons.append("needs a Hopper GPU (compute capability 9.x)")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
+    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
+        reasons.append(f"head dims ({q.shape[-1]}, {v.shape[-1]}) are not both 64 or both 128")
+    if mask_block != BLOCK_SIZE:
+        reasons.append(f"mask block {mask_block} is not {BLOCK_SIZE}")
+    return reasons
+
+
+def _descriptor(x: torch.Tensor, strides: list[int], rows: int) -> TensorDescriptor:
+    block = [1, 1, rows, x.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(x, list(x.shape), strides, block, layout)
+
+
+def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the launch for a prepared call
+    (:class:`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
+    layout = call.mask.layout
+    b, hq, nq, d = call.q.shape
+    hk, nk = call.k.shape[1], call.k.shape[2]
+    tiles_per_head = cdiv(nq, BLOCK_SIZE)
+    num_tiles = b * hq * tiles_per_head
+    perm_q_lo, perm_q_hi = layout.permutable_query_range
+    segment = layout.segment_size
+    # Masked entries per list: the on-diagonal segment(s); more only with unusual masks.
+    tail = 2
+    while tail < min(layout.num_key_blocks, 2 * segment // BLOCK_SIZE + 2):
+        tail *= 2
+    out = call.out
+    args = (
+        _descriptor(call.q, tma_strides(call.q), HALF_ROWS),
+        _descriptor(call.k, tma_strides(call.k), BLOCK_SIZE),
+        _descriptor(call.v, tma_strides(call.v), BLOCK_SIZE),
+        call.counts, call.indices, call.qpos, call.kpos, out,
+        *call.counts.stride(), *call.indices.stride()[:3],
+        *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
+        *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
+        out.stride(0), out.stride(1), out.stride(2),
+        hk, hq // hk, nq, nk, tiles_per_head, num_tiles,
+        nk - nq, layout.permutable_key_len, perm_q_lo, perm_q_hi, segment, layout.num_key_blocks,
+        call.scale * LOG2_E,
+    )
+    kwargs = dict(
+        HEAD_DIM=d,
+        STAGES=stages,
+        TAIL=tail,
+        CAUSAL=call.causal,
+        PARTIAL_LAST_KEY_BLOCK=nk % BLOCK_SIZE != 0,
+        KEYS_PERMUTED=call.keys_permuted,
+        QUERIES_PERMUTED=call.queries_permuted,
+        num_warps=4,
+        # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
+        # setmaxnreg then moves registers from the producer to the consumers.
+        maxnreg=168,
+    )
+    return (min(num_tiles, sm_count),), args, kwargs
+
+
+def launch_hopper(call, tma_strides, sm_count: int, stages: int = STAGES) -> None:
+    """Run the kernel on a prepared call (:class:`pbs.kernels.block_sparse_attn._Call`)."""
+    grid, args, kwargs = launch_arguments(call, tma_strides, sm_count, stages)
+    _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)

@@ -1,0 +1,137 @@
+"""The warp-specialized Gluon kernel for Hopper (:mod:`pbs.kernels.hopper_attn`).
+
+On CPU it cannot run (Gluon has no interpreter), so the CPU tests compile it for sm_90 with
+Triton's bundled ptxas and check what the compiler made of it, and check the dispatch. On an
+H100/H200 (``gpu`` tests, scripts/gpu_check.sh) it gets the same differential checks as the
+Triton kernel: reference fed the same mask, error judged against PyTorch's at the dtype, output
+poisoned with NaN first so that every element must be written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pbs.kernels.block_sparse_attn import _prepare, _tma_strides, block_sparse_attention
+from pbs.testing import make_qkv
+from pbs.types import BlockMask
+from tests.sm90_compile import compile_in_subprocess
+from tests.test_kernel_triton import _gpu_inputs, check_kernel, make_plan
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
+    """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers."""
+    from pbs.kernels import hopper_attn
+    from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
+
+    q, k, v = make_qkv(heads_q=4, heads_kv=2, seq_len=1000, head_dim=head_dim, seed=0)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
+    call = _prepare(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
+    grid, args, kwargs = hopper_attn.launch_arguments(call, _tma_strides, sm_count=132, stages=stages)
+    with sm90_driver():
+        compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
+    cubin = compiled.asm["cubin"]
+    scratch = scratch_dir()
+    code = sass(cubin, scratch)
+    markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+               "SYNCS.ARRIVE", "SYNCS.PHASECHK")
+    return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
+            "markers": {m: m in code for m in markers}}
+
+
+@pytest.mark.parametrize(
+    "head_dim, causal, stages", [(128, True, 2), (128, True, 3), (64, False, 2)], ids=["d128-causal", "d128-3stages", "d64-noncausal"]
+)
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages):
+    report = compile_in_subprocess("tests.test_kernel_hopper:compile_report", head_dim=head_dim, causal=causal, stages=stages)
+    usage, markers = report["usage"], report["markers"]
+    assert usage["LOCAL"] == 0, f"register spills: {usage}"
+    assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
+    assert report["shared"] <= 232448, "more shared memory than an H100/H200 SM has"
+    # Registers move from the producer warp to the consumer warpgroups (setmaxnreg) ...
+    assert markers["SETMAXREG.DEALLOC"] and markers["SETMAXREG.TRY_ALLOC"]
+    # ... the consumers use Hopper's asynchronous warpgroup MMA, with S = QK^T of one block
+    # retired while P V of the previous one may still run (wait with one group outstanding) ...
+    assert markers["HGMMA.64x128x16.F32.BF16"] and markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    # ... and the partitions hand buffers over through mbarriers.
+    assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
+
+
+def test_dispatch_errors_name_the_choices():
+    q, k, v = make_qkv(heads_q=2, heads_kv=1, seq_len=128, head_dim=32, seed=1)
+    plan = make_plan(q, k)
+    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'triton', 'hopper'\)"):
+        block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel='hopper' cannot run this call: needs CUDA tensors"):
+        block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, kernel="hopper")
+
+
+def test_support_reasons_name_the_limits():
+    from pbs.kernels.hopper_attn import hopper_not_supported_reasons
+
+    q = torch.zeros(1, 2, 256, 96, dtype=torch.float32)
+    reasons = " / ".join(hopper_not_supported_reasons(q, q, q[..., :64], mask_block=64))
+    for part in ("Hopper", "float32", "(96, 64)", "mask block 64"):
+        assert part in reasons
+
+
+# GPU: differential checks on an H100/H200 (run by scripts/gpu_check.sh).
+
+needs_hopper = pytest.mark.skipif(torch.cuda.is_available() and not ON_HOPPER, reason="needs a Hopper GPU")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, seq_len, seq_len_q, heads_q, heads_kv, head_dim, gqa, permuter, density, causal",
+    [
+        (1, 65536, None, 32, 8, 128, "shared", "last_block", 0.3, True),
+        (1, 16384 + 100, 4096 + 37, 32, 8, 128, "per_head", "last_block", 0.5, True),
+        (1, 8192, None, 8, 2, 64, "shared", "key_aware_query", 0.3, True),
+        (2, 4096 + 17, None, 8, 2, 128, "shared", "last_block", 0.4, False),
+        (2, 4096 + 17, None, 8, 2, 64, "shared", "random", 1.0, True),
+    ],
+)
+def test_gpu_hopper_matches_reference(batch, seq_len, seq_len_q, heads_q, heads_kv, head_dim, gqa, permuter, density, causal):
+    q, k, v = _gpu_inputs(batch, heads_q, heads_kv, seq_len, head_dim, seq_len_q)
+    plan = make_plan(q, k, block=128, segment=256, permuter=permuter, gqa=gqa, density=density, causal=causal)
+    for dtype in (torch.bfloat16, torch.float16):
+        check_kernel(plan, q, k, v, dtype, kernel="hopper")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_hopper_arbitrary_masks_and_empty_rows(causal):
+    q, k, v = _gpu_inputs(1, 4, 2, 2048 + 50, 128, seed=3)
+    plan = make_plan(q, k, block=128, segment=256, permuter="random", causal=causal)
+    layout = plan.layout
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.rand(layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks, generator=gen) < 0.6
+    dense[:, 0, 3] = False  # a query block that selects nothing
+    dense[:, 1, :] = True  # every block, future ones included: the whole list is scanned for the tail
+    out = check_kernel(plan, q, k, v, torch.bfloat16, mask=BlockMask.from_dense(dense.cuda(), layout), kernel="hopper")
+    assert out[:, 0, 3 * 128 : 4 * 128].abs().max() == 0
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_auto_picks_hopper_and_agrees_with_triton(monkeypatch):
+    q, k, v = (x.bfloat16() for x in _gpu_inputs(1, 8, 2, 8192, 128, seed=4))
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, density=0.3)
+    kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+    kpos = plan.key_positions()
+    calls = []
+    from pbs.kernels import hopper_attn
+
+    real = hopper_attn.launch_hopper
+    monkeypatch.setattr(hopper_attn, "launch_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
+    auto = block_sparse_attention(q, kp, vp, plan.mask, None, kpos)
+    assert calls, "kernel='auto' did not take the Hopper kernel on a Hopper GPU"
+    triton_out = block_sparse_attention(q, kp, vp, plan.mask, None, kpos, kernel="triton")
+    assert len(calls) == 1
+    assert (auto.float() - triton_out.float()).abs().max() < 2e-2
