@@ -41,7 +41,7 @@ BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
 HALF_ROWS = 64  # query rows per consumer warpgroup
 BLOCK = gl.constexpr(BLOCK_SIZE)
 HALF = gl.constexpr(HALF_ROWS)
-STAGES = 2  # K/V ring depth; 2 x (K + V) + Q = 160 KB of shared memory at head dim 128
+STAGES = 3  # K/V ring depth; 3 x (K + V) + Q = 224 KB of shared memory at head dim 128
 _FAR_FUTURE = gl.constexpr(1 << 30)
 _PRODUCER_REGS = gl.constexpr(24)
 _CONSUMER_REGS = gl.constexpr(240)
