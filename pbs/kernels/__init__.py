@@ -3,8 +3,10 @@
 Registers two attention backends:
 
 * ``"triton"``: :func:`pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
-  ``backend="auto"`` on CUDA; on CPU tensors it runs in the Triton interpreter when
-  ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never through ``auto``;
+  ``backend="auto"`` on CUDA; on Hopper it runs the warp-specialized Gluon kernel of
+  :mod:`pbs.kernels.hopper_attn` where that applies; on CPU tensors it runs in the Triton
+  interpreter when ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never
+  through ``auto``;
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
 
