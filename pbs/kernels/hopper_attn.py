@@ -193,15 +193,19 @@ def _block_step(it, kv_i, q, p, acc, m_i, l_i, prev_slot, prev_phase, k_smem, v_
     acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
     # wgmma groups retire in order: one outstanding means S is ready while P V may still run.
     s = warpgroup_mma_wait(1, deps=[s])
-    mbarrier.arrive(k_empty.index(slot))
     if MASKED:
         s = _mask_scores(s, k_pos, q_pos, seq_len_k, CAUSAL)
     m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    p_next = gl.convert_layout(p_f32.to(p.dtype), p_layout)
+    # K is released only now, in a branch that is always taken: the branch ends a basic block,
+    # which keeps ptxas from hoisting the wait for P V above the exponentials (it does so within
+    # one block, and then the softmax no longer overlaps the product).
+    if kv_i >= 0:
+        mbarrier.arrive(k_empty.index(slot))
     acc, p = warpgroup_mma_wait(0, deps=[acc, p])
     mbarrier.arrive(v_empty.index(prev_slot))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    p = gl.convert_layout(p_f32.to(p.dtype), p_layout)
-    return p, acc, m_i, l_i, slot, phase
+    return p_next, acc, m_i, l_i, slot, phase
 
 
 @gluon.jit
