@@ -145,70 +145,6 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile_count(rank, counts_ptr, stride_cb, stride_ch, stride_ci, group, tiles_per_head, heads_k, num_tiles):
-    """Selected blocks of tile ``rank`` (0 past the last tile)."""
-    i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
-    return gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci,
-                   mask=rank < num_tiles, other=0)
-
-
-@gluon.jit
-def _key_positions(p_list, it, p_kpos, stride_kpn, seq_len_k, s_cols: gl.constexpr, KEYS_PERMUTED: gl.constexpr):
-    """Original positions of the key slots of list entry ``it`` (slots past Nk: far future), or
-    the slots themselves when the keys are not permuted."""
-    o_slot = gl.load(p_list + it).to(gl.int32) * BLOCK + gl.arange(0, BLOCK, layout=s_cols)
-    if KEYS_PERMUTED:
-        return gl.load(p_kpos + o_slot * stride_kpn, mask=o_slot < seq_len_k, other=_FAR_FUTURE).to(gl.int32)
-    return o_slot
-
-
-@gluon.jit
-def _mask_scores(s, k_pos, q_pos, seq_len_k, CAUSAL: gl.constexpr):
-    """``s`` with pairs whose key is after the query (original positions), or past Nk, at -inf.
-
-    Unpermuted slots past Nk are past every query's position, so causality drops them too."""
-    if CAUSAL:
-        keep = gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1)
-    else:
-        keep = gl.expand_dims(k_pos < seq_len_k, 0)
-    return gl.where(keep, s, float("-inf"))
-
-
-@gluon.jit
-def _block_step(it, kv_i, q, p, acc, m_i, l_i, prev_slot, prev_phase, k_smem, v_smem, k_ready, k_empty, v_ready,
-                v_empty, zero_s, p_list, q_pos, p_kpos, stride_kpn, seq_len_k, qk_scale, STAGES: gl.constexpr,
-                HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-                p_layout: gl.constexpr, o_rows: gl.constexpr, s_cols: gl.constexpr):
-    """One key block: issue S = Q K^T of this block and P V of the previous one, and do this
-    block's softmax while P V runs. Returns the new (P, O, m, l) and this block's ring slot."""
-    slot = kv_i % STAGES
-    phase = (kv_i // STAGES) & 1
-    if MASKED:
-        # Issued before the waits, so the position loads overlap the matrix products.
-        k_pos = _key_positions(p_list, it, p_kpos, stride_kpn, seq_len_k, s_cols, KEYS_PERMUTED)
-    mbarrier.wait(k_ready.index(slot), phase)
-    s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
-    mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-    acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
-    # wgmma groups retire in order: one outstanding means S is ready while P V may still run.
-    s = warpgroup_mma_wait(1, deps=[s])
-    if MASKED:
-        s = _mask_scores(s, k_pos, q_pos, seq_len_k, CAUSAL)
-    m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-    p_next = gl.convert_layout(p_f32.to(p.dtype), p_layout)
-    # K is released only now, in a branch that is always taken: the branch ends a basic block,
-    # which keeps ptxas from hoisting the wait for P V above the exponentials (it does so within
-    # one block, and then the softmax no longer overlaps the product).
-    if kv_i >= 0:
-        mbarrier.arrive(k_empty.index(slot))
-    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-    mbarrier.arrive(v_empty.index(prev_slot))
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    return p_next, acc, m_i, l_i, slot, phase
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
@@ -233,19 +169,25 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
     zero_s = gl.zeros([HALF, BLOCK], gl.float32, s_layout)
 
-    step = gl.num_programs(0)
     kv_i = 0
     t = 0
-    count = _tile_count(gl.program_id(0), counts_ptr, stride_cb, stride_ch, stride_ci, group, tiles_per_head, heads_k,
-                        num_tiles)
-    for rank in range(gl.program_id(0), num_tiles, step):
+    for rank in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
         row0 = i_t * BLOCK
+        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
         p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
+        n_unmasked = count
+        if NEEDS_SPLIT:
+            first_masked = _first_masked_block(row0, dims, CAUSAL, PARTIAL_LAST_KEY_BLOCK)
+            n_unmasked = count - _count_masked(p_list, count, first_masked, TAIL)
+
+        o_m = row0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
+        q_pos = o_m + query_offset
+        if CAUSAL:
+            if QUERIES_PERMUTED:
+                p_qpos = qpos_ptr + i_b.to(gl.int64) * stride_qpb + i_hq.to(gl.int64) * stride_qph + o_m * stride_qpn
+                q_pos = gl.load(p_qpos, mask=o_m < seq_len_q, other=0).to(gl.int32)
         p_kpos = kpos_ptr + i_b.to(gl.int64) * stride_kpb + i_hk.to(gl.int64) * stride_kph
-        # The next tile's count is needed right after this tile's epilogue: load it now.
-        count_next = _tile_count(rank + step, counts_ptr, stride_cb, stride_ch, stride_ci, group, tiles_per_head,
-                                 heads_k, num_tiles)
 
         # A finite start for the running max keeps rows that see no key free of inf - inf.
         m_i = gl.full([HALF], -1.0e30, gl.float32, s_rows)
@@ -260,43 +202,42 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             mbarrier.wait(k_ready.index(slot), phase)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
-            # While the first S is computed: split the list into unmasked head and masked tail, and
-            # read the positions the first block's mask may need.
-            n_unmasked = count
-            o_m = row0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
-            q_pos = o_m + query_offset
-            if NEEDS_SPLIT:
-                first_masked = _first_masked_block(row0, dims, CAUSAL, PARTIAL_LAST_KEY_BLOCK)
-                n_unmasked = count - _count_masked(p_list, count, first_masked, TAIL)
-                if CAUSAL:
-                    if QUERIES_PERMUTED:
-                        p_qpos = (qpos_ptr + i_b.to(gl.int64) * stride_qpb + i_hq.to(gl.int64) * stride_qph
-                                  + o_m * stride_qpn)
-                        q_pos = gl.load(p_qpos, mask=o_m < seq_len_q, other=0).to(gl.int32)
-                k_pos = _key_positions(p_list, 0, p_kpos, stride_kpn, seq_len_k, s_cols, KEYS_PERMUTED)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
-            if NEEDS_SPLIT:
-                if n_unmasked == 0:
-                    s = _mask_scores(s, k_pos, q_pos, seq_len_k, CAUSAL)
+            if n_unmasked == 0:
+                s = _mask_scores(s, gl.load(p_list).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn, seq_len_k,
+                                 s_cols, CAUSAL, KEYS_PERMUTED)
             m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(p_f32.to(dtype), p_layout)
             prev_slot = slot
             prev_phase = phase
             kv_i += 1
-            for it in range(1, n_unmasked):
-                p, acc, m_i, l_i, prev_slot, prev_phase = _block_step(
-                    it, kv_i, q, p, acc, m_i, l_i, prev_slot, prev_phase, k_smem, v_smem, k_ready, k_empty, v_ready,
-                    v_empty, zero_s, p_list, q_pos, p_kpos, stride_kpn, seq_len_k, qk_scale, STAGES, HEAD_DIM, False,
-                    CAUSAL, KEYS_PERMUTED, p_layout, o_rows, s_cols)
+            for it in range(1, count):
+                slot = kv_i % STAGES
+                phase = (kv_i // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
+                s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+                acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
+                # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
+                s = warpgroup_mma_wait(1, deps=[s])
+                if it >= n_unmasked:
+                    s = _mask_scores(s, gl.load(p_list + it).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn,
+                                     seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                # K is released only now, in a branch that is always taken: it ends a basic block,
+                # which keeps ptxas from hoisting the wait for P V above the exponentials (within
+                # one block it does, and the softmax then no longer overlaps the product).
+                if kv_i >= 0:
+                    mbarrier.arrive(k_empty.index(slot))
+                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                mbarrier.arrive(v_empty.index(prev_slot))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                p = gl.convert_layout(p_f32.to(dtype), p_layout)
+                prev_slot = slot
+                prev_phase = phase
                 kv_i += 1
-            for it in range(gl.maximum(n_unmasked, 1), count):
-                p, acc, m_i, l_i, prev_slot, prev_phase = _block_step(
-                    it, kv_i, q, p, acc, m_i, l_i, prev_slot, prev_phase, k_smem, v_smem, k_ready, k_empty, v_ready,
-                    v_empty, zero_s, p_list, q_pos, p_kpos, stride_kpn, seq_len_k, qk_scale, STAGES, HEAD_DIM, True,
-                    CAUSAL, KEYS_PERMUTED, p_layout, o_rows, s_cols)
-                kv_i += 1
-            # Every S of this tile is done: the producer may load the next tile's Q.
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
             acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
@@ -313,8 +254,24 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         p_out = (o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
                  + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0))
         gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
-        count = count_next
         t += 1
+
+
+@gluon.jit
+def _mask_scores(s, start_n, q_pos, p_kpos, stride_kpn, seq_len_k, s_cols: gl.constexpr, CAUSAL: gl.constexpr,
+                 KEYS_PERMUTED: gl.constexpr):
+    """``s`` with pairs whose key is after the query (original positions), or past Nk, at -inf."""
+    o_slot = start_n + gl.arange(0, BLOCK, layout=s_cols)
+    if CAUSAL:
+        if KEYS_PERMUTED:
+            k_pos = gl.load(p_kpos + o_slot * stride_kpn, mask=o_slot < seq_len_k, other=_FAR_FUTURE).to(gl.int32)
+        else:
+            # Slots past Nk have positions past every query, so causality drops them.
+            k_pos = o_slot
+        keep = gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1)
+    else:
+        keep = gl.expand_dims(o_slot < seq_len_k, 0)
+    return gl.where(keep, s, float("-inf"))
 
 
 @gluon.jit
