@@ -222,15 +222,11 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
                 s = warpgroup_mma_wait(1, deps=[s])
+                mbarrier.arrive(k_empty.index(slot))
                 if it >= n_unmasked:
                     s = _mask_scores(s, gl.load(p_list + it).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
                 m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-                # K is released only now, in a branch that is always taken: it ends a basic block,
-                # which keeps ptxas from hoisting the wait for P V above the exponentials (within
-                # one block it does, and the softmax then no longer overlaps the product).
-                if kv_i >= 0:
-                    mbarrier.arrive(k_empty.index(slot))
                 acc, p = warpgroup_mma_wait(0, deps=[acc, p])
                 mbarrier.arrive(v_empty.index(prev_slot))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
