@@ -70,6 +70,20 @@ def test_dispatch_errors_name_the_choices():
         block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, kernel="hopper")
 
 
+def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from pbs.kernels.block_sparse_attn import _use_hopper_kernel
+
+    monkeypatch.setitem(sys.modules, "pbs.kernels.hopper_attn", None)  # importing it now fails
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the interpreter alone would already rule it out
+    cuda_call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", 0)))
+    assert _use_hopper_kernel(cuda_call, "auto", None) is False
+    with pytest.raises(ValueError, match="kernel='hopper' cannot run this call: this Triton has no usable Gluon"):
+        _use_hopper_kernel(cuda_call, "hopper", None)
+
+
 def test_support_reasons_name_the_limits():
     from pbs.kernels.hopper_attn import hopper_not_supported_reasons
 

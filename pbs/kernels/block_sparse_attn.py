@@ -385,9 +385,12 @@ def _use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) 
     if call.q.device.type != "cuda":
         reasons = ["needs CUDA tensors"]
     else:
-        from pbs.kernels.hopper_attn import hopper_not_supported_reasons
-
-        reasons = hopper_not_supported_reasons(call.q, call.k, call.v, call.mask.layout.block_size)
+        try:
+            from pbs.kernels.hopper_attn import hopper_not_supported_reasons
+        except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
+            reasons = [f"this Triton has no usable Gluon ({exc})"]
+        else:
+            reasons = hopper_not_supported_reasons(call.q, call.k, call.v, call.mask.layout.block_size)
     if reasons and kernel == "hopper":
         raise ValueError("kernel='hopper' cannot run this call: " + "; ".join(reasons))
     return not reasons

@@ -25,6 +25,8 @@ this kernel's differential twin (``tests/test_hopper_kernel.py``).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,7 +36,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from pbs.layout import cdiv
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+if _tma_load is None or "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
+    raise ImportError("pbs.kernels.hopper_attn is written for the Gluon API of Triton 3.6-3.9")
 
 LOG2_E = 1.4426950408889634
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
