@@ -54,9 +54,14 @@ _CONSUMER_REGS = gl.constexpr(240)
 @gluon.jit
 def _tile_coords(rank, group, tiles_per_head, heads_k):
     """(batch, KV head, query head, tile) of tile ``rank``: query heads of one KV head fastest, then
-    tiles heaviest (last) first, then KV heads, then batches."""
-    i_g = rank % group
+    tiles heaviest (last) first, then KV heads, then batches.
+
+    Within each run of ``group`` ranks the query head is rotated by the run index: a program visits
+    ranks ``p, p + P, ...`` and ``P`` (the SM count) is often a multiple of the group, so without
+    the rotation every program would always get the same query head of each group, and heads that
+    select more blocks than others would load some SMs more than the rest."""
     rest = rank // group
+    i_g = (rank + rest) % group
     i_t = tiles_per_head - 1 - rest % tiles_per_head
     rest = rest // tiles_per_head
     i_hk = rest % heads_k
