@@ -13,8 +13,10 @@ through mbarriers:
   softmax of ``S_j`` while that product runs, so exponentials overlap tensor-core work; the two
   warpgroups drift apart freely and fill each other's gaps.
 
-The grid is persistent (one CTA per SM): programs take tiles round-robin in the same order as the
-Triton kernel (query heads of one KV head side by side, heaviest tiles first), and the producer
+The grid is persistent (one CTA per SM). The producer takes tiles from a global counter, in the
+Triton kernel's order (query heads of one KV head side by side, heaviest tiles first), and hands
+each tile's rank to the consumers through shared memory. A CTA that drew light tiles draws more,
+and CTAs running at the same time work on neighbouring ranks, which share K/V in L2. The producer
 loads the next tile's Q and first K/V blocks while the consumers finish the current one.
 
 It covers the common case only, and :func:`hopper_not_supported_reasons` says when it does not
@@ -70,6 +72,27 @@ def _tile_coords(rank, group, tiles_per_head, heads_k):
 
 
 @gluon.jit
+def _publish_tile(rank, t, tile_ids, tile_ready, tile_empty):
+    """Producer: hand tile ``rank`` (or the end mark, any rank >= the tile count) to the consumers."""
+    slot = t % 2
+    mbarrier.wait(tile_empty.index(slot), ((t // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_ids.index(slot).store(gl.full([1], rank, gl.int32, layout))
+    mbarrier.arrive(tile_ready.index(slot))
+
+
+@gluon.jit
+def _next_tile(t, tile_ids, tile_ready, tile_empty):
+    """Consumer: the rank of its ``t``-th tile, as published by the producer."""
+    slot = t % 2
+    mbarrier.wait(tile_ready.index(slot), (t // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    rank = gl.max(tile_ids.index(slot).load(layout), 0)
+    mbarrier.arrive(tile_empty.index(slot))
+    return rank
+
+
+@gluon.jit
 def _first_masked_block(row0, dims, CAUSAL: gl.constexpr, PARTIAL_LAST_KEY_BLOCK: gl.constexpr):
     """Key blocks from this one on may hold a key later than some query of the tile (or a padded
     slot past Nk); the closed form of Layout.key_block_ranges, as in the Triton kernel."""
@@ -119,8 +142,8 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr = ptrs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr = ptrs
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
      stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
     (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
@@ -128,7 +151,12 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
 
     kv_i = 0
     t = 0
-    for rank in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    # Tiles are taken in rank order from a global counter, so a CTA that got light tiles takes more
+    # of them (the hardware's own balance for a non-persistent grid), while CTAs running at the
+    # same time still work on neighbouring ranks, which share K/V in L2.
+    rank = gl.atomic_add(tile_counter_ptr, 1)
+    while rank < num_tiles:
+        _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
         i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
         row0 = i_t * BLOCK
         count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
@@ -151,6 +179,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
             _tma_load(v_desc, [i_b, i_hk, start_n, 0], v_ready.index(slot), v_smem.index(slot))
             kv_i += 1
         t += 1
+        rank = gl.atomic_add(tile_counter_ptr, 1)
+    _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)  # the end mark
 
 
 @gluon.jit
@@ -160,8 +190,8 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
               QUERIES_PERMUTED: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr = ptrs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr = ptrs
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
      stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
     (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
@@ -180,7 +210,8 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
 
     kv_i = 0
     t = 0
-    for rank in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
+    while rank < num_tiles:
         i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
         row0 = i_t * BLOCK
         count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
@@ -260,6 +291,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                  + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0))
         gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
         t += 1
+        rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -294,7 +326,7 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
-    q_desc, k_desc, v_desc, counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
+    q_desc, k_desc, v_desc, counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr,
     stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
     heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
@@ -312,8 +344,14 @@ def _hopper_block_sparse_attn_fwd(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # "ready": the producer's TMA bytes landed; "empty": both consumer warpgroups are done with it.
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
@@ -322,8 +360,8 @@ def _hopper_block_sparse_attn_fwd(
 
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
                stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on)
     dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
@@ -382,6 +420,7 @@ def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> 
         _descriptor(call.k, tma_strides(call.k), BLOCK_SIZE),
         _descriptor(call.v, tma_strides(call.v), BLOCK_SIZE),
         call.counts, call.indices, call.qpos, call.kpos, out,
+        torch.zeros(1, dtype=torch.int32, device=out.device),  # the tile counter
         *call.counts.stride(), *call.indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
