@@ -72,6 +72,19 @@ def _tile_coords(rank, group, tiles_per_head, heads_k):
 
 
 @gluon.jit
+def _tile_list(rank, ptrs, strides, dims):
+    """Coordinates of tile ``rank``, its count of selected blocks and a pointer to its block list."""
+    counts_ptr, indices_ptr = ptrs[0], ptrs[1]
+    stride_cb, stride_ch, stride_ci = strides[0], strides[1], strides[2]
+    stride_ib, stride_ih, stride_ii = strides[3], strides[4], strides[5]
+    heads_k, group, tiles_per_head = dims[0], dims[1], dims[4]
+    i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
+    count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
+    p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
+    return i_b, i_hk, i_hq, i_t, count, p_list
+
+
+@gluon.jit
 def _publish_tile(rank, t, tile_ids, tile_ready, tile_empty):
     """Producer: hand tile ``rank`` (or the end mark, any rank >= the tile count) to the consumers."""
     slot = t % 2
@@ -157,10 +170,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
     rank = gl.atomic_add(tile_counter_ptr, 1)
     while rank < num_tiles:
         _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
-        i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
+        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims)
         row0 = i_t * BLOCK
-        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
-        p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
 
         mbarrier.wait(q_empty, (t & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -212,10 +223,8 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     t = 0
     rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
     while rank < num_tiles:
-        i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
+        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims)
         row0 = i_t * BLOCK
-        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
-        p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
         n_unmasked = count
         if NEEDS_SPLIT:
             first_masked = _first_masked_block(row0, dims, CAUSAL, PARTIAL_LAST_KEY_BLOCK)
