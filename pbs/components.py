@@ -13,7 +13,7 @@ registry key and whose method is the pure-PyTorch reference implementation:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -70,7 +70,16 @@ class Permutations(NamedTuple):
 
 
 class PermuterConfig(ComponentConfig):
-    """Base of permuter configs; subclasses implement :meth:`permute`."""
+    """Base of permuter configs; subclasses implement :meth:`permute`.
+
+    Attributes:
+        segmented: class-level flag. True (every permuter but ``none``): tokens are permuted inside
+            segments, so each query block's whole on-diagonal segment is forced and left out of
+            the selectors' softmax. False: no segmented permutation at all; the Layout then has
+            one-block segments (see :class:`pbs.layout.Layout`).
+    """
+
+    segmented: ClassVar[bool] = True
 
     def permute(self, inputs: PermutationInputs) -> Permutations:
         """Reference implementation: the segmented key (``(B, Hk, Nk)``) and query permutations."""
@@ -136,6 +145,12 @@ class SelectionInputs:
         """``(Tq, Tk)`` bool: blocks not wholly in the future."""
         return self.layout.allowed_blocks(self.q.device)
 
+    def candidate_blocks(self) -> torch.Tensor:
+        """``(Tq, Tk)`` bool: the blocks a score-based selector ranks (Algorithm 2's ``C``): the
+        allowed blocks minus the forced on-diagonal segment, or every allowed block when the
+        layout is unsegmented. See :meth:`pbs.layout.Layout.candidate_blocks`."""
+        return self.layout.candidate_blocks(self.q.device)
+
 
 class SelectorConfig(ComponentConfig):
     """Base of selector configs; subclasses implement :meth:`select`."""
@@ -143,8 +158,9 @@ class SelectorConfig(ComponentConfig):
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         """Reference implementation: ``(B, Hq, Tq, Tk)`` bool of the key blocks to compute.
 
-        Blocks outside :meth:`SelectionInputs.allowed_blocks` are dropped and forced blocks added
-        afterwards, so the result may ignore both.
+        Blocks outside :meth:`SelectionInputs.allowed_blocks` are dropped and forced blocks (the
+        sink and the on-diagonal segment) added afterwards, so the result may ignore both. A
+        score-based selector ranks only :meth:`SelectionInputs.candidate_blocks`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement select()")
 

@@ -112,6 +112,22 @@ class PBSConfig(BaseModel):
         return self
 
     @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "PBSConfig":
+        """A named configuration from :data:`PRESETS`, with fields overridden by keyword.
+
+        Example:
+            ```python
+            import pbs
+
+            baseline = pbs.PBSConfig.from_preset("mean_pooling", backend="reference")
+            assert baseline.permuter.name == "none"
+            ```
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls.model_validate({**PRESETS[name], **overrides})
+
+    @classmethod
     def coerce(cls, config: "PBSConfig | dict[str, Any] | str | None") -> "PBSConfig":
         """Accepts a config, a dict, a JSON string or None (defaults)."""
         if config is None:
@@ -123,3 +139,17 @@ class PBSConfig(BaseModel):
         if isinstance(config, str):
             return cls.model_validate_json(config)
         raise TypeError(f"config must be a PBSConfig, dict, JSON string or None, got {type(config).__name__}")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's method as published: last-block key order, MeanPooling selection with the segment
+    # rule, one permutation per query head.
+    "pbs_paper": {"permuter": "last_block", "selector": "mean_pool", "gqa": "per_head"},
+    # The paper's unpermuted MeanPooling baseline (Algorithm 2 with a plain causal block mask).
+    "mean_pooling": {"permuter": "none", "selector": "mean_pool"},
+    # XAttention's antidiagonal estimator, unpermuted (stride 8).
+    "xattention": {"permuter": "none", "selector": "antidiagonal"},
+    # PBS-Attn with XAttention's estimator (the paper's "existing block selection" appendix).
+    "pbs_xattention": {"permuter": "last_block", "selector": "antidiagonal", "gqa": "per_head"},
+}
+"""Named configurations: ``PBSConfig.from_preset(name)``. Fields not named keep their defaults."""

@@ -11,12 +11,19 @@ share. It knows nothing about values, only about positions:
   in the query range), so a slot's *effective* position range is its whole segment when it may have
   been permuted and the exact position otherwise;
 * blocks are ``block_size`` slots wide; ``S % block_size == 0`` so a key block never straddles two
-  segments.
+  segments. The last ``Nk mod S`` positions form a partial segment whose tokens never move.
 
-From those effective ranges follow, with no knowledge of the actual permutation, the three block
-sets that the rest of the library uses: *allowed* blocks (not wholly in the future), *diagonal*
-blocks (may contain a future token, so they need a per-token causal check and are always computed)
-and the off-diagonal rest (wholly in the past: no per-token mask).
+From those effective ranges follow, with no knowledge of the actual permutation, the block sets that
+the rest of the library uses: *allowed* blocks (not wholly in the future), *diagonal* blocks (the
+blocks of the query block's own segment(s), the partial last segment included: they may hold a
+future token, so they get a per-token causal check and are always computed) and the *candidates*
+a selector scores (the paper's Algorithm 2 leaves the on-diagonal segments out of the pooled
+softmax and the threshold, since they are computed anyway).
+
+``segmented=False`` describes attention with no segmented permutation at all (the paper's
+unpermuted MeanPooling and XAttention baselines): the geometry is that of one-block segments, so
+only the block on the diagonal is forced, and the candidates are all allowed blocks, the diagonal
+block included, as in a plain causal block softmax.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Layout:
         block_size: tokens per block ``B``.
         segment_size: tokens per permutation segment ``S`` (a multiple of ``block_size``).
         causal: whether query position ``p`` may only see key positions ``<= p``.
+        segmented: whether segmented permutation applies (see the module docstring); when False,
+            ``segment_size`` must equal ``block_size``.
     """
 
     batch: int
@@ -55,6 +64,14 @@ class Layout:
     block_size: int
     segment_size: int
     causal: bool = True
+    segmented: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.segmented and self.segment_size != self.block_size:
+            raise ValueError(
+                f"an unsegmented Layout has one-block segments: segment_size ({self.segment_size}) "
+                f"must equal block_size ({self.block_size})"
+            )
 
     @property
     def query_offset(self) -> int:
@@ -136,14 +153,29 @@ class Layout:
         return k_lo[None, :] <= q_hi[:, None]
 
     def diagonal_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Allowed key blocks whose effective range overlaps the query block's: ``(Tq, Tk)`` bool.
+        """Allowed key blocks of the query block's own segment(s): ``(Tq, Tk)`` bool.
 
-        These are the blocks of the on-diagonal segment(s): they may hold a future token, so they
-        need a per-token causal check, and selection always keeps them.
+        These are the on-diagonal segment blocks of the paper: they may hold a future token, so
+        they get a per-token causal check, and selection always computes them. The partial last
+        segment (the last ``Nk mod S`` keys) counts as a segment, as in the paper's code.
         """
-        k_lo, k_hi = self.key_block_ranges(device)
-        q_lo, q_hi = self.query_block_ranges(device)
-        return (k_hi[None, :] >= q_lo[:, None]) & (k_lo[None, :] <= q_hi[:, None])
+        s, bs = self.segment_size, self.block_size
+        key_segment = torch.arange(self.num_key_blocks, device=device) * bs // s
+        first_slot = torch.arange(self.num_query_blocks, device=device) * bs
+        last_slot = (first_slot + bs).clamp(max=self.seq_len_q) - 1
+        q_first = (first_slot + self.query_offset) // s
+        q_last = (last_slot + self.query_offset) // s
+        same = (key_segment[None, :] >= q_first[:, None]) & (key_segment[None, :] <= q_last[:, None])
+        return same & self.allowed_blocks(device)
+
+    def candidate_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Blocks a score-based selector ranks: ``(Tq, Tk)`` bool (Algorithm 2's causal mask ``C``).
+
+        With segmented permutation: the allowed blocks minus the on-diagonal segment blocks, which
+        are computed anyway. Without (``segmented=False``): every allowed block.
+        """
+        allowed = self.allowed_blocks(device)
+        return allowed & ~self.diagonal_blocks(device) if self.segmented else allowed
 
     def allowed_counts(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Number of allowed key blocks per query block: ``(Tq,)`` int64."""

@@ -64,7 +64,12 @@ def finalize_selection(
 
 
 def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
-    """The :class:`Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``."""
+    """The :class:`Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``.
+
+    A permuter with ``segmented = False`` (``none``) gets one-block segments: nothing moves, so only
+    the diagonal block needs a per-token check or is forced.
+    """
+    segmented = type(config.permuter).segmented
     return Layout(
         batch=q.shape[0],
         heads_q=q.shape[1],
@@ -72,8 +77,9 @@ def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
         seq_len_q=q.shape[2],
         seq_len_k=k.shape[2],
         block_size=config.block_size,
-        segment_size=config.segment_size,
+        segment_size=config.segment_size if segmented else config.block_size,
         causal=config.causal,
+        segmented=segmented,
     )
 
 

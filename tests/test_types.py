@@ -65,15 +65,21 @@ def _brute_force_block_sets(layout: Layout):
     tq, tk = layout.num_query_blocks, layout.num_key_blocks
     allowed = torch.zeros(tq, tk, dtype=torch.bool)
     diagonal = torch.zeros(tq, tk, dtype=torch.bool)
+    needs_check = torch.zeros(tq, tk, dtype=torch.bool)
     for i in range(tq):
-        qs = [query_range(t) for t in range(i * bs, min((i + 1) * bs, layout.seq_len_q))]
+        q_slots = range(i * bs, min((i + 1) * bs, layout.seq_len_q))
+        qs = [query_range(t) for t in q_slots]
+        q_segments = {(t + layout.query_offset) // s for t in q_slots}
         for j in range(tk):
-            ks = [key_range(t) for t in range(j * bs, min((j + 1) * bs, layout.seq_len_k))]
+            k_slots = range(j * bs, min((j + 1) * bs, layout.seq_len_k))
+            ks = [key_range(t) for t in k_slots]
             # Some permutation could put a key no later than some query in the pair of blocks.
             allowed[i, j] = (not layout.causal) or min(k[0] for k in ks) <= max(q[1] for q in qs)
+            # The query block's own segment(s), the partial last segment counted as one.
+            diagonal[i, j] = allowed[i, j] and any(t // s in q_segments for t in k_slots)
             # Some permutation could put a key after some query: a per-token check is needed.
-            diagonal[i, j] = max(k[1] for k in ks) >= min(q[0] for q in qs) and min(k[0] for k in ks) <= max(q[1] for q in qs)
-    return allowed, diagonal
+            needs_check[i, j] = layout.causal and max(k[1] for k in ks) >= min(q[0] for q in qs) and allowed[i, j]
+    return allowed, diagonal, needs_check
 
 
 @pytest.mark.parametrize(
@@ -82,9 +88,12 @@ def _brute_force_block_sets(layout: Layout):
 )
 def test_layout_block_sets_match_brute_force(nq, nk, block, segment, causal):
     layout = _layout(nq=nq, nk=nk, block=block, segment=segment, causal=causal)
-    allowed, diagonal = _brute_force_block_sets(layout)
+    allowed, diagonal, needs_check = _brute_force_block_sets(layout)
     assert torch.equal(layout.allowed_blocks(), allowed)
     assert torch.equal(layout.diagonal_blocks(), diagonal)
+    # Every block that may hold a future token is on the diagonal, so it is always computed.
+    assert not (needs_check & ~diagonal).any()
+    assert torch.equal(layout.candidate_blocks(), allowed & ~diagonal)
     assert layout.total_allowed_blocks == int(allowed.sum())
 
 

@@ -5,6 +5,7 @@ from pbs.permuters.greedy import GreedyPermuter
 from pbs.permuters.identity import IdentityPermuter
 from pbs.permuters.key_aware_query import KeyAwareQueryPermuter
 from pbs.permuters.last_block import LastBlockPermuter
+from pbs.permuters.none import NoPermuter
 from pbs.permuters.random import RandomPermuter
 from pbs.permuters.random_query import RandomQueryPermuter
 
@@ -14,6 +15,7 @@ __all__ = [
     "IdentityPermuter",
     "KeyAwareQueryPermuter",
     "LastBlockPermuter",
+    "NoPermuter",
     "RandomPermuter",
     "RandomQueryPermuter",
 ]

@@ -81,7 +81,12 @@ def mean_attention_over_queries(
 
 
 def sort_within_segments(
-    scores: torch.Tensor, lo: int, hi: int, segment_size: int, descending: bool = True
+    scores: torch.Tensor,
+    lo: int,
+    hi: int,
+    segment_size: int,
+    descending: bool = True,
+    total_len: int | None = None,
 ) -> torch.Tensor:
     """Slot-to-original indices that sort ``scores`` inside each segment of ``[lo, hi)`` (Eq. 4).
 
@@ -90,11 +95,14 @@ def sort_within_segments(
         lo, hi: the permutable slot range; slots outside it keep their place.
         segment_size: ``S``.
         descending: highest score first (the paper's order).
+        total_len: length of the result when ``scores`` covers only a prefix of the slots
+            (default ``N``); slots past ``scores`` keep their place.
 
     Returns:
-        ``(B, H, N)`` int64 indices (a bijection that moves tokens only inside their segment).
+        ``(B, H, total_len)`` int64 indices (a bijection that moves tokens only inside their segment).
     """
     b, h, n = scores.shape
+    n = n if total_len is None else total_len
     indices = torch.arange(n, device=scores.device).repeat(b, h, 1)
     if hi <= lo:
         return indices

@@ -1,4 +1,8 @@
-"""``identity``: no permutation (plain block-sparse attention; the MeanPooling baseline)."""
+"""``identity``: tokens stay in place, but segments still count (PBS-Attn with a trivial permutation).
+
+The whole on-diagonal segment is forced and left out of the selectors' softmax, as for any
+permuter. The paper's unpermuted MeanPooling baseline is ``none``, not this.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pbs.components import PermutationInputs, PermuterConfig, Permutations, regi
 
 @register_permuter
 class IdentityPermuter(PermuterConfig):
-    """Leaves every token in place."""
+    """Leaves every token in place; the segment rule of selection still applies."""
 
     name: Literal["identity"] = "identity"
 

@@ -5,24 +5,42 @@ from __future__ import annotations
 import torch
 
 
-def select_by_cumulative_threshold(scores: torch.Tensor, allowed: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Keeps, per row, the fewest highest-scoring allowed blocks whose scores sum to ``threshold``.
+def select_by_cumulative_threshold(
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    threshold: float,
+    ranked_first: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Keeps, per row, the fewest highest-scoring candidate blocks whose scores sum to ``threshold``.
 
     Args:
-        scores: ``(..., Tq, Tk)`` non-negative block scores, each row summing to 1 over allowed blocks.
-        allowed: ``(Tq, Tk)`` bool, or broadcastable to ``scores``.
+        scores: ``(..., Tq, Tk)`` non-negative block scores; each row sums to 1 over its candidates
+            (or is all zero when a row has none).
+        candidates: ``(Tq, Tk)`` bool, or broadcastable to ``scores``: the blocks that may be kept.
         threshold: ``tau`` in ``(0, 1]``.
+        ranked_first: optional bool broadcastable to ``scores``: candidate blocks that are kept
+            whatever their score and whose mass counts first towards ``tau`` (XAttention's rule for
+            its forced sink and diagonal blocks). Algorithm 2 has none: its forced blocks are
+            added after the threshold and their mass does not count.
 
     Returns:
         ``(..., Tq, Tk)`` bool. Ties are broken towards the lower block index. When rounding keeps the
-        cumulative sum just under ``tau``, every allowed block is kept (the ``{i}`` of Algorithm 2).
+        cumulative sum just under ``tau``, every candidate is kept (the ``{i}`` of Algorithm 2);
+        a row without candidates keeps nothing.
     """
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    ranking = scores.masked_fill(~candidates, float("-inf"))
+    if ranked_first is not None:
+        # Scores lie in [0, 1], so +2 moves the forced blocks ahead without reordering them.
+        ranking = torch.where(ranked_first & candidates, ranking + 2.0, ranking)
+    _, order = ranking.sort(dim=-1, descending=True, stable=True)
+    ranked = scores.masked_fill(~candidates, 0.0).gather(-1, order)
     cumulative = ranked.clamp(min=0).cumsum(-1)
     needed = (cumulative < threshold).sum(-1, keepdim=True) + 1
-    num_allowed = allowed.sum(-1, keepdim=True).expand_as(needed)
-    needed = torch.minimum(needed, num_allowed)
+    num_candidates = candidates.expand_as(scores).sum(-1, keepdim=True)
+    needed = torch.minimum(needed, num_candidates)
+    if ranked_first is not None:
+        num_first = (ranked_first & candidates).expand_as(scores).sum(-1, keepdim=True)
+        needed = torch.maximum(needed, num_first)
     rank = torch.arange(scores.shape[-1], device=scores.device)
     keep_sorted = rank < needed
     selected = torch.zeros_like(keep_sorted)

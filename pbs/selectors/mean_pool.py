@@ -1,8 +1,16 @@
 """``mean_pool``: MeanPooling block selection (the paper's "Block Selection" appendix, Algorithm 2).
 
-Queries and keys are mean-pooled per block; a softmax over the pooled scores (restricted to the
-allowed blocks) estimates each key block's share of a query block's attention, and the fewest
-blocks reaching ``threshold`` of that share are kept.
+Queries and keys are mean-pooled per block (a partial last block averages the tokens it has); a
+softmax over the pooled scores estimates each key block's share of a query block's attention, and
+the fewest blocks reaching ``threshold`` of that share are kept.
+
+The softmax and the threshold range over the *candidate* blocks, Algorithm 2's causal mask ``C``:
+with segmented permutation, the causally allowed blocks minus the query block's on-diagonal
+segment ("If segmented permutation is applied, this mask also includes the on-diagonal segments"),
+which is always computed anyway; with the ``none`` permuter (the paper's unpermuted MeanPooling
+baseline), every causally allowed block, the diagonal block included. The sink block stays in the
+softmax. A query block without candidates (the first segment) selects nothing here; the forced
+blocks are added afterwards by planning.
 """
 
 from __future__ import annotations
@@ -19,13 +27,16 @@ from pbs.selectors._threshold import select_by_cumulative_threshold
 
 
 def mean_pool_block_scores(inputs: SelectionInputs) -> torch.Tensor:
-    """``softmax(Q_bar K_bar^T * scale + C)``: ``(B, Hq, Tq, Tk)`` float32, rows sum to 1."""
+    """``softmax(Q_bar K_bar^T * scale + C)``: ``(B, Hq, Tq, Tk)`` float32.
+
+    Rows sum to 1 over the candidate blocks; a row without candidates is all zero.
+    """
     bs = inputs.layout.block_size
     q_bar = block_means(inputs.q, bs)
     k_bar = block_means(inputs.k, bs)
     logits = grouped_logits(q_bar, k_bar) * inputs.scale
-    allowed = inputs.allowed_blocks()
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    candidates = inputs.candidate_blocks()
+    return logits.masked_fill(~candidates, float("-inf")).softmax(-1).nan_to_num(0.0)
 
 
 @register_selector
@@ -41,4 +52,4 @@ class MeanPoolSelector(SelectorConfig):
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         scores = mean_pool_block_scores(inputs)
-        return select_by_cumulative_threshold(scores, inputs.allowed_blocks(), self.threshold)
+        return select_by_cumulative_threshold(scores, inputs.candidate_blocks(), self.threshold)
