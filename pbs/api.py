@@ -61,6 +61,12 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and original query order.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"plan must be a pbs.Plan from pbs.plan(), got {type(plan).__name__}; note that "
+            "attention(..., return_plan=True) returns None as the plan when it ran dense SDPA "
+            "without planning (dense_fallback)"
+        )
     check_qkv(q, k, v, check_finite=plan.config.check_finite)
     layout = plan.layout
     if (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2]) != (

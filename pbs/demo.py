@@ -32,9 +32,9 @@ class DemoRow:
 
 DEMO_METHODS: tuple[tuple[str, str | None, str | None], ...] = (
     ("dense", None, None),
-    ("mean_pool (no permutation)", "identity", "mean_pool"),
+    ("MeanPooling (no permutation)", "none", "mean_pool"),
     ("PBS: last_block + mean_pool", "last_block", "mean_pool"),
-    ("antidiagonal (no permutation)", "identity", "antidiagonal"),
+    ("XAttention (no permutation)", "none", "antidiagonal"),
     ("PBS: last_block + antidiagonal", "last_block", "antidiagonal"),
 )
 

@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from pbs.components import PermutationInputs, SelectionInputs, permuter_registry, selector_registry
+from pbs.components import PermutationInputs, Permutations, SelectionInputs, permuter_registry, selector_registry
 from pbs.config import PBSConfig
 from pbs.layout import Layout
 from pbs.types import BlockMask, Permutation, Plan
@@ -121,6 +121,7 @@ def run_permuter(q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSCo
     perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
     permute = permuter_registry.implementation(config.permuter, backend)
     perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
+    _check_permutations_type(perms, config.permuter.name)
     b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
     # Unpermuted keys need no per-head copy, whatever the GQA mode.
     key_heads = perm_inputs.key_heads if perms.keys is not None else layout.heads_kv
@@ -128,6 +129,11 @@ def run_permuter(q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSCo
     query_perm = perms.queries or Permutation.identity(b, hq, nq, q.device)
     _check_permutation(key_perm, (b, key_heads, layout.seq_len_k), "key")
     _check_permutation(query_perm, (b, hq, nq), "query")
+    if perms.keys is not None or perms.queries is not None:
+        trusted = type(config.permuter).__module__.startswith("pbs.") and q.is_cuda
+        if not trusted:
+            check_segmented_permutation(key_perm.indices, layout, "key", config.permuter.name)
+            check_segmented_permutation(query_perm.indices, layout, "query", config.permuter.name)
     return key_perm, query_perm
 
 
@@ -166,6 +172,11 @@ def run_selector(
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
     if isinstance(result, BlockMask):
         return result
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"selector {config.selector.name!r} returned {type(result).__name__}; select() must return "
+            "a (B, Hq, Tq, Tk) bool tensor or a pbs.BlockMask"
+        )
     return finalize_selection(result, layout, key_perm.indices, config.force_sink_block)
 
 
@@ -197,3 +208,56 @@ def build_plan(
 def _check_permutation(perm: Permutation, expected: tuple[int, int, int], what: str) -> None:
     if tuple(perm.indices.shape) != expected:
         raise ValueError(f"the permuter returned a {what} permutation of shape {tuple(perm.indices.shape)}, expected {expected}")
+
+
+def _check_permutations_type(perms: object, name: str) -> None:
+    if not isinstance(perms, Permutations):
+        raise TypeError(
+            f"permuter {name!r} returned {type(perms).__name__}; permute() must return "
+            "pbs.Permutations(keys=Permutation | None, queries=Permutation | None)"
+        )
+    for what, perm in (("keys", perms.keys), ("queries", perms.queries)):
+        if perm is not None and not isinstance(perm, Permutation):
+            raise TypeError(
+                f"permuter {name!r} returned {what}={type(perm).__name__}; expected a pbs.Permutation "
+                "(e.g. Permutation.from_indices(indices)) or None"
+            )
+
+
+def check_segmented_permutation(indices: torch.Tensor, layout: Layout, what: str, name: str = "") -> None:
+    """Raises ``ValueError`` unless ``indices`` is a bijection that keeps every token in its segment.
+
+    Args:
+        indices: ``(B, H, N)`` slot -> original index of a key (``N = Nk``) or query (``N = Nq``)
+            permutation.
+        layout: geometry of the call; keys may move only inside the full segments, queries only
+            inside the full segments that lie wholly in the query range.
+        what: ``"key"`` or ``"query"``.
+        name: the permuter's name, for the message.
+
+    On CUDA the check is a device-side assert (no host sync): a bad permutation stops the
+    process with a CUDA assertion naming this rule instead of raising.
+    """
+    n = indices.shape[-1]
+    slots = torch.arange(n, device=indices.device)
+    if what == "key":
+        lo, hi, offset = 0, layout.permutable_key_len, 0
+    else:
+        (lo, hi), offset = layout.permutable_query_range, layout.query_offset
+    s = layout.segment_size
+    idx = indices.long()
+    in_range = (idx >= 0) & (idx < n)
+    movable = (slots >= lo) & (slots < hi)
+    same_segment = torch.where(movable, (idx + offset) // s == (slots + offset) // s, idx == slots)
+    seen = torch.zeros(indices.shape, dtype=torch.int32, device=indices.device)
+    seen.scatter_add_(-1, idx.clamp(0, max(n - 1, 0)), torch.ones_like(seen))
+    valid = in_range.all() & same_segment.all() & (seen == 1).all()
+    message = (
+        f"permuter {name!r} returned an invalid {what} permutation: its indices must be a "
+        f"bijection of 0..{n - 1} along the last dim that moves tokens only inside their own "
+        f"segment of {s} tokens (slots [{lo}, {hi}) may move; the others must stay in place)"
+    )
+    if indices.is_cuda:
+        torch._assert_async(valid, message)
+    elif not bool(valid):
+        raise ValueError(message)

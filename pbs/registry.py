@@ -72,12 +72,14 @@ class Registry(Generic[C]):
                 )
             existing = self._classes.get(name)
             if existing is not None and existing is not cls and not overwrite:
-                if existing.__qualname__ == cls.__qualname__ and existing.__module__ == cls.__module__:
+                same_name = existing.__qualname__ == cls.__qualname__ and existing.__module__ == cls.__module__
+                if same_name and "<locals>" not in cls.__qualname__:
                     pass  # the same class re-executed (module reload): take the new definition
                 else:
                     raise ValueError(
                         f"a {self.kind} named {name!r} is already registered ({existing.__module__}."
-                        f"{existing.__qualname__}); pass overwrite=True to replace it"
+                        f"{existing.__qualname__}, a different class object); pass overwrite=True "
+                        "to replace it"
                     )
             self._classes[name] = cls
             return cls

@@ -33,7 +33,23 @@ class Permutation:
 
     @classmethod
     def from_indices(cls, indices: torch.Tensor) -> "Permutation":
-        """Builds a permutation (and its inverse) from ``(B, H, N)`` slot-to-original indices."""
+        """Builds a permutation (and its inverse) from ``(B, H, N)`` slot-to-original indices.
+
+        Raises:
+            TypeError: ``indices`` is not an integer tensor.
+            ValueError: ``indices`` is not 3-D, or (off CUDA, where checking would cost a host
+                sync) holds a value outside ``0 .. N-1``.
+        """
+        if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.dtype == torch.bool:
+            raise TypeError(f"Permutation indices must be an integer tensor, got {getattr(indices, 'dtype', type(indices).__name__)}")
+        if indices.dim() != 3:
+            raise ValueError(f"Permutation indices must have shape (B, H, N), got {tuple(indices.shape)}")
+        n = indices.shape[-1]
+        if not indices.is_cuda and indices.numel() and not bool(((indices >= 0) & (indices < n)).all()):
+            raise ValueError(
+                f"Permutation indices must lie in 0..{n - 1} (N = {n}), got values from "
+                f"{int(indices.min())} to {int(indices.max())}"
+            )
         indices = indices.to(torch.int64)
         inverse = torch.empty_like(indices)
         arange = torch.arange(indices.shape[-1], device=indices.device).expand_as(indices)

@@ -13,7 +13,8 @@ def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> Non
     Raises:
         TypeError: a non-tensor or a non-floating dtype.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims/devices/dtypes, empty
-            sequences, ``Nq > Nk``, or NaN/inf values (when ``check_finite``).
+            batch, heads or sequences, ``Nq > Nk``, meta tensors, inputs that require grad while
+            grad mode is on (PBS is forward-only), or NaN/inf values (when ``check_finite``).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -25,11 +26,26 @@ def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> Non
                 f"{name} must have 4 dimensions {_layout_hint(name)}, got shape {tuple(x.shape)}"
             )
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError(
+            "PBS attention is forward-only (prefill inference) and has no backward: q, k or v "
+            "requires grad. Call it under torch.no_grad() or torch.inference_mode(), or detach the "
+            "inputs; for training use dense attention"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}")
+    if q.is_meta or k.is_meta or v.is_meta:
+        raise ValueError(
+            "meta tensors are not supported: planning reads the values of q and k; "
+            "use real tensors on 'cpu' or 'cuda'"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share a dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
     b, hq, nq, d = q.shape
+    if b == 0:
+        raise ValueError(f"the batch size must be positive, got q of shape {tuple(q.shape)}")
+    if hq == 0:
+        raise ValueError(f"q must have at least one head (q.shape[1] = Hq >= 1), got shape {tuple(q.shape)}")
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"batch sizes differ: q has {b}, k has {k.shape[0]}, v has {v.shape[0]}")
     if k.shape[:3] != v.shape[:3]:
