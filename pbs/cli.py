@@ -25,7 +25,7 @@ def unit_interval(text: str) -> float:
 
 # Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``,
 # so a feature adds its command without touching the others.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("pbs.demo_cli", "pbs.list_cli", "pbs.integrations.cli", "pbs.analysis.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("pbs.demo_cli", "pbs.list_cli", "pbs.integrations.cli", "pbs.analysis.cli", "pbs.analysis.quality_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

