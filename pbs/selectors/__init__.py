@@ -4,5 +4,6 @@ from pbs.selectors.antidiagonal import AntidiagonalSelector
 from pbs.selectors.budget import BudgetSelector
 from pbs.selectors.mean_pool import MeanPoolSelector
 from pbs.selectors.oracle import OracleSelector
+from pbs.selectors.sampled_rows import SampledRowsSelector
 
-__all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector"]
+__all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector", "SampledRowsSelector"]
