@@ -13,10 +13,11 @@ registry key and whose method is the pure-PyTorch reference implementation:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from pbs.layout import Layout
 from pbs.registry import Registry
@@ -26,12 +27,46 @@ if TYPE_CHECKING:
     from pbs.config import PBSConfig
 
 
+def name_valid_fields(model: type[BaseModel], data: Any, handler: Any) -> Any:
+    """Body of a ``model_validator(mode="wrap")``: an unknown field's error (pydantic's
+    ``extra_forbidden``, "Extra inputs are not permitted") names the fields that exist."""
+    try:
+        return handler(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if not any(e["type"] == "extra_forbidden" and len(e["loc"]) == 1 for e in errors):
+            raise
+        valid = ", ".join(model.model_fields)
+        details: list[Any] = []
+        for e in errors:
+            detail: dict[str, Any] = {"type": e["type"], "loc": e["loc"], "input": e["input"]}
+            if "ctx" in e:
+                detail["ctx"] = e["ctx"]
+            if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+                detail["type"] = PydanticCustomError(
+                    "extra_forbidden",
+                    "unknown field '{field}' of {model}; valid fields: {valid}",
+                    {"field": e["loc"][0], "model": model.__name__, "valid": valid},
+                )
+                detail.pop("ctx", None)
+            elif e["type"] == "extra_forbidden":  # a nested model's, already worded: keep its message
+                detail["type"] = PydanticCustomError("extra_forbidden", "{message}", {"message": e["msg"]})
+                detail.pop("ctx", None)
+            details.append(detail)
+        raise ValidationError.from_exception_data(exc.title, details) from None
+
+
 class ComponentConfig(BaseModel):
     """Common base: frozen, no unknown fields, a ``name`` that the registry knows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_valid_fields(cls, data: Any, handler: Any) -> Any:
+        return name_valid_fields(cls, data, handler)
 
     def check_compatible(self, config: "PBSConfig") -> None:
         """Raises ``ValueError`` if this component cannot run with ``config`` (e.g. a stride that

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
-from pbs.components import PermuterConfig, SelectorConfig, permuter_registry, selector_registry
+from pbs.components import PermuterConfig, SelectorConfig, name_valid_fields, permuter_registry, selector_registry
 
 CONFIG_VERSION = 1
 
@@ -36,6 +36,11 @@ class DenseFallback(BaseModel):
     min_seq_len: int = Field(16384, ge=0)
     max_density: float | None = Field(0.8, gt=0.0, le=1.0)
     devices: tuple[str, ...] = ("cuda",)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_valid_fields(cls, data: Any, handler: Any) -> Any:
+        return name_valid_fields(cls, data, handler)
 
 
 def _default_permuter() -> PermuterConfig:
@@ -83,6 +88,11 @@ class PBSConfig(BaseModel):
     force_sink_block: bool = True
     check_finite: bool = True
     dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_valid_fields(cls, data: Any, handler: Any) -> Any:
+        return name_valid_fields(cls, data, handler)
 
     @field_validator("permuter", mode="before")
     @classmethod

@@ -61,6 +61,24 @@ def test_bad_field_names_its_path():
         pbs.PBSConfig(backend="cuda")
 
 
+def test_unknown_field_names_the_fields_that_exist():
+    # pydantic's own message is "Extra inputs are not permitted"; ours names the valid fields.
+    with pytest.raises(ValidationError) as err:
+        pbs.PBSConfig.model_validate({"selector": {"name": "mean_pool", "treshold": 0.9}})
+    (error,) = err.value.errors()
+    assert error["type"] == "extra_forbidden" and error["loc"] == ("selector", "treshold")
+    assert error["msg"] == "unknown field 'treshold' of MeanPoolSelector; valid fields: name, threshold"
+    with pytest.raises(ValidationError, match="unknown field 'blok_size' of PBSConfig; valid fields: .*block_size"):
+        pbs.PBSConfig(blok_size=64)
+    with pytest.raises(ValidationError, match="unknown field 'min_len' of DenseFallback; valid fields: min_seq_len"):
+        pbs.PBSConfig(dense_fallback={"min_len": 3})
+    # a nested message survives an unknown field at the top level too
+    with pytest.raises(ValidationError) as err:
+        pbs.PBSConfig.model_validate({"selector": {"name": "mean_pool", "treshold": 0.9}, "foo": 1})
+    messages = [e["msg"] for e in err.value.errors()]
+    assert messages[0].startswith("unknown field 'treshold' of MeanPoolSelector") and "'foo' of PBSConfig" in messages[1]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
