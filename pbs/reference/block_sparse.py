@@ -1,15 +1,15 @@
 """Block-sparse attention from a :class:`~pbs.types.BlockMask`, in fp32: the kernel's eager twin.
 
-It gathers only the selected key blocks of every query block, so its cost follows the mask's
-density, and applies causality on *original* token positions, which is what keeps permuted
-attention exact inside the on-diagonal segment.
+It masks full attention rows to the selected key blocks and applies causality on *original* token
+positions, which is what keeps permuted attention exact inside the on-diagonal segment. It is
+written for clarity and CPU speed, not to skip work: the kernels do that.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from pbs.permuters._segments import grouped_logits
 from pbs.types import BlockMask
 
 _CHUNK_ELEMENTS = 1 << 25
@@ -44,44 +44,50 @@ def block_sparse_attention_reference(
     b, hq, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = hq // hk
-    bs, tq, tk = layout.block_size, layout.num_query_blocks, layout.num_key_blocks
+    bs = layout.block_size
     scale = d**-0.5 if scale is None else scale
-
-    pad_k = tk * bs - nk
-    pad_q = tq * bs - nq
-    k_blocks = F.pad(k.float(), (0, 0, 0, pad_k)).view(b, hk, tk, bs, d)
-    v_blocks = F.pad(v.float(), (0, 0, 0, pad_k)).view(b, hk, tk, bs, dv)
-    # Padded key slots get a position no query reaches and are also masked explicitly.
-    kpos_blocks = F.pad(key_positions, (0, pad_k), value=-1).view(b, hk, tk, bs)
-    key_real = (torch.arange(tk * bs, device=q.device) < nk).view(tk, bs)
-    q_blocks = F.pad(q.float(), (0, 0, 0, pad_q)).view(b, hq, tq, bs, d)
-    qpos_blocks = F.pad(query_positions, (0, pad_q), value=-1).view(b, hq, tq, bs)
-
-    batch_idx = torch.arange(b, device=q.device)[:, None, None, None]
-    kv_head_idx = (torch.arange(hq, device=q.device) // group)[None, :, None, None]
-    out = torch.zeros(b, hq, tq, bs, dv, dtype=torch.float32, device=q.device)
-    per_qblock = b * hq * bs * tk * bs
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_qblock))
-    for i0 in range(0, tq, step):
-        i1 = min(tq, i0 + step)
-        counts = mask.counts[:, :, i0:i1].long()
-        width = int(counts.max()) if counts.numel() else 0
-        if width == 0:
-            continue
-        idx = mask.indices[:, :, i0:i1, :width].long()
-        selected = torch.arange(width, device=q.device) < counts[..., None]  # (B, Hq, c, W)
-        idx = idx.clamp(min=0)
-        k_sel = k_blocks[batch_idx, kv_head_idx, idx]  # (B, Hq, c, W, bs, D)
-        v_sel = v_blocks[batch_idx, kv_head_idx, idx]
-        kpos = kpos_blocks[batch_idx, kv_head_idx, idx]  # (B, Hq, c, W, bs)
-        valid = selected[..., None] & key_real[idx]
-        logits = torch.einsum("bhcqd,bhcwkd->bhcqwk", q_blocks[:, :, i0:i1], k_sel) * scale
-        keep = valid[:, :, :, None]
+    # The plainest form that is still affordable: full logits of a chunk of query rows, masked by
+    # the selected blocks (expanded to tokens) and by causality on original positions. Its cost
+    # does not follow the density, but it is one matmul per chunk and nothing is gathered, which
+    # on a CPU is several times faster than gathering the selected blocks.
+    selected_blocks = mask.to_dense()  # (B, Hq, Tq, Tk)
+    k32, v32 = k.float(), v.float()
+    kpos = key_positions.repeat_interleave(group, dim=1) if group > 1 else key_positions
+    out = torch.empty(b, hq, nq, dv, dtype=torch.float32, device=q.device)
+    rows_per_chunk = max(bs, (_CHUNK_ELEMENTS // max(1, b * hq * nk)) // bs * bs)
+    s = layout.segment_size
+    for r0 in range(0, nq, rows_per_chunk):
+        r1 = min(nq, r0 + rows_per_chunk)
+        m = r1 - r0
+        qpos = query_positions[:, :, r0:r1]
+        # Key slots that may hold a visible key: a slot holds a token of its own segment (or of
+        # the unpermuted tail), so nothing past the segment of the latest query is needed, and
+        # nothing before the segment of the earliest query can be in its future.
+        n_keys, first_future = nk, 0
         if causal:
-            qpos = qpos_blocks[:, :, i0:i1, :, None, None]
-            keep = keep & (kpos[:, :, :, None] <= qpos)
-        logits = logits.masked_fill(~keep, float("-inf"))
-        c = i1 - i0
-        probs = logits.view(b, hq, c, bs, width * bs).softmax(-1).nan_to_num_(0.0)
-        out[:, :, i0:i1] = torch.einsum("bhcqm,bhcmd->bhcqd", probs, v_sel.view(b, hq, c, width * bs, dv))
-    return out.view(b, hq, tq * bs, dv)[:, :, :nq]
+            n_keys = min(nk, _segment_end(int(qpos.max()), layout))
+            first_future = _segment_start(int(qpos.min()), layout)
+        logits = grouped_logits(q[:, :, r0:r1], k32[:, :, :n_keys]) * scale  # (B, Hq, M, n_keys)
+        block_rows = selected_blocks[:, :, r0 // bs : -(-r1 // bs)].repeat_interleave(bs, 2)[:, :, :m]
+        keep = block_rows[..., : -(-n_keys // bs)].repeat_interleave(bs, 3)[..., :n_keys]
+        if causal and first_future < n_keys:
+            tail = keep[..., first_future:] & (kpos[:, :, None, first_future:n_keys] <= qpos[..., None])
+            keep[..., first_future:] = tail
+        probs = logits.masked_fill_(~keep, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        grouped = probs.view(b, hk, group, m, n_keys)
+        out[:, :, r0:r1] = torch.einsum("bhgmn,bhnd->bhgmd", grouped, v32[:, :, :n_keys]).reshape(b, hq, m, dv)
+    return out
+
+
+def _segment_start(position: int, layout) -> int:
+    """First key slot whose token may be at or after ``position``."""
+    if position >= layout.permutable_key_len:
+        return position
+    return position // layout.segment_size * layout.segment_size
+
+
+def _segment_end(position: int, layout) -> int:
+    """One past the last key slot whose token may be at or before ``position``."""
+    if position >= layout.permutable_key_len:
+        return position + 1
+    return (position // layout.segment_size + 1) * layout.segment_size
