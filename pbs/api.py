@@ -46,7 +46,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: 
         True
     """
     config = PBSConfig.coerce(config)
-    check_qkv(q, k, k, check_finite=config.check_finite)
+    check_qkv(q, k, k, check_finite=config.checks_finite(q.device))
     return build_plan(q, k, config, _scale(q, scale))[0]
 
 
@@ -67,7 +67,7 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             "attention(..., return_plan=True) returns None as the plan when it ran dense SDPA "
             "without planning (dense_fallback)"
         )
-    check_qkv(q, k, v, check_finite=plan.config.check_finite)
+    check_qkv(q, k, v, check_finite=plan.config.checks_finite(q.device))
     layout = plan.layout
     if (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2]) != (
         layout.batch, layout.heads_q, layout.seq_len_q, layout.heads_kv, layout.seq_len_k
@@ -119,7 +119,7 @@ def attention(
             raise ValueError("return_plan=True is not supported under torch.compile (the plan is not a tensor)")
         return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
-    check_qkv(q, k, v, check_finite=config.check_finite)
+    check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     s = _scale(q, scale)
     if length_fallback_reason(config, q, k) is not None:
         out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)

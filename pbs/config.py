@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 from pbs.components import PermuterConfig, SelectorConfig, name_valid_fields, permuter_registry, selector_registry
 
@@ -71,7 +74,12 @@ class PBSConfig(BaseModel):
         backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"reference"``,
             ``"triton"`` or ``"flex"`` (FlexAttention with the same mask).
         force_sink_block: always compute the key block that holds position 0 (the attention sink).
-        check_finite: reject NaN/inf inputs (one extra read of q, k and v, and a host sync).
+        check_finite: reject NaN/inf inputs with a ``ValueError``. ``None`` (default): checked off
+            CUDA (the reference path, where it costs little), not checked on CUDA, where it would
+            cost a full read of q, k and v plus a host sync; there, as with
+            ``torch.nn.functional.scaled_dot_product_attention``, NaN/inf inputs give NaN/inf
+            outputs (in the rows whose selected blocks hold them) instead of an error. ``True``
+            checks everywhere (not inside CUDA graph capture); ``False`` never checks.
         dense_fallback: when ``backend="auto"`` runs dense SDPA instead (:class:`DenseFallback`).
     """
 
@@ -86,7 +94,7 @@ class PBSConfig(BaseModel):
     causal: bool = True
     backend: Backend = "auto"
     force_sink_block: bool = True
-    check_finite: bool = True
+    check_finite: bool | None = None
     dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
 
     @model_validator(mode="wrap")
@@ -120,6 +128,12 @@ class PBSConfig(BaseModel):
         self.permuter.check_compatible(self)
         self.selector.check_compatible(self)
         return self
+
+    def checks_finite(self, device: "torch.device | str") -> bool:
+        """Whether inputs on ``device`` are scanned for NaN/inf (see ``check_finite``)."""
+        if self.check_finite is not None:
+            return self.check_finite
+        return getattr(device, "type", device) != "cuda"
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "PBSConfig":

@@ -66,3 +66,13 @@ def test_unknown_backend_lists_the_available_ones():
     call = AttentionCall(q, k, v, plan, 0.25)
     with pytest.raises(ValueError, match="unknown backend 'nope'; available: auto, reference"):
         choose_backend("nope", call)
+
+
+def test_check_finite_default_scans_off_cuda_only():
+    config = pbs.PBSConfig()
+    assert config.check_finite is None
+    assert config.checks_finite(torch.device("cpu"))
+    # On CUDA the scan would be a full read of q, k, v and a host sync: off unless asked for.
+    assert not config.checks_finite(torch.device("cuda"))
+    assert pbs.PBSConfig(check_finite=True).checks_finite(torch.device("cuda"))
+    assert not pbs.PBSConfig(check_finite=False).checks_finite(torch.device("cpu"))
