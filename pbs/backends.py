@@ -54,7 +54,7 @@ def register_backend(backend: AttentionBackend) -> AttentionBackend:
 
 
 def list_backends() -> list[str]:
-    """Names of the registered attention backends (``auto`` tries :data:`_AUTO_ORDER`'s, in order)."""
+    """Names of the registered attention backends (``auto`` tries `_AUTO_ORDER`'s, in order)."""
     return list(_BACKENDS)
 
 

@@ -2,7 +2,7 @@
 
 Sparse attention only pays when the skipped blocks cost more than planning: at short lengths and at
 high selected densities cuDNN's dense kernel wins (docs/benchmarks.md has the measured crossover).
-:class:`~pbs.config.DenseFallback` says where the line is; this module applies it.
+`DenseFallback` says where the line is; this module applies it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where every query and key slot sits: block and segment geometry of one attention call.
 
-A :class:`Layout` is the shape-only description that the permuters, selectors, masks and kernels
+A `Layout` is the shape-only description that the permuters, selectors, masks and kernels
 share. It knows nothing about values, only about positions:
 
 * keys occupy original positions ``0 .. Nk-1``; queries are the *last* ``Nq`` positions

@@ -1,8 +1,8 @@
-"""``torch.ops.pbs.attention``: :func:`pbs.attention` as a PyTorch custom op, for ``torch.compile``.
+"""``torch.ops.pbs.attention``: `pbs.attention` as a PyTorch custom op, for ``torch.compile``.
 
 Planning branches on values and launches Triton kernels with host-side arguments, which Dynamo
 should not trace; as an opaque custom op with a shape-only fake implementation it compiles into a
-graph (no graph break) and runs eagerly inside it. :func:`pbs.attention` routes here by itself when
+graph (no graph break) and runs eagerly inside it. `pbs.attention` routes here by itself when
 it is called under ``torch.compile``; the config travels as its JSON string.
 """
 

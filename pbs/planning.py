@@ -1,4 +1,4 @@
-"""Turning a config and inputs into a :class:`~pbs.types.Plan`: permute, select, finalize."""
+"""Turning a config and inputs into a `Plan`: permute, select, finalize."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def finalize_selection(
 
 
 def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
-    """The :class:`Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``.
+    """The `Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``.
 
     A permuter with ``segmented = False`` (``none``) gets one-block segments: nothing moves, so only
     the diagonal block needs a per-token check or is forced.
@@ -147,12 +147,12 @@ def run_selector(
     scale: float,
     k_perm: torch.Tensor | None = None,
 ) -> BlockMask:
-    """The selection stage: the :class:`BlockMask` over permuted blocks, forced blocks included.
+    """The selection stage: the `BlockMask` over permuted blocks, forced blocks included.
 
     Args:
         q_perm: ``(B, Hq, Nq, D)`` queries in permuted order.
         k: ``(B, Hkv, Nk, D)`` keys in original order.
-        key_perm, query_perm: from :func:`run_permuter`.
+        key_perm, query_perm: from `run_permuter`.
         k_perm: the permuted keys when they already exist; otherwise a selector that needs them
             gathers them (GPU selectors read ``k`` through the permutation instead).
     """
@@ -186,7 +186,7 @@ def build_plan(
     """Runs the permuter and the selector.
 
     Args:
-        q, k: inputs of :func:`pbs.plan`.
+        q, k: inputs of `pbs.plan`.
         config: the validated config.
         scale: softmax scale.
         v: values, when attention follows: they are permuted together with the keys.
@@ -194,7 +194,7 @@ def build_plan(
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
         keys ``(B, Hk, Nk, D)`` and values, so nothing is gathered twice. Without ``v`` the keys are
-        not gathered here (``k_perm`` and ``v_perm`` are None), which keeps :func:`pbs.plan` light.
+        not gathered here (``k_perm`` and ``v_perm`` are None), which keeps `pbs.plan` light.
     """
     layout = make_layout(q, k, config)
     key_perm, query_perm = run_permuter(q, k, layout, config, scale)

@@ -3,11 +3,11 @@
 Users see config objects (``"last_block"``, ``{"name": "mean_pool", "threshold": 0.9}``); the
 registry turns a name into its config class and, per backend, into the function that runs it. The
 reference implementation is the config class's own method; faster backends register against the
-same name with :meth:`Registry.register_impl`, so a config never changes when the backend does.
+same name with `Registry.register_impl`, so a config never changes when the backend does.
 
 Third-party packages register components by exposing an entry point in the ``pbs.plugins`` group
-that points at a module (or callable) which calls :func:`register_permuter` /
-:func:`register_selector`. Plugins load the first time a registry is asked for a name it lacks or
+that points at a module (or callable) which calls `register_permuter` /
+`register_selector`. Plugins load the first time a registry is asked for a name it lacks or
 for its list of names.
 """
 

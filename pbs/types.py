@@ -1,4 +1,4 @@
-"""The values that flow between planning and running: :class:`Permutation`, :class:`BlockMask`, :class:`Plan`."""
+"""The values that flow between planning and running: `Permutation`, `BlockMask`, `Plan`."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ class Permutation:
 
     Slot ``t`` of the permuted sequence holds the token at original index ``indices[b, h, t]``;
     ``inverse[b, h, i]`` is the slot that original index ``i`` moved to. Indices are local to the
-    sequence (``0 .. N-1``); for queries add :attr:`Layout.query_offset` to get positions.
+    sequence (``0 .. N-1``); for queries add `Layout.query_offset` to get positions.
 
     Attributes:
         indices: ``(B, H, N)`` int64.
         inverse: ``(B, H, N)`` int64, ``inverse.gather(-1, indices) == arange(N)``.
-        is_identity: true when nothing moved; :meth:`apply` then returns its input unchanged.
+        is_identity: true when nothing moved; `apply` then returns its input unchanged.
     """
 
     indices: torch.Tensor
@@ -90,7 +90,7 @@ class Permutation:
         return x.gather(2, index)
 
     def unapply(self, y: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`apply` for ``y`` of shape ``(B, H, N, D)``: back to original order."""
+        """Inverse of `apply` for ``y`` of shape ``(B, H, N, D)``: back to original order."""
         if self.is_identity:
             return y
         index = self.inverse[..., None].expand(*self.inverse.shape, y.shape[-1])
@@ -101,7 +101,7 @@ class Permutation:
 
 
 def block_index_dtype(num_key_blocks: int) -> torch.dtype:
-    """The dtype of :attr:`BlockMask.indices` for ``num_key_blocks`` key blocks."""
+    """The dtype of `BlockMask.indices` for ``num_key_blocks`` key blocks."""
     return torch.int16 if num_key_blocks < 2**15 else torch.int32
 
 
@@ -174,7 +174,7 @@ class BlockMask:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """Everything :func:`pbs.run` needs besides the tensors: permutations and the block mask.
+    """Everything `pbs.run` needs besides the tensors: permutations and the block mask.
 
     Attributes:
         key_permutation: ``Permutation`` over keys; ``H`` is ``Hq`` in ``per_head`` GQA mode and
@@ -183,7 +183,7 @@ class Plan:
         mask: the selected blocks in permuted order.
         config: the config that produced the plan.
         layout: geometry of the call.
-        fallback: set by :func:`pbs.attention` when the plan was made but dense attention ran
+        fallback: set by `pbs.attention` when the plan was made but dense attention ran
             instead (the reason, e.g. the density was above ``dense_fallback.max_density``).
     """
 
@@ -199,7 +199,7 @@ class Plan:
 
     @property
     def density(self) -> float:
-        """Selected over causally allowed blocks (see :meth:`BlockMask.density`)."""
+        """Selected over causally allowed blocks (see `BlockMask.density`)."""
         return self.mask.density()
 
     def key_positions(self) -> torch.Tensor:

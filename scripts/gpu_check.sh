@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
-# and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark.
+# and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark;
+# selection: every GPU test, then the planning benchmark (fits one 10-minute device call);
+# ttft: end-to-end time to first token, then the planning memory benchmark.
 # Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
 # then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
 set -uo pipefail
@@ -15,7 +17,7 @@ python3 -m pip install -q --no-index --find-links .device-wheels pydantic pytest
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-if [[ $mode == all || $mode == tests ]]; then
+if [[ $mode == all || $mode == tests || $mode == selection ]]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests -m gpu -q -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   status=${PIPESTATUS[0]}
@@ -24,13 +26,21 @@ if [[ $mode == hopper ]]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_kernel_hopper.py -m gpu -q -p no:cacheprovider -x \
     2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 40
   status=${PIPESTATUS[0]}
-  [[ $status == 0 ]] || exit $status
+  [[ $status == 0 ]] || if [[ $mode == ttft ]]; then
+  timeout ${TTFT_TIMEOUT:-300} python3 benchmarks/bench_ttft.py --out "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -n 20
+fi
+exit $status
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
-if [[ $mode == all || $mode == planning ]]; then
+if [[ $mode == all || $mode == planning || $mode == selection ]]; then
   timeout ${PLANNING_TIMEOUT:-330} python3 benchmarks/bench_planning.py --json "$OUT/planning.json" 2>&1 | tee "$OUT/planning.log"
+fi
+if [[ $mode == all || $mode == planning || $mode == ttft ]]; then
   timeout ${MEMORY_TIMEOUT:-120} python3 benchmarks/bench_plan_memory.py --json "$OUT/plan_memory.json" 2>&1 | tee "$OUT/plan_memory.log"
+fi
+if [[ $mode == ttft ]]; then
+  timeout ${TTFT_TIMEOUT:-300} python3 benchmarks/bench_ttft.py --out "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -n 20
 fi
 exit $status

@@ -1,15 +1,15 @@
 """Analyses of what permutation does to block sparsity (the paper's Figure 1, Table 5, Figure 3).
 
-* :func:`coverage_density_curves`: attention coverage reached at each block density, per permuter,
+* `coverage_density_curves`: attention coverage reached at each block density, per permuter,
   with oracle block selection on the exact attention mass.
-* :func:`head_statistics`: per head, the density needed for a coverage target with and without
+* `head_statistics`: per head, the density needed for a coverage target with and without
   permutation; heads helped / unchanged / harmed.
-* :func:`attention_maps`: one head's block attention before and after permutation with a
-  selector's blocks, for :func:`plot_attention_maps`.
-* :func:`write_analysis`: all three, as PNG pictures plus JSON/CSV data (``pbs analyze``).
+* `attention_maps`: one head's block attention before and after permutation with a
+  selector's blocks, for `plot_attention_maps`.
+* `write_analysis`: all three, as PNG pictures plus JSON/CSV data (``pbs analyze``).
 
-Inputs are a :class:`QKCapture` (or a ``(q, k)`` pair): from :func:`synthetic_capture`, from a
-file (:func:`load_capture`) or from a transformers model (:func:`capture_qk`). Pictures need
+Inputs are a `QKCapture` (or a ``(q, k)`` pair): from `synthetic_capture`, from a
+file (`load_capture`) or from a transformers model (`capture_qk`). Pictures need
 matplotlib: ``pip install "pbs-attn[analysis]"``.
 """
 

@@ -59,7 +59,7 @@ class HeadStatistics:
     """Per-head sparsity gains and their helped / unchanged / harmed counts.
 
     Attributes:
-        heads: one :class:`HeadStat` per (layer, batch, head).
+        heads: one `HeadStat` per (layer, batch, head).
         coverage_target: the coverage every density is measured at.
         baseline: label of the baseline permuter (normally ``identity``).
         permuter: label of the permuter under test.
@@ -158,7 +158,7 @@ def head_statistics(
     """Density each head needs for ``coverage_target`` with and without permutation.
 
     Args:
-        qk: a :class:`~pbs.analysis.QKCapture` or a ``(q, k)`` pair (``q (B, Hq, Nq, D)``,
+        qk: a `QKCapture` or a ``(q, k)`` pair (``q (B, Hq, Nq, D)``,
             ``k (B, Hkv, Nk, D)``).
         coverage_target: in ``(0, 1]``; the paper uses 0.975.
         permuter: the permutation under test (paper default ``last_block``).
@@ -169,7 +169,7 @@ def head_statistics(
         progress: show a progress bar on stderr.
 
     Returns:
-        :class:`HeadStatistics` with one row per (layer, batch, query head).
+        `HeadStatistics` with one row per (layer, batch, query head).
 
     Example:
         >>> import pbs

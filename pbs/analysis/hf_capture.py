@@ -65,7 +65,7 @@ def capture_qk(
         source: description for the capture, default the model's class name.
 
     Returns:
-        A :class:`~pbs.analysis.QKCapture` with ``q (B, Hq, N, D)`` and ``k (B, Hkv, N, D)`` per layer.
+        A `QKCapture` with ``q (B, Hq, N, D)`` and ``k (B, Hkv, N, D)`` per layer.
     """
     require_transformers()
     _register_capture_function()

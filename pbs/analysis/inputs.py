@@ -1,12 +1,12 @@
-"""Queries and keys to analyse: the :class:`QKCapture` and where it comes from.
+"""Queries and keys to analyse: the `QKCapture` and where it comes from.
 
 A capture holds the post-RoPE queries and keys of one or more attention layers. It comes from
 
-* the built-in synthetic workload (:func:`synthetic_capture`, :func:`pbs.testing.make_qkv`);
-* a file (:func:`load_capture`): a ``.pt`` dict with ``"q"`` and ``"k"`` (tensors, or per-layer
+* the built-in synthetic workload (`synthetic_capture`, `pbs.testing.make_qkv`);
+* a file (`load_capture`): a ``.pt`` dict with ``"q"`` and ``"k"`` (tensors, or per-layer
   lists of tensors, optionally ``"layers"`` naming the layer ids), or a ``.safetensors`` file with
   tensors ``"q"``/``"k"`` or ``"q.<layer>"``/``"k.<layer>"``;
-* a transformers model (:func:`pbs.analysis.capture_qk`, in :mod:`pbs.analysis.hf_capture`).
+* a transformers model (`pbs.analysis.capture_qk`, in `pbs.analysis.hf_capture`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class QKCapture:
         return self.queries[0].shape[0]
 
     def layer_index(self, layer_id: int) -> int:
-        """Position in :attr:`queries` of the layer the model calls ``layer_id``."""
+        """Position in `queries` of the layer the model calls ``layer_id``."""
         try:
             return self.layer_ids.index(layer_id)
         except ValueError:
@@ -102,7 +102,7 @@ class QKCapture:
 
 
 def as_capture(qk: "QKCapture | tuple[torch.Tensor, torch.Tensor]") -> QKCapture:
-    """Accepts a :class:`QKCapture` or a ``(q, k)`` pair of one layer."""
+    """Accepts a `QKCapture` or a ``(q, k)`` pair of one layer."""
     if isinstance(qk, QKCapture):
         return qk
     if isinstance(qk, (tuple, list)) and len(qk) == 2:
@@ -120,7 +120,7 @@ def synthetic_capture(
     seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> QKCapture:
-    """One layer of :func:`pbs.testing.make_qkv`, the built-in structured workload.
+    """One layer of `pbs.testing.make_qkv`, the built-in structured workload.
 
     The default of 4 KV heads shows all four of its head kinds (heavy hitters, local window,
     slash lines, a mix).
@@ -155,7 +155,7 @@ def load_capture(path: str | Path) -> QKCapture:
 
 
 def save_capture(capture: QKCapture, path: str | Path) -> Path:
-    """Writes a capture so that :func:`load_capture` reads it back (``.pt`` or ``.safetensors``)."""
+    """Writes a capture so that `load_capture` reads it back (``.pt`` or ``.safetensors``)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".pt", ".pth"):

@@ -56,7 +56,7 @@ class AttentionMaps:
         layer, batch, head: which head (``layer`` is the model's layer id).
         selector: label of the selector whose choice is overlaid.
         block_size: tokens per block.
-        panels: one :class:`AttentionMapPanel` per permuter.
+        panels: one `AttentionMapPanel` per permuter.
         source: where the queries and keys came from.
     """
 
@@ -119,7 +119,7 @@ def attention_maps(
     """Block attention of one query head in each permuter's order, with the selected blocks.
 
     Args:
-        qk: a :class:`~pbs.analysis.QKCapture` or a ``(q, k)`` pair (``q (B, Hq, Nq, D)``,
+        qk: a `QKCapture` or a ``(q, k)`` pair (``q (B, Hq, Nq, D)``,
             ``k (B, Hkv, Nk, D)``).
         head: query head index in ``[0, Hq)``.
         layer: the model's layer id (one of ``capture.layer_ids``); default the first layer.
@@ -131,7 +131,7 @@ def attention_maps(
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
-        :class:`AttentionMaps`.
+        `AttentionMaps`.
     """
     capture = as_capture(qk)
     layer_id = capture.layer_ids[0] if layer is None else layer

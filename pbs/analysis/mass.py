@@ -2,7 +2,7 @@
 
 Every analysis asks the same question of a (layer, permuter) pair: once the permuter has
 reordered the tokens, what share of each query block's true attention lands in each key block?
-That dense pass is the expensive part, so :class:`BlockMassCache` computes it once per pair and the
+That dense pass is the expensive part, so `BlockMassCache` computes it once per pair and the
 coverage curves and head statistics all read from it.
 """
 
@@ -48,7 +48,7 @@ class PermutedMass:
     """The exact block mass of one layer under one permuter, with the blocks selection must keep.
 
     Attributes:
-        permuter: label of the permuter (see :func:`permuter_label`).
+        permuter: label of the permuter (see `permuter_label`).
         layout: geometry of the call.
         mass: ``(B, Hq, Tq, Tk)`` float32, each query block's share of attention per key block in
             permuted order; rows sum to 1.
@@ -117,11 +117,11 @@ def permuted_block_mass(
 
 
 class BlockMassCache:
-    """Computes :class:`PermutedMass` once per (layer, permuter) of a capture.
+    """Computes `PermutedMass` once per (layer, permuter) of a capture.
 
     Args:
-        qk: a :class:`~pbs.analysis.QKCapture` or a ``(q, k)`` pair.
-        config: geometry and GQA mode (see :func:`permuted_block_mass`).
+        qk: a `QKCapture` or a ``(q, k)`` pair.
+        config: geometry and GQA mode (see `permuted_block_mass`).
         scale: softmax scale, default ``D ** -0.5``.
     """
 

@@ -140,7 +140,7 @@ def greedy_assign(similarity: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def to_key_permutation(indices: torch.Tensor) -> Permutation:
-    """Wraps slot-to-original indices as a :class:`Permutation`."""
+    """Wraps slot-to-original indices as a `Permutation`."""
     return Permutation.from_indices(indices)
 
 

@@ -62,7 +62,7 @@ def attention_coverage(mass: torch.Tensor, dense_mask: torch.Tensor, layout: Lay
     """Fraction of the exact attention mass that the selected blocks capture, per (batch, head).
 
     Args:
-        mass: ``(B, Hq, Tq, Tk)`` from :func:`block_attention_mass`.
+        mass: ``(B, Hq, Tq, Tk)`` from `block_attention_mass`.
         dense_mask: ``(B, Hq, Tq, Tk)`` bool selected blocks.
         layout: geometry (weights each query block by its number of queries).
 

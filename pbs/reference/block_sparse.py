@@ -1,4 +1,4 @@
-"""Block-sparse attention from a :class:`~pbs.types.BlockMask`, in fp32: the kernel's eager twin.
+"""Block-sparse attention from a `BlockMask`, in fp32: the kernel's eager twin.
 
 It masks full attention rows to the selected key blocks and applies causality on *original* token
 positions, which is what keeps permuted attention exact inside the on-diagonal segment. It is
