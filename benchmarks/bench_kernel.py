@@ -243,6 +243,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (median of medians)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"bench_kernel.py: times CUDA kernels and needs an NVIDIA GPU with a CUDA build of torch; torch "
+                       f"{torch.__version__} sees no CUDA device here (the CPU benchmarks: python3 -m pytest "
+                       "benchmarks/cpu)\n")
     global REPEATS
     REPEATS = args.repeats
     result = run(args)

@@ -5,20 +5,41 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from pbs.cli import DTYPES, positive_int, unit_interval
+from pbs.cli import DTYPES, check_device, config_error_message, default_device, positive_int, unit_interval
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    demo = sub.add_parser("demo", help="compare dense, block-sparse and PBS attention on a synthetic workload")
+    import pbs
+    from pbs.demo import DEFAULT_SELECTORS
+
+    demo = sub.add_parser(
+        "demo",
+        help="compare dense, block-sparse and PBS attention on a synthetic workload",
+        description=(
+            "Runs dense attention, then each selector without permutation and with --permuter, on the "
+            "synthetic workload, and prints density, coverage and error twice: at the same threshold, and "
+            "at equal density (the unpermuted selector re-run at the threshold that reaches each PBS row's "
+            "density)."
+        ),
+    )
     demo.add_argument("--seq-len", type=positive_int, default=8192, help="tokens (default 8192)")
     demo.add_argument("--heads-q", type=positive_int, default=8)
     demo.add_argument("--heads-kv", type=positive_int, default=2)
     demo.add_argument("--head-dim", type=positive_int, default=64)
     demo.add_argument("--batch", type=positive_int, default=1)
-    demo.add_argument("--threshold", type=unit_interval, default=0.9, help="selection threshold tau (default 0.9)")
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    demo.add_argument("--block-size", type=positive_int, default=128, help="tokens per block (default 128)")
+    demo.add_argument("--segment-size", type=positive_int, default=256, help="tokens per permutation segment (default 256)")
+    demo.add_argument("--permuter", choices=pbs.list_permuters(), default="last_block", metavar="NAME",
+                      help=f"permuter of the PBS rows (default last_block; choices: {', '.join(pbs.list_permuters())})")
+    demo.add_argument("--selector", nargs="+", choices=pbs.list_selectors(), default=list(DEFAULT_SELECTORS),
+                      metavar="NAME", dest="selectors",
+                      help=f"selectors, each run without and with permutation (default: {' '.join(DEFAULT_SELECTORS)}; "
+                           f"choices: {', '.join(pbs.list_selectors())})")
+    demo.add_argument("--threshold", type=unit_interval, default=0.9,
+                      help="selection threshold tau (default 0.9); sets budget's density and oracle's coverage")
+    demo.add_argument("--no-equal-density", action="store_true",
+                      help="skip the equal-density view (its threshold search and extra runs)")
+    demo.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     demo.add_argument("--backend", choices=["auto", "reference", "triton", "flex"], default="auto")
     demo.add_argument("--seed", type=int, default=0)
@@ -28,30 +49,42 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pbs.demo import format_table, rows_to_json, run_demo
+    from pydantic import ValidationError
+
+    from pbs.demo import format_result, rows_to_json, run_demo
 
     if args.heads_q % args.heads_kv:
         print(f"pbs demo: --heads-q ({args.heads_q}) must be a multiple of --heads-kv ({args.heads_kv})", file=sys.stderr)
         return 2
-    rows = run_demo(
-        seq_len=args.seq_len,
-        heads_q=args.heads_q,
-        heads_kv=args.heads_kv,
-        head_dim=args.head_dim,
-        batch=args.batch,
-        threshold=args.threshold,
-        device=args.device,
-        dtype=DTYPES[args.dtype],
-        backend=args.backend,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
+    try:
+        result = run_demo(
+            seq_len=args.seq_len,
+            heads_q=args.heads_q,
+            heads_kv=args.heads_kv,
+            head_dim=args.head_dim,
+            batch=args.batch,
+            threshold=args.threshold,
+            device=args.device,
+            dtype=DTYPES[args.dtype],
+            backend=args.backend,
+            seed=args.seed,
+            progress=not args.quiet,
+            block_size=args.block_size,
+            segment_size=args.segment_size,
+            permuter=args.permuter,
+            selectors=args.selectors,
+            equal_density=not args.no_equal_density,
+        )
+    except (ValidationError, ValueError) as exc:  # a config or a backend that cannot run; raised before any row
+        print(f"pbs demo: {config_error_message(exc)}", file=sys.stderr)
+        return 2
     print(
         f"pbs demo: B={args.batch} Hq={args.heads_q} Hkv={args.heads_kv} N={args.seq_len} D={args.head_dim} "
-        f"{args.dtype} on {args.device}, block 128, segment 256, threshold {args.threshold}"
+        f"{args.dtype} on {args.device}, block {args.block_size}, segment {args.segment_size}, "
+        f"permuter {args.permuter}, backend {args.backend}"
     )
-    print(format_table(rows))
+    print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
-            f.write(rows_to_json(rows, **{k: str(v) for k, v in vars(args).items() if not k.startswith("_")}))
+            f.write(rows_to_json(result))
     return 0

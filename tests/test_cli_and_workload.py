@@ -9,6 +9,7 @@ import torch
 
 import pbs
 from pbs.cli import main
+from pbs.demo import DEMO_METHODS, demo_methods, format_result, run_demo
 
 
 def test_demo_prints_a_table_and_writes_json(tmp_path, capsys):
@@ -16,11 +17,53 @@ def test_demo_prints_a_table_and_writes_json(tmp_path, capsys):
     assert main(["demo", "--seq-len", "1024", "--heads-q", "4", "--heads-kv", "2", "--head-dim", "32", "--json", str(path)]) == 0
     captured = capsys.readouterr()
     assert "PBS: last_block + mean_pool" in captured.out and "density" in captured.out
-    assert "[1/5] dense" in captured.err  # progress lines
-    rows = json.loads(path.read_text())["rows"]
-    assert [r["method"] for r in rows][0] == "dense"
+    assert "at equal threshold:" in captured.out and "at equal density" in captured.out
+    assert "[1/7] dense" in captured.err and "[7/7] XAttention (no permutation) at the density of" in captured.err
+    payload = json.loads(path.read_text())
+    rows = payload["rows"]
+    assert [r["method"] for r in rows] == [m for m, _, _ in DEMO_METHODS]
+    assert rows[0]["threshold"] is None and rows[0]["plan_ms"] is None and rows[0]["total_ms"] > 0
     for r in rows[1:]:
-        assert 0 < r["density"] < 1 and 0 < r["coverage"] <= 1 and r["rel_error"] > 0
+        assert 0 < r["density"] < 1 and 0 < r["coverage"] <= 1 and r["rel_error"] > 0 and r["threshold"] == 0.9
+    # numbers are numbers, not strings
+    meta = payload["meta"]
+    assert meta["seq_len"] == 1024 and meta["threshold"] == 0.9 and meta["block_size"] == 128
+    assert meta["selectors"] == ["mean_pool", "antidiagonal"] and meta["permuter"] == "last_block"
+
+
+def test_demo_methods_default_to_the_published_rows():
+    assert demo_methods() == DEMO_METHODS
+    assert demo_methods("random", ["budget"]) == (
+        ("dense", None, None), ("budget (no permutation)", "none", "budget"), ("PBS: random + budget", "random", "budget")
+    )
+
+
+def test_demo_equal_density_view_matches_the_pbs_density():
+    result = run_demo(seq_len=2048, heads_q=2, heads_kv=1, head_dim=32, progress=False, selectors=["mean_pool"])
+    baseline, pbs_row = result.equal_density
+    assert baseline.permuter == "none" and baseline.matches == pbs_row.method == "PBS: last_block + mean_pool"
+    assert pbs_row == result.rows[2]
+    assert baseline.threshold != 0.9 and abs(baseline.density - pbs_row.density) < 0.02
+    unmatched = result.rows[1]
+    assert abs(unmatched.density - pbs_row.density) > abs(baseline.density - pbs_row.density)
+    text = format_result(result)
+    assert text.splitlines()[-2].startswith("MeanPooling (no permutation)") and f"{baseline.threshold:.3f}" in text
+
+
+def test_demo_options_choose_geometry_components_and_threshold(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    args = ["demo", "--seq-len", "1024", "--heads-q", "2", "--heads-kv", "1", "--head-dim", "32", "--quiet"]
+    args += ["--block-size", "64", "--segment-size", "128", "--permuter", "random", "--selector", "budget", "mean_pool"]
+    assert main(args + ["--threshold", "0.5", "--no-equal-density", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "block 64, segment 128, permuter random" in out and "at equal density" not in out
+    payload = json.loads(path.read_text())
+    assert [(r["method"], r["threshold"]) for r in payload["rows"]] == [
+        ("dense", None), ("budget (no permutation)", 0.5), ("PBS: random + budget", 0.5),
+        ("MeanPooling (no permutation)", 0.5), ("PBS: random + mean_pool", 0.5),
+    ]
+    assert abs(payload["rows"][1]["density"] - 0.5) < 0.1  # budget's density is the threshold
+    assert payload["equal_density"] == [] and payload["meta"]["block_size"] == 64
 
 
 def test_demo_rejects_bad_arguments(capsys):

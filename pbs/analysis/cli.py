@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pbs.cli import positive_int, unit_interval
+from pbs.cli import check_device, config_error_message, positive_int, unit_interval
 
 DEFAULT_OUT = "pbs-analysis"
 
@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     source.add_argument("--heads-kv", type=positive_int, default=4, help="synthetic workload KV heads (default 4)")
     source.add_argument("--head-dim", type=positive_int, default=64, help="synthetic workload head dim (default 64)")
     source.add_argument("--seed", type=int, default=0, help="synthetic workload seed")
-    source.add_argument("--device", default="cpu", help="where --model runs and the analysis computes (default cpu)")
+    source.add_argument("--device", type=check_device, default="cpu",
+                        help="where --model runs and the analysis computes (default cpu)")
 
     analysis = parser.add_argument_group("analysis")
     analysis.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT}/)")
@@ -90,26 +91,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pbs.analysis.report import write_analysis
+    from pbs.config import PBSConfig
+
+    try:  # the config first: a bad --block-size fails before any input is loaded
+        config = PBSConfig(block_size=args.block_size, segment_size=args.segment_size, gqa=args.gqa)
+        selector = _selector(args)
+    except (ValueError, _ArgumentError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"pbs analyze: {config_error_message(exc)}", file=sys.stderr)
+        return 2
     try:
         from pbs.analysis.plotting import require_matplotlib
 
         require_matplotlib()
         capture = _load_inputs(args)
-    except _ArgumentError as exc:
-        print(f"pbs analyze: {exc}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        print(f"pbs analyze: {exc}", file=sys.stderr)
-        return 2
-
-    from pbs.analysis.report import write_analysis
-    from pbs.config import PBSConfig
-
-    try:
-        config = PBSConfig(block_size=args.block_size, segment_size=args.segment_size, gqa=args.gqa)
-        selector = _selector(args)
         _check_head_and_layer(args, capture)
-    except (ValueError, _ArgumentError) as exc:
+    except (_ArgumentError, ImportError) as exc:
         print(f"pbs analyze: {exc}", file=sys.stderr)
         return 2
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pbs.cli import positive_int, unit_interval
+from pbs.cli import check_device, positive_int, unit_interval
 
 DEFAULT_OUT = "pbs-quality"
 
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     model.add_argument("--gguf-file", metavar="NAME",
                        help=f"GGUF file inside --model-dir (default with no --model-dir: {DEFAULT_GGUF_FILE}; "
                             "omit with --model-dir for a regular checkpoint)")
-    model.add_argument("--device", default=None, help="where the model runs (default cuda if available, else cpu)")
+    model.add_argument("--device", type=check_device, default=None, help="where the model runs (default cuda if available, else cpu)")
 
     texts = parser.add_argument_group("texts")
     texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default="all",
