@@ -371,12 +371,71 @@ def test_pbs_generate_cli(tmp_path, capsys):
     result = tmp_path / "result.json"
     args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "4"]
     args += ["--config", json.dumps(EXACT), "--min-seq-len", "32", "--device", "cpu", "--warmup", "0"]
-    assert main(args + ["--json", str(result)]) == 0
+    assert main(args + ["--repeats", "3", "--json", str(result)]) == 0
     out = capsys.readouterr().out
     assert "90 prompt tokens" in out and "TTFT (s)" in out and "--- answer (pbs) ---" in out
     assert "PBS ran on 2 of 2 layers" in out and "answers: identical" in out
+    pbs_line = next(line for line in out.splitlines() if line.startswith("pbs  "))
+    assert pbs_line.endswith("x)") and "x (" in pbs_line  # the speed-up with its spread
     payload = json.loads(result.read_text())
     assert payload["results"]["pbs"]["mean_density"] == 1.0 and payload["results"]["sdpa"]["ttft_s"] > 0
+    for row in payload["results"].values():
+        assert len(row["ttft_runs_s"]) == 3 and row["ttft_min_s"] <= row["ttft_s"] <= row["ttft_max_s"]
+    assert payload["results"]["pbs"]["fallbacks"] == {}
+
+
+def test_pbs_generate_shows_no_speedup_when_pbs_did_not_run(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    _save_tiny_model_and_tokenizer(model_dir)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
+    result = tmp_path / "result.json"
+    args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "2", "--quiet"]
+    args += ["--config", json.dumps(EXACT), "--min-seq-len", "1000", "--device", "cpu", "--warmup", "0"]
+    assert main(args + ["--repeats", "2", "--json", str(result)]) == 0
+    out = capsys.readouterr().out
+    pbs_line = next(line for line in out.splitlines() if line.startswith("pbs  "))
+    assert "none: PBS did not run" in pbs_line and "x" not in pbs_line.split()[-1]
+    assert "PBS did not run: all 2 layers of the prefill fell back to dense SDPA" in out
+    assert "short_sequence on 2 layer(s)" in out and "90 < min_seq_len=1000" in out
+    fallbacks = json.loads(result.read_text())["results"]["pbs"]["fallbacks"]
+    assert fallbacks["short_sequence"]["layers"] == [0, 1]
+    assert fallbacks["short_sequence"]["details"] == ["90 < min_seq_len=1000"]
+
+
+def test_pbs_generate_verbose_lists_every_layer(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    _save_tiny_model_and_tokenizer(model_dir)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
+    args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "2", "--quiet"]
+    args += ["--config", json.dumps(EXACT), "--min-seq-len", "32", "--skip-first-layers", "1", "--device", "cpu"]
+    assert main(args + ["--warmup", "0", "--repeats", "1", "--pbs-only", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "PBS ran on 1 of 2 layers of the prefill, mean density 1.000; dense on the others:" in out
+    assert "skipped_layer on 1 layer(s)" in out and "(layer 0)" in out
+    assert "  layer 0: sdpa (skipped_layer)" in out and "  layer 1: pbs, density 1.000" in out
+
+
+def test_prefill_progress_reports_layers_of_long_forwards():
+    import io
+
+    from pbs.integrations.cli import PrefillProgress, measure_ttft
+
+    model = tiny_model("llama")
+    stream = io.StringIO()
+    progress = PrefillProgress(model, stream=stream, after_s=0.0, every_s=0.0)
+    pbs_hf.switch_attention(model, "sdpa")
+    ttft = measure_ttft(model, prompt(), warmup=1, repeats=2, progress=progress, label="sdpa prefill")
+    assert len(ttft.times) == 2 and ttft.min <= ttft.median <= ttft.max
+    lines = stream.getvalue().splitlines()
+    labels = [line.split(": ")[1] for line in lines]
+    assert labels == ["sdpa prefill warm-up 1/1"] * 2 + ["sdpa prefill timed 1/2"] * 2 + ["sdpa prefill timed 2/2"] * 2
+    assert all(line.split(": ")[2].startswith(f"layer {i % 2 + 1}/2, ") for i, line in enumerate(lines))
+    assert not model._forward_hooks and all(not layer._forward_hooks for layer in model.model.layers)
+    quiet = io.StringIO()
+    measure_ttft(model, prompt(), warmup=0, repeats=1, progress=PrefillProgress(model, stream=quiet))
+    assert quiet.getvalue() == ""  # short prefills stay silent
 
 
 def test_pbs_generate_cli_rejects_bad_input(tmp_path, capsys):
@@ -397,4 +456,49 @@ def test_trace_records_the_dense_fallback_of_pbs_attention(model):
     with pbs_hf.trace_dispatch() as calls:
         got = forward(model, "pbs", input_ids=ids).logits
     assert [(c.path, c.reason) for c in calls] == [("sdpa", "dense_fallback")] * 2
+    assert calls[0].detail == "Nk = 100 is below dense_fallback.min_seq_len = 10000"
     assert max_diff(got, expected) < TOL
+
+
+def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog):
+    # by density this time: every block selected (density 1) is above max_density 0.5
+    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"]}},
+                    min_seq_len=32, min_query_len=2)
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        forward(model, "pbs", input_ids=prompt())  # no trace_dispatch: the log alone must tell
+    (record,) = [r for r in caplog.records if r.name == "pbs.integrations.transformers"]
+    assert record.levelno == logging.WARNING
+    assert "dense_fallback" in record.getMessage() and "density 1.000 is above dense_fallback.max_density = 0.5" in record.getMessage()
+
+
+def test_fallbacks_are_warned_once_per_reason_and_per_model(caplog):
+    pbs_hf.register(EXACT, min_seq_len=200, min_query_len=2)
+    first, second = tiny_model("llama"), tiny_model("qwen2")
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        for _ in range(2):
+            forward(first, "pbs", input_ids=prompt())
+        forward(second, "pbs", input_ids=prompt())
+        forward(first, "pbs", input_ids=prompt(batch=2), attention_mask=torch.ones(2, PROMPT_LEN).long())
+    records = [r for r in caplog.records if r.name == "pbs.integrations.transformers"]
+    assert all(r.levelno == logging.WARNING for r in records)
+    messages = [r.getMessage() for r in records]
+    assert len(messages) == 2, messages  # short_sequence once for each model, not once per layer or call
+    assert all("shorter than min_seq_len (100 < min_seq_len=200)" in m for m in messages)
+    assert "llama" in messages[0] and "qwen2" in messages[1]
+    caplog.clear()
+    pbs_hf.register(EXACT, min_seq_len=200, min_query_len=2)  # re-arms
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        forward(first, "pbs", input_ids=prompt())
+    assert len([r for r in caplog.records if r.name == "pbs.integrations.transformers"]) == 1
+
+
+def test_decode_and_configured_dense_layers_are_info(model, caplog):
+    pbs_hf.register(EXACT, min_seq_len=32, skip_first_layers=1)
+    ids = prompt()
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        pbs_hf.switch_attention(model, "pbs")
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    levels = {r.getMessage().split("reason ")[1].split(",")[0]: r.levelno for r in caplog.records
+              if r.name == "pbs.integrations.transformers"}
+    assert levels == {"'skipped_layer'": logging.INFO, "'decode'": logging.INFO}

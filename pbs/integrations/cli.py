@@ -14,19 +14,25 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
-from pbs.cli import DTYPES, positive_int
+from pbs.cli import DTYPES, check_device, config_error_message, default_device, positive_int
+
+DEFAULT_REPEATS = 5
+LONG_PREFILL_S = 10.0  # a prefill at least this long times 3 repeats by default instead of 5
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="answer a prompt file with a local transformers model; print TTFT with SDPA and with PBS",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("model", help="local model directory (config, weights and tokenizer from save_pretrained)")
@@ -39,15 +45,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen.add_argument("--skip-first-layers", type=int, help="run the first N layers dense")
     gen.add_argument("--min-seq-len", type=positive_int, help="sequences shorter than this run dense")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gen.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     gen.add_argument(
         "--dtype", choices=sorted(DTYPES), help="model dtype (default bfloat16 on CUDA, float32 on CPU)"
     )
     gen.add_argument("--warmup", type=int, default=1, help="untimed prefills per attention before timing (default 1)")
-    gen.add_argument("--repeats", type=positive_int, default=1, help="timed prefills per attention (median shown)")
+    gen.add_argument(
+        "--repeats", type=positive_int, default=None,
+        help=f"timed prefills per attention; median, min and max shown (default {DEFAULT_REPEATS}, or 3 when one "
+             f"prefill takes over {LONG_PREFILL_S:g} s)",
+    )
     gen.add_argument("--pbs-only", action="store_true", help="skip the SDPA baseline")
     gen.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    gen.add_argument("--verbose", action="store_true", help="log why layers fell back to dense attention")
+    gen.add_argument("--verbose", action="store_true",
+                     help="also log INFO fallbacks (decode, layers configured dense) and list every prefill layer's path")
+    gen.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return gen
 
 
@@ -65,34 +77,147 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_ttft(model: torch.nn.Module, input_ids: torch.Tensor, *, warmup: int = 1, repeats: int = 1) -> float:
-    """Median seconds of a prefill forward plus the greedy first token.
+@dataclass(frozen=True)
+class TTFT:
+    """Timed prefills of one attention implementation, in seconds."""
+
+    times: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+
+class PrefillProgress:
+    """Per-layer progress of long prefills, on stderr.
+
+    Forward hooks on the decoder layers count the layers done. Nothing is shown until a forward has
+    run for ``after_s`` seconds, so short prefills stay silent; then a terminal gets one line redrawn
+    in place, and a log file or pipe one line at most every ``every_s`` seconds.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, enabled: bool = True, stream: TextIO | None = None,
+                 after_s: float = 2.0, every_s: float = 5.0):
+        self.layers = _decoder_layers(model)
+        self.enabled = enabled and bool(self.layers)
+        self.stream = stream if stream is not None else sys.stderr
+        self.after_s, self.every_s = after_s, every_s
+        self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._label: str | None = None
+        self._done = 0
+        self._start = self._last = 0.0
+        self._drawn = False
+        self._width = 0
+
+    @contextmanager
+    def forward(self, label: str) -> Iterator[None]:
+        """Shows the progress of the forwards run inside the ``with`` block as ``label``."""
+        if not self.enabled:
+            yield
+            return
+        handles = [layer.register_forward_hook(self._layer_done) for layer in self.layers]
+        self._label, self._done, self._drawn = label, 0, False
+        self._start = self._last = time.perf_counter()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            if self._drawn and self._interactive:
+                self.stream.write("\n")
+                self.stream.flush()
+            self._label = None
+
+    def _layer_done(self, *_: Any) -> None:
+        self._done += 1
+        now = time.perf_counter()
+        if now - self._start < self.after_s:
+            return
+        if not self._interactive and self._drawn and now - self._last < self.every_s and self._done < len(self.layers):
+            return
+        self._last = now
+        n = len(self.layers)
+        where = f"layer {self._done}/{n}" if self._done <= n else f"decoding, {self._done // n - 1} tokens"
+        line = f"pbs generate: {self._label}: {where}, {now - self._start:.1f} s"
+        if self._interactive:
+            line, self._width = "\r" + line.ljust(self._width), max(self._width, len(line))
+        else:
+            line += "\n"
+        self.stream.write(line)
+        self.stream.flush()
+        self._drawn = True
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: ``model.model.layers`` where it exists (Llama, Qwen, Mistral, ...),
+    else every module with a ``layer_idx`` (the attention layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        return list(layers)
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+
+
+def measure_ttft(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    warmup: int = 1,
+    repeats: int | None = None,
+    progress: PrefillProgress | None = None,
+    label: str = "prefill",
+) -> TTFT:
+    """Times prefill forwards plus the greedy first token.
 
     Args:
         model: a causal LM (``forward(input_ids, use_cache=True)`` returning ``.logits``).
         input_ids: ``(1, N)`` prompt tokens on the model's device.
-        warmup: untimed runs first; repeats: timed runs.
+        warmup: untimed runs first.
+        repeats: timed runs; ``None``: 5, or 3 when the first timed run takes over 10 s.
+        progress: shows per-layer progress of long prefills.
+        label: names the runs in the progress lines.
 
     Returns:
-        The median wall-clock time in seconds (the device is synchronised around each run).
+        The wall-clock time of every timed run (the device is synchronised around each).
     """
     import inspect
 
     kwargs: dict[str, Any] = {"use_cache": True}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = 1
-    times = []
+    times: list[float] = []
+    planned = repeats if repeats is not None else DEFAULT_REPEATS
+    i = 0
     with torch.inference_mode():
-        for i in range(warmup + repeats):
-            _synchronize(input_ids.device)
-            start = time.perf_counter()
-            logits = model(input_ids=input_ids, **kwargs).logits
-            first_token = logits[:, -1].argmax(-1)
-            first_token.cpu()  # waits for the device
+        while i < warmup + planned:
+            what = f"warm-up {i + 1}/{warmup}" if i < warmup else f"timed {i - warmup + 1}/{planned}"
+            with progress.forward(f"{label} {what}") if progress is not None else _nothing():
+                _synchronize(input_ids.device)
+                start = time.perf_counter()
+                logits = model(input_ids=input_ids, **kwargs).logits
+                first_token = logits[:, -1].argmax(-1)
+                first_token.cpu()  # waits for the device
+                elapsed = time.perf_counter() - start
             if i >= warmup:
-                times.append(time.perf_counter() - start)
+                times.append(elapsed)
+                if repeats is None and len(times) == 1 and elapsed > LONG_PREFILL_S:
+                    planned = 3
             del logits
-    return statistics.median(times)
+            i += 1
+    return TTFT(tuple(times))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
@@ -149,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
     if args.skip_first_layers is not None and args.skip_first_layers < 0:
         print(f"pbs generate: --skip-first-layers must be >= 0, got {args.skip_first_layers}", file=sys.stderr)
         return 2
+    if args.warmup < 0:
+        print(f"pbs generate: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
     overrides = {
         key: value
         for key, value in (("skip_first_layers", args.skip_first_layers), ("min_seq_len", args.min_seq_len))
@@ -157,11 +285,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         integration = pbs_hf.register(_read_config(args.config), **overrides)
     except (ValueError, TypeError, ValidationError) as exc:  # json errors are ValueErrors
-        print(f"pbs generate: invalid --config: {exc}", file=sys.stderr)
+        print(f"pbs generate: invalid --config: {config_error_message(exc)}", file=sys.stderr)
         return 2
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Fallbacks are logged once per reason at WARNING (INFO for decode and layers configured dense).
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("pbs").setLevel(logging.INFO if args.verbose else logging.WARNING)
 
+    def stage(message: str) -> None:
+        if not args.quiet:
+            print(f"pbs generate: {message}", file=sys.stderr, flush=True)
+
+    stage(f"loading {args.model} on {args.device} ...")
     tokenizer, model, dtype = _load(args)
     input_ids = _encode(tokenizer, args.prompt_file.read_text(encoding="utf-8"), args.chat, args.device)
     n_tokens = input_ids.shape[1]
@@ -170,35 +304,53 @@ def run(args: argparse.Namespace) -> int:
         f"{str(dtype).removeprefix('torch.')} on {args.device}"
     )
     print(f"PBS config: {integration.model_dump_json()}")
+    progress = PrefillProgress(model, enabled=not args.quiet)
 
     results: dict[str, dict[str, Any]] = {}
+    prefill: list[Any] = []
     for name in ["pbs"] if args.pbs_only else ["sdpa", "pbs"]:
         pbs_hf.switch_attention(model, name)
-        ttft = measure_ttft(model, input_ids, warmup=args.warmup, repeats=args.repeats)
-        with pbs_hf.trace_dispatch() as calls:
+        stage(f"timing {name} prefills ({args.warmup} warm-up, "
+              f"{args.repeats if args.repeats is not None else f'{DEFAULT_REPEATS} (3 if long)'} timed) ...")
+        ttft = measure_ttft(model, input_ids, warmup=args.warmup, repeats=args.repeats, progress=progress,
+                            label=f"{name} prefill")
+        stage(f"generating {args.max_new_tokens} tokens with {name} ...")
+        with pbs_hf.trace_dispatch() as calls, progress.forward(f"{name} answer"):
             answer = _generate(model, tokenizer, input_ids, args.max_new_tokens)
-        prefill = [c for c in calls if c.q_len == n_tokens]
-        results[name] = {"ttft_s": ttft, "answer": answer}
+        results[name] = {
+            "ttft_s": ttft.median, "ttft_min_s": ttft.min, "ttft_max_s": ttft.max, "ttft_runs_s": list(ttft.times),
+            "answer": answer,
+        }
         if name == "pbs":
+            prefill = [c for c in calls if c.q_len == n_tokens]
             densities = [c.density for c in prefill if c.density is not None]
             results[name]["pbs_layers"] = len(densities)
             results[name]["layers"] = len(prefill)
             results[name]["mean_density"] = statistics.fmean(densities) if densities else None
+            results[name]["fallbacks"] = _fallbacks(prefill)
         print(f"\n--- answer ({name}) ---\n{answer}")
 
-    print(f"\n{'attention':<10} {'TTFT (s)':>10} {'speed-up':>9}")
-    base = results.get("sdpa", {}).get("ttft_s")
-    for name, row in results.items():
-        speedup = f"{base / row['ttft_s']:.2f}x" if base else ""
-        print(f"{name:<10} {row['ttft_s']:>10.4f} {speedup:>9}")
     pbs_row = results["pbs"]
-    density = pbs_row["mean_density"]
-    print(
-        f"PBS ran on {pbs_row['pbs_layers']} of {pbs_row['layers']} layers of the prefill"
-        + (f", mean density {density:.3f}" if density is not None else " (see --verbose for why)")
-    )
-    if "sdpa" in results:
-        same = results["sdpa"]["answer"] == pbs_row["answer"]
+    ran = pbs_row["pbs_layers"] > 0
+    print(f"\n{'attention':<10} {'TTFT (s)':>10} {'min (s)':>10} {'max (s)':>10} {'runs':>5}  speed-up")
+    base = results.get("sdpa")
+    for name, row in results.items():
+        speedup = ""
+        if name == "pbs" and base is not None:
+            speedup = (
+                f"{base['ttft_s'] / row['ttft_s']:.2f}x ({base['ttft_min_s'] / row['ttft_max_s']:.2f}-"
+                f"{base['ttft_max_s'] / row['ttft_min_s']:.2f}x)"
+                if ran else "none: PBS did not run"
+            )
+        print(f"{name:<10} {row['ttft_s']:>10.4f} {row['ttft_min_s']:>10.4f} {row['ttft_max_s']:>10.4f} "
+              f"{len(row['ttft_runs_s']):>5}  {speedup}".rstrip())
+    if base is not None and ran:
+        print("speed-up: median of SDPA over median of PBS (in brackets: slowest SDPA over fastest PBS, and back)")
+    _print_layers(pbs_row, prefill, verbose=args.verbose)
+    if ran and args.device.startswith("cpu"):
+        print("on CPU, PBS runs the pure-PyTorch reference path: its times say nothing about the GPU kernels")
+    if base is not None:
+        same = base["answer"] == pbs_row["answer"]
         print("answers: " + ("identical" if same else "differ"))
     if args.json:
         payload = {
@@ -211,3 +363,42 @@ def run(args: argparse.Namespace) -> int:
         }
         Path(args.json).write_text(json.dumps(payload, indent=2), encoding="utf-8")
     return 0
+
+
+def _fallbacks(prefill: list[Any]) -> dict[str, dict[str, Any]]:
+    """Per fallback reason of the prefill's layers: how many layers, which, the explanation and details."""
+    from pbs.integrations.dispatch import FALLBACK_REASONS
+
+    out: dict[str, dict[str, Any]] = {}
+    for call in prefill:
+        if call.path == "pbs":
+            continue
+        entry = out.setdefault(call.reason, {
+            "layers": [], "explanation": FALLBACK_REASONS.get(call.reason, call.reason), "details": [],
+        })
+        entry["layers"].append(call.layer_idx)
+        if call.detail and call.detail not in entry["details"]:
+            entry["details"].append(call.detail)
+    return out
+
+
+def _print_layers(row: dict[str, Any], prefill: list[Any], *, verbose: bool) -> None:
+    layers, ran = row["layers"], row["pbs_layers"]
+    if layers == 0:
+        print("PBS did not run: the prefill made no attention call through the 'pbs' implementation "
+              "(does this model dispatch attention through transformers' AttentionInterface?)")
+        return
+    if ran == 0:
+        print(f"PBS did not run: all {layers} layers of the prefill fell back to dense SDPA, so the pbs row "
+              "times SDPA and no speed-up is shown. Why:")
+    else:
+        density = row["mean_density"]
+        print(f"PBS ran on {ran} of {layers} layers of the prefill, mean density {density:.3f}"
+              + ("; dense on the others:" if ran < layers else ""))
+    for reason, entry in row["fallbacks"].items():
+        details = f" ({'; '.join(entry['details'])})" if entry["details"] else ""
+        print(f"  {reason} on {len(entry['layers'])} layer(s): {entry['explanation']}{details}")
+    if verbose:
+        for call in prefill:
+            what = f"pbs, density {call.density:.3f}" if call.path == "pbs" else f"sdpa ({call.reason})"
+            print(f"  layer {call.layer_idx}: {what}")

@@ -34,7 +34,10 @@ FALLBACK_REASONS: dict[str, str] = {
     "skipped_layer": "the layer is configured dense (skip_first_layers, or a layer_overrides entry of None)",
     "short_sequence": "the sequence is shorter than min_seq_len",
     "short_chunk": "the query chunk after a cached prefix is shorter than min_query_len",
-    "dense_fallback": "PBSConfig.dense_fallback chose dense attention (too short, or the planned density too high)",
+    "dense_fallback": (
+        "PBSConfig.dense_fallback chose dense attention (backend='auto' on CUDA: fewer keys than "
+        "dense_fallback.min_seq_len, or a planned density above dense_fallback.max_density)"
+    ),
 }
 
 

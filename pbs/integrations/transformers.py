@@ -16,8 +16,9 @@
   when the call is plain causal attention over unpadded keys with the queries at the end (the case
   PBS runs), and otherwise the boolean mask SDPA would get, fully materialised.
 
-Why a call fell back is logged once per reason (logger ``pbs.integrations.transformers``), and
-:func:`trace_dispatch` records every decision. transformers is imported only when :func:`register`
+Why a call fell back is logged once per reason and per model (logger
+``pbs.integrations.transformers``; WARNING, except for decode and layers configured dense, which
+are INFO), and :func:`trace_dispatch` records every decision. transformers is imported only when :func:`register`
 (or a fallback) needs it, so this module imports without it.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,7 +56,11 @@ MIN_TRANSFORMERS = "4.53"
 logger = logging.getLogger(__name__)
 
 _registered: PBSIntegrationConfig | None = None
-_logged_reasons: set[str] = set()
+# Fallback reasons already logged, per model: id(model config) -> (a weak reference to that config,
+# so a recycled id is not mistaken for it; the reasons logged). Layers without a config share key 0.
+_logged_reasons: dict[int, tuple[Any, set[str]]] = {}
+# Reasons that are the design or the user's own choice: logged at INFO, the others at WARNING.
+INFO_REASONS: frozenset[str] = frozenset({"decode", "skipped_layer"})
 _active_traces: list[list["Dispatch"]] = []
 
 
@@ -69,6 +75,8 @@ class Dispatch:
         path: ``"pbs"`` or ``"sdpa"`` (the dense fallback; eager when softcapping).
         reason: for ``"sdpa"``, a key of :data:`~pbs.integrations.dispatch.FALLBACK_REASONS`.
         density: for ``"pbs"``, the share of causally allowed blocks that were computed.
+        detail: for ``"sdpa"``, the numbers behind the reason where there are some, e.g.
+            ``"90 < min_seq_len=1024"`` or the ``dense_fallback`` rule that fired.
     """
 
     layer_idx: int | None
@@ -77,6 +85,7 @@ class Dispatch:
     path: Literal["pbs", "sdpa"]
     reason: str | None = None
     density: float | None = None
+    detail: str | None = None
 
 
 @contextmanager
@@ -252,18 +261,21 @@ def pbs_attention_forward(
     )
     if pbs_config is None:
         assert reason is not None
-        _log_fallback_once(reason, layer_idx, q_len, kv_len, config)
-        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason))
+        detail = _fallback_detail(reason, layer_idx, q_len, kv_len, config)
+        _log_fallback_once(module, reason, detail, layer_idx, q_len, kv_len)
+        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail))
         return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-    if _active_traces:
-        out, plan = pbs_attention(query, key, value, pbs_config, scale=scaling, return_plan=True)
-        if plan is None or plan.fallback is not None:
-            # pbs.attention itself ran dense SDPA (PBSConfig.dense_fallback).
-            _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback"))
-        else:
-            _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
-    else:
-        out = pbs_attention(query, key, value, pbs_config, scale=scaling)
+    out, plan = pbs_attention(query, key, value, pbs_config, scale=scaling, return_plan=True)
+    if plan is None or plan.fallback is not None:
+        # pbs.attention itself ran dense SDPA (PBSConfig.dense_fallback): too short to plan (no plan),
+        # or the planned density too high (plan.fallback says so).
+        from pbs.dense import length_fallback_reason
+
+        detail = plan.fallback if plan is not None else length_fallback_reason(pbs_config, query, key)
+        _log_fallback_once(module, "dense_fallback", detail, layer_idx, q_len, kv_len)
+        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback", detail=detail))
+    elif _active_traces:
+        _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -272,24 +284,44 @@ def _record(dispatch: Dispatch) -> None:
         records.append(dispatch)
 
 
-def _log_fallback_once(
+def _fallback_detail(
     reason: str, layer_idx: int | None, q_len: int, kv_len: int, config: PBSIntegrationConfig
+) -> str | None:
+    return {
+        "short_sequence": f"{kv_len} < min_seq_len={config.min_seq_len}",
+        "short_chunk": f"{q_len} < min_query_len={config.min_query_len}",
+        "skipped_layer": f"layer {layer_idx}",
+    }.get(reason)
+
+
+def _log_fallback_once(
+    module: torch.nn.Module, reason: str, detail: str | None, layer_idx: int | None, q_len: int, kv_len: int
 ) -> None:
-    if reason in _logged_reasons or torch.compiler.is_compiling():
+    """Logs why a call ran dense, the first time ``reason`` happens in ``module``'s model."""
+    if torch.compiler.is_compiling():
         return
-    _logged_reasons.add(reason)
-    detail = {
-        "short_sequence": f" ({kv_len} < min_seq_len={config.min_seq_len})",
-        "short_chunk": f" ({q_len} < min_query_len={config.min_query_len})",
-        "skipped_layer": f" (layer {layer_idx})",
-    }.get(reason, "")
-    # Decode, short inputs and skipped layers are the design; the others are gaps a user may not expect.
-    expected = reason in ("decode", "short_sequence", "short_chunk", "skipped_layer")
+    model_config = getattr(module, "config", None)
+    key = 0 if model_config is None else id(model_config)
+    entry = _logged_reasons.get(key)
+    if entry is None or (model_config is not None and entry[0]() is not model_config):
+        try:
+            ref = weakref.ref(model_config) if model_config is not None else (lambda: None)
+        except TypeError:  # not weak-referenceable: identify it by id alone
+            ref = (lambda config=model_config: config) if model_config is not None else (lambda: None)
+        entry = _logged_reasons[key] = (ref, set())
+    if reason in entry[1]:
+        return
+    entry[1].add(reason)
+    name = getattr(model_config, "name_or_path", None) or getattr(model_config, "model_type", None)
+    for_model = f" in {name}" if name else ""
     logger.log(
-        logging.INFO if expected else logging.WARNING,
-        "pbs: dense attention instead of PBS: %s%s (first at layer %s, q_len %d, kv_len %d; logged once per reason)",
+        logging.INFO if reason in INFO_REASONS else logging.WARNING,
+        "pbs: dense attention instead of PBS%s: %s%s (reason %r, first at layer %s, q_len %d, kv_len %d; "
+        "logged once per reason and model)",
+        for_model,
         FALLBACK_REASONS[reason],
-        detail,
+        f" ({detail})" if detail else "",
+        reason,
         layer_idx,
         q_len,
         kv_len,
