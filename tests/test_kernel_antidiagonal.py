@@ -1,10 +1,14 @@
 """Differential tests: the Triton antidiagonal block-share kernel against its eager twin.
 
-Truth is :func:`pbs.selectors.antidiagonal.antidiagonal_block_scores` on the permuted tensors. On
-CPU the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes
-are tiny and dtypes are fp32/fp16 (the interpreter's bf16 dot products are wrong); the ``gpu`` test
-reruns the check in bf16 at a longer length. Every output buffer is NaN-poisoned first, so a block
-that the kernel forgets to write fails the comparison.
+Truth is :func:`pbs.selectors.antidiagonal.antidiagonal_block_scores` on the permuted tensors: for
+a segmented layout the strided softmax sees only the candidate blocks (allowed minus the on-diagonal
+segment, the partial last segment included), for an unsegmented one (the ``none`` permuter,
+XAttention's estimator) the allowed blocks under a strided causal mask. The kernel's defaults
+(``allowed=None``, ``strided_causal=None``) follow the layout the same way. On CPU the kernel runs
+in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are tiny and
+dtypes are fp32/fp16 (the interpreter's bf16 dot products are wrong); the ``gpu`` test reruns the
+check in bf16 at a longer length. Every output buffer is NaN-poisoned first, so a block that the
+kernel forgets to write fails the comparison.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ from pbs.types import Permutation
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _CustomAllowedInputs(SelectionInputs):
-    """Selection inputs whose allowed blocks are given, not derived from the layout."""
+class _CustomCandidatesInputs(SelectionInputs):
+    """Selection inputs whose candidate blocks (the strided softmax's block mask of a segmented
+    layout) are given, not derived from the layout."""
 
-    def __init__(self, *args, allowed: torch.Tensor, **kwargs):
+    def __init__(self, *args, candidates: torch.Tensor, **kwargs):
         super().__init__(*args, **kwargs)
-        self._allowed = allowed
+        self._candidates = candidates
 
-    def allowed_blocks(self) -> torch.Tensor:
-        return self._allowed
+    def candidate_blocks(self) -> torch.Tensor:
+        return self._candidates
 
 
 def segment_shuffle(batch: int, heads: int, length: int, lo: int, hi: int, segment: int, seed: int) -> Permutation:
@@ -43,7 +48,7 @@ def segment_shuffle(batch: int, heads: int, length: int, lo: int, hi: int, segme
     return Permutation.from_indices(sort_within_segments(scores, lo, hi, segment))
 
 
-def reference(q, k_perm, layout, stride, scale, allowed=None) -> torch.Tensor:
+def reference(q, k_perm, layout, stride, scale, candidates=None) -> torch.Tensor:
     """The eager shares of ``q (B, Hq, Nq, D)`` and permuted ``k_perm (B, Hk, Nk, D)``, fp32."""
     b, hq, nq, _ = q.shape
     hk, nk = k_perm.shape[1], k_perm.shape[2]
@@ -56,7 +61,7 @@ def reference(q, k_perm, layout, stride, scale, allowed=None) -> torch.Tensor:
         key_positions=torch.arange(nk, device=q.device).expand(b, hk, nk),
         scale=scale,
     )
-    inputs = SelectionInputs(**args) if allowed is None else _CustomAllowedInputs(**args, allowed=allowed)
+    inputs = SelectionInputs(**args) if candidates is None else _CustomCandidatesInputs(**args, candidates=candidates)
     return antidiagonal_block_scores(inputs, stride)
 
 
@@ -176,7 +181,7 @@ def test_custom_allowed_with_empty_rows_and_small_steps():
     allowed[5, 6] = True
     allowed = allowed.to(DEVICE)
     scale = q.shape[-1] ** -0.5
-    want = reference(q, k, layout, 4, scale, allowed=allowed)
+    want = reference(q, k, layout, 4, scale, candidates=allowed)
     # Stride 4: eight strided rows per block, so (4, 2) is 32 rows x 16 keys per step.
     for qb_per, kb_per in [(4, 2), (2, 4)]:
         got = run_kernel(
@@ -193,6 +198,49 @@ def test_per_block_not_a_power_of_two():
     scale = q.shape[-1] ** -0.5
     got = run_kernel(q, k, layout, 16, scale)
     torch.testing.assert_close(got, reference(q, k, layout, 16, scale), atol=1e-5, rtol=0)
+
+
+def _unsegmented(q, k, block, causal=True):
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=block, segment_size=2 * block, permuter="none", causal=causal))
+    assert not layout.segmented and layout.segment_size == block
+    return layout
+
+
+@pytest.mark.parametrize("nq, block, stride", [(None, 32, 8), (90, 64, 16)], ids=["prefill", "offset"])
+def test_unsegmented_strided_causal_mask(nq, block, stride):
+    # XAttention's estimator: GQA 4:2, batch 2, 230 keys; with 90 queries the offset (140) is not
+    # a multiple of the block or the stride.
+    q, k = workload(seq_len=230, seq_len_q=nq, seed=14)
+    layout = _unsegmented(q, k, block)
+    scale = q.shape[-1] ** -0.5
+    got = run_kernel(q, k, layout, stride, scale)
+    want = reference(q, k, layout, stride, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # The strided mask matters: the block-level allowed set alone gives other shares.
+    block_level = run_kernel(q, k, layout, stride, scale, strided_causal=False)
+    assert (block_level - want).abs().max() > 1e-3
+
+
+def test_unsegmented_fp16_and_non_causal():
+    q, k = workload(seq_len=200, seq_len_q=150, dtype=torch.float16, seed=15)
+    scale = q.shape[-1] ** -0.5
+    for causal in (True, False):
+        layout = _unsegmented(q, k, 32, causal=causal)
+        got = run_kernel(q, k, layout, 8, scale)
+        torch.testing.assert_close(got, reference(q, k, layout, 8, scale), atol=1e-4, rtol=0)
+
+
+def test_segmented_shares_live_on_the_candidates():
+    # A segmented layout with a partial last segment (200 = 3 * 64 + 8): the shares are zero off
+    # the candidates, and rows without candidates (the first segment) are all zero.
+    q, k = workload(seq_len=200, seed=16)
+    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    got = run_kernel(q, k, layout, 8, q.shape[-1] ** -0.5)
+    candidates = layout.candidate_blocks().to(got.device)
+    assert (got[..., ~candidates] == 0).all()
+    rows = candidates.any(-1)
+    torch.testing.assert_close(got[..., rows, :].sum(-1), torch.ones_like(got[..., rows, 0]), atol=1e-5, rtol=0)
+    assert (got[..., ~rows, :] == 0).all()
 
 
 def test_rejects_bad_arguments():
@@ -219,3 +267,8 @@ def test_gpu_bf16_long():
     key_perm = segment_shuffle(1, 8, 8192, 0, layout.permutable_key_len, 1024, seed=13).to(DEVICE)
     got = run_kernel(q, k, layout, 8, scale, key_indices=key_perm.indices)
     torch.testing.assert_close(got, reference(q, key_perm.apply(k), layout, 8, scale), atol=1e-3, rtol=0)
+    # XAttention's estimator (unsegmented layout, strided causal mask), with fewer queries than keys.
+    q_short = q[:, :, -3000:]
+    layout = make_layout(q_short, k, config.model_copy(update={"permuter": pbs.permuters.NoPermuter()}))
+    got = run_kernel(q_short, k, layout, 8, scale)
+    torch.testing.assert_close(got, reference(q_short, k, layout, 8, scale), atol=1e-3, rtol=0)

@@ -129,6 +129,9 @@ def _antidiagonal_select(config, inputs):
 
 # Planning on the GPU: the `triton` implementations of the default permuter and both
 # score-based selectors (pbs.planning uses them for CUDA inputs unless backend="reference").
+# They follow the reference semantics (Eq. 3 scoring unless `causal_scoring`, candidate blocks,
+# XAttention's estimator for unsegmented layouts). A permuter without one (`none`, `identity`,
+# ...) runs its reference `permute` on the GPU tensors, and the selectors still run here.
 permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
 selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
 selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)

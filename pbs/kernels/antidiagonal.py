@@ -11,7 +11,8 @@ One program handles ``BLOCK_QB`` query blocks of one (batch, query head): their 
 the N side of the dot and ``BLOCK_KB`` key blocks' strided keys the M side (the logits are computed
 transposed, keys x rows, so that the many keys fill the tensor core's M dimension even when a
 program has only 16 rows). Two passes walk the key blocks from the first to the last allowed one of
-the program's query blocks, masked with ``allowed`` (block level, as in the reference):
+the program's query blocks, masked with ``allowed`` (block level) and, for XAttention's estimator,
+a strided causal mask, as in the reference:
 
 1. online softmax statistics (running max and sum of ``exp2``) of every strided row;
 2. the logits again, turned into probabilities and summed per (query block, key block) tile.
@@ -19,6 +20,15 @@ the program's query blocks, masked with ``allowed`` (block level, as in the refe
 Every valid strided row with any allowed key sums to one, so a query block's row total, by which
 the reference divides, is its number of such rows: known after pass 1, which lets pass 2 store
 finished shares without a third pass. Key blocks outside the walked range are stored as zeros.
+
+Which strided keys a row sees follows the reference's layout rule (the selector passes it in):
+
+* segmented layout (every permuter but ``none``): ``allowed`` is the layout's *candidate* set, the
+  allowed blocks minus the query block's on-diagonal segment (Algorithm 2's ``C``), so the walk
+  stops before the own segment and no per-token mask is needed (candidates lie wholly in the past);
+* unsegmented layout (``none``, XAttention's ``xattn_estimate``): ``allowed`` is the allowed set and
+  ``strided_causal`` adds the strided-level causal mask, strided key ``c`` visible to strided row
+  ``r`` iff ``c * stride <= r * stride + (Nk - Nq)``. Every valid row then sees key 0.
 """
 
 from __future__ import annotations
@@ -82,12 +92,14 @@ def _strided_logits_t(
 @triton.jit
 def _masked_step_logits(
     q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb, kb, c_in,
-    seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+    seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale, query_offset,
     BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_INDICES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STRIDED_CAUSAL: tl.constexpr,
 ):
     """One key step of either pass: ``log2``-scaled strided logits ``(BLOCK_C, BLOCK_R)``, -inf
-    where the block pair is not allowed or a row/column is padding."""
+    where the block pair is not allowed, a row/column is padding or (``STRIDED_CAUSAL``) the
+    strided key starts after the strided row's first query position."""
     col_tok = kb * BLOCK_SIZE + c_in * STRIDE
     col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
     b_s = _strided_logits_t(
@@ -101,6 +113,8 @@ def _masked_step_logits(
         other=0,
     )
     m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
+    if STRIDED_CAUSAL:
+        m_keep = m_keep & (col_tok[:, None] <= row_tok[None, :] + query_offset)
     return tl.where(m_keep, b_s * qk_scale, float("-inf"))
 
 
@@ -135,6 +149,7 @@ def _antidiagonal_shares_kernel(
     num_k_blocks,
     head_dim,
     qk_scale,
+    query_offset,
     BLOCK_SIZE: tl.constexpr,
     STRIDE: tl.constexpr,
     PER_BLOCK: tl.constexpr,
@@ -144,6 +159,7 @@ def _antidiagonal_shares_kernel(
     BLOCK_D: tl.constexpr,
     USE_INDICES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STRIDED_CAUSAL: tl.constexpr,
 ):
     BLOCK_R: tl.constexpr = BLOCK_QB * PB
     BLOCK_C: tl.constexpr = BLOCK_KB * PB
@@ -192,7 +208,8 @@ def _antidiagonal_shares_kernel(
         b_s = _masked_step_logits(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-            BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+            query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+            STRIDED_CAUSAL,
         )
         m_new = tl.maximum(m_i, tl.max(b_s, 0))
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
@@ -211,7 +228,8 @@ def _antidiagonal_shares_kernel(
         b_s = _masked_step_logits(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-            BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+            query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
+            STRIDED_CAUSAL,
         )
         b_p = tl.math.exp2(b_s - m_i[None, :]) * w_r[None, :]
         b_tile = tl.sum(tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_QB, PB]), 3), 1)
@@ -288,11 +306,15 @@ def antidiagonal_block_shares(
     head_stop: int | None = None,
     allowed: torch.Tensor | None = None,
     *,
+    strided_causal: bool | None = None,
     out: torch.Tensor | None = None,
     query_blocks_per_program: int | None = None,
     key_blocks_per_step: int | None = None,
 ) -> torch.Tensor:
     """Strided antidiagonal block shares of attention, equal to ``antidiagonal_block_scores``.
+
+    With the defaults of ``allowed`` and ``strided_causal`` the result is the reference's for
+    ``layout`` (candidate blocks when segmented; allowed blocks and the strided causal mask when not).
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries in permuted order (fp16, bf16 or fp32).
@@ -305,7 +327,11 @@ def antidiagonal_block_shares(
         key_indices: ``(B, Hk, Nk)`` int64 or None: permuted key slot ``t`` of key head ``h`` is row
             ``key_indices[b, h, t]`` of ``k``'s head ``h * Hkv // Hk``; None when ``k`` is permuted.
         head_start, head_stop: compute query heads ``[head_start, head_stop)`` only.
-        allowed: ``(Tq, Tk)`` bool block mask of the softmax, default ``layout.allowed_blocks``.
+        allowed: ``(Tq, Tk)`` bool block mask of the softmax, default ``layout.candidate_blocks``
+            (the allowed blocks when the layout is unsegmented).
+        strided_causal: also mask strided key ``c`` for strided row ``r`` unless
+            ``c * stride <= r * stride + (Nk - Nq)`` (XAttention's estimator); default
+            ``layout.causal and not layout.segmented``.
         out: optional ``(B, head_stop - head_start, Tq, Tk)`` float32 buffer to write (every
             element is written); allocated when None.
         query_blocks_per_program, key_blocks_per_step: tuning overrides (powers of two); by default
@@ -338,7 +364,9 @@ def antidiagonal_block_shares(
         raise ValueError(f"head range [{head_start}, {head_stop}) is not inside [0, {hq})")
     tq, tk = layout.num_query_blocks, layout.num_key_blocks
     if allowed is None:
-        allowed = layout.allowed_blocks(q.device)
+        allowed = layout.candidate_blocks(q.device)
+    if strided_causal is None:
+        strided_causal = layout.causal and not layout.segmented
     if allowed.shape != (tq, tk):
         raise ValueError(f"allowed must be ({tq}, {tk}), got {tuple(allowed.shape)}")
     allowed = allowed.to(device=q.device, dtype=torch.bool).contiguous()
@@ -390,6 +418,7 @@ def antidiagonal_block_shares(
         n_heads, head_start, hq // hk, k_group, num_groups,
         layout.seq_len_q, layout.seq_len_k, tq, tk, d,
         scale / stride * LOG2_E,
+        layout.query_offset,
         BLOCK_SIZE=bs,
         STRIDE=stride,
         PER_BLOCK=per_block,
@@ -400,6 +429,7 @@ def antidiagonal_block_shares(
         USE_INDICES=key_indices is not None,
         # fp32: exact products so that the result matches the fp32 reference closely.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        STRIDED_CAUSAL=bool(strided_causal),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,5 +1,12 @@
 """GPU ``last_block`` key permutation: the fast twin of :mod:`pbs.permuters.last_block`.
 
+Scoring follows the reference. By default (Eq. 3 and the paper's code) the proxy queries see every
+key with no causal mask, and the softmax is normalised over the keys of the full segments,
+``[0, G * S)``, only: those are the only keys read (the last ``Nk mod S`` keys never move). With
+``causal_scoring=True`` (and a causal layout) each proxy query's future keys are masked and the
+softmax is normalised over all ``Nk`` keys. Without a full segment nothing moves: no launch, and
+the identity permutation, as the reference.
+
 Three launches, none of which holds more than one tile of scores:
 
 1. ``_row_stats``: each proxy query's running max and sum of ``exp2`` over one split of the keys
@@ -134,18 +141,18 @@ def _key_scores(
 
 @triton.jit
 def _sort_segments(
-    scores_ptr, indices_ptr, inverse_ptr, seq_len,
+    scores_ptr, indices_ptr, inverse_ptr, score_len, seq_len,
     SEGMENT: tl.constexpr, S_PAD: tl.constexpr,
 ):
-    """One segment per program: sorted when it is full, left in place (the tail) otherwise."""
+    """One segment per program: sorted when it is full and scored, left in place (the tail) otherwise."""
     i_g = tl.program_id(0)
     i_bh = tl.program_id(1)
     o_s = tl.arange(0, S_PAD)
     first = i_g * SEGMENT
     base = i_bh.to(tl.int64) * seq_len + first
-    if first + SEGMENT <= seq_len:
+    if first + SEGMENT <= score_len:
         m_s = o_s < SEGMENT
-        score = tl.load(scores_ptr + base + o_s, mask=m_s, other=0.0)
+        score = tl.load(scores_ptr + i_bh.to(tl.int64) * score_len + first + o_s, mask=m_s, other=0.0)
         score = tl.maximum(score, 0.0)  # non-negative floats order like their bits
         key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (S_PAD - 1 - o_s).to(tl.int64)
         key = tl.where(m_s, key, -1)
@@ -159,18 +166,31 @@ def _sort_segments(
         tl.store(inverse_ptr + base + o_s, (first + o_s).to(tl.int64), mask=m_s)
 
 
-def last_block_key_scores(inputs: PermutationInputs, num_queries: int) -> torch.Tensor:
-    """Attention each key gets from the last ``num_queries`` queries (Eq. 3): ``(B, Hs, Nk)`` float32.
+def last_block_key_scores(inputs: PermutationInputs, num_queries: int, causal: bool | None = None) -> torch.Tensor:
+    """Attention each key gets from the last ``num_queries`` queries (Eq. 3): ``(B, Hs, L)`` float32.
+
+    Args:
+        inputs: the permuter's inputs.
+        num_queries: how many of the last queries score the keys.
+        causal: mask each proxy query's future keys and normalise over all keys (``L = Nk``);
+            False (Eq. 3): no mask, softmax over the full-segment keys only
+            (``L = layout.permutable_key_len``). None follows ``layout.causal``; True on a
+            non-causal layout is False.
 
     ``Hs`` is ``Hkv`` in shared GQA mode (the group's queries averaged) and ``Hq`` in per-head mode.
     """
     layout = inputs.layout
+    causal = layout.causal if causal is None else bool(causal) and layout.causal
     q = inputs.q if inputs.q.stride(-1) == 1 else inputs.q.contiguous()
     k = inputs.k if inputs.k.stride(-1) == 1 else inputs.k.contiguous()
     b, hq, nq, d = q.shape
     hs = hq if inputs.gqa == "per_head" else layout.heads_kv
-    nk = layout.seq_len_k
+    # Keys that are read and normalised over; the proxy queries' positions use the true Nk.
+    nk = layout.seq_len_k if causal else layout.permutable_key_len
+    first_query_pos = layout.seq_len_k - num_queries
     m = num_queries
+    if nk == 0:
+        return torch.zeros(b, hs, 0, dtype=torch.float32, device=k.device)
     m_pad = max(16, triton.next_power_of_2(m))
     d_pad = max(16, triton.next_power_of_2(d))
     block_n = max(16, min(128, 16384 // max(m_pad, d_pad)))
@@ -181,10 +201,10 @@ def last_block_key_scores(inputs: PermutationInputs, num_queries: int) -> torch.
     splits = triton.cdiv(chunks, chunks_per_split)
     common = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        hs, hs // layout.heads_kv, m, nq, nk, nk - m,
+        hs, hs // layout.heads_kv, m, nq, nk, first_query_pos,
     )
     meta = dict(
-        GROUP_Q=hq // hs, M_PAD=m_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal,
+        GROUP_Q=hq // hs, M_PAD=m_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=causal,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=8 if m_pad >= 128 else 4,
     )
     part_max = torch.empty(b * hs, splits, m_pad, dtype=torch.float32, device=k.device)
@@ -199,22 +219,42 @@ def last_block_key_scores(inputs: PermutationInputs, num_queries: int) -> torch.
     return scores
 
 
-def sort_segments(scores: torch.Tensor, segment_size: int) -> Permutation:
-    """Descending stable sort of ``scores (B, H, N)`` inside each full segment; the tail stays in place."""
-    b, h, n = scores.shape
+def sort_segments(scores: torch.Tensor, segment_size: int, total_len: int | None = None) -> Permutation:
+    """Descending stable sort of ``scores (B, H, L)`` inside each full segment; the rest stays in place.
+
+    Args:
+        scores: ``(B, H, L)`` key scores.
+        segment_size: ``S``.
+        total_len: length ``N >= L`` of the permutation (default ``L``); slots at or past the last
+            full segment of ``scores`` keep their place.
+
+    Returns:
+        ``(B, H, N)`` permutation with its inverse.
+    """
+    b, h, score_len = scores.shape
+    n = score_len if total_len is None else total_len
+    if n < score_len:
+        raise ValueError(f"total_len ({n}) is shorter than the scores ({score_len})")
     indices = torch.empty(b, h, n, dtype=torch.int64, device=scores.device)
     inverse = torch.empty_like(indices)
     s_pad = triton.next_power_of_2(segment_size)
-    _sort_segments[(triton.cdiv(n, segment_size), b * h)](
-        scores.contiguous(), indices, inverse, n, SEGMENT=segment_size, S_PAD=s_pad,
-        num_warps=max(1, min(8, s_pad // 128)),
-    )
+    if b * h * n:
+        _sort_segments[(triton.cdiv(n, segment_size), b * h)](
+            scores.contiguous(), indices, inverse, score_len, n, SEGMENT=segment_size, S_PAD=s_pad,
+            num_warps=max(1, min(8, s_pad // 128)),
+        )
     return Permutation(indices=indices, inverse=inverse)
 
 
 def last_block_permute(config, inputs: PermutationInputs) -> Permutations:
-    """``triton`` implementation of :class:`~pbs.permuters.last_block.LastBlockPermuter`."""
+    """``triton`` implementation of :class:`~pbs.permuters.last_block.LastBlockPermuter`.
+
+    ``config.causal_scoring`` (on a causal layout) selects the causal rule; the default is Eq. 3.
+    """
     layout = inputs.layout
+    if layout.permutable_key_len == 0:
+        return Permutations(keys=None)
+    causal = bool(config.causal_scoring) and layout.causal
     m = min(layout.seq_len_q, config.num_queries or layout.block_size)
-    scores = last_block_key_scores(inputs, m)
-    return Permutations(keys=sort_segments(scores, layout.segment_size))
+    scores = last_block_key_scores(inputs, m, causal=causal)
+    return Permutations(keys=sort_segments(scores, layout.segment_size, total_len=layout.seq_len_k))

@@ -4,6 +4,17 @@ Both score one chunk of query heads at a time into a bounded fp32 buffer and han
 kernel of :mod:`pbs.kernels.threshold_select`, so the float scores of all heads never exist at once
 (``Hq * Tq * Tk * 4`` bytes would be 2 GiB at 512K tokens). Registered as the ``triton``
 implementations of the selector configs in :mod:`pbs.kernels`.
+
+They follow the reference selectors exactly (:mod:`pbs.selectors.mean_pool`,
+:mod:`pbs.selectors.antidiagonal`):
+
+* ``mean_pool``: softmax of the pooled logits over the candidate blocks (allowed minus the
+  on-diagonal segment, or every allowed block for the unsegmented ``none`` permuter), cumulative
+  threshold over the candidates, then the forced blocks (diagonal set and sink) added;
+* ``antidiagonal``, segmented layout: the strided softmax sees only strided keys of candidate
+  blocks, then the same threshold and forced blocks;
+* ``antidiagonal``, unsegmented layout (XAttention's estimator): the strided softmax has a causal
+  mask at the strided level, and the forced blocks rank first and count first towards ``tau``.
 """
 
 from __future__ import annotations
@@ -46,16 +57,19 @@ def select_in_head_chunks(
     score_chunk: Callable[[int, int, torch.Tensor], torch.Tensor],
     from_logits: bool,
     logit_scale: float = 1.0,
+    forced_first: bool = False,
 ) -> BlockMask:
-    """Runs ``score_chunk(h0, h1, allowed) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
+    """Runs ``score_chunk(h0, h1, candidates) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
 
-    The sink block and the on-diagonal segment are forced here, as
-    :func:`pbs.planning.finalize_selection` does for the reference selectors.
+    ``candidates`` is the layout's ``(Tq, Tk)`` candidate set (:func:`pbs.kernels.block_sets.block_sets`),
+    over which shares must sum to one. The sink block and the diagonal set are forced here, as
+    :func:`pbs.planning.finalize_selection` does for the reference selectors; ``forced_first``
+    ranks them first (see :func:`pbs.kernels.threshold_select.threshold_select_rows`).
     """
     layout = inputs.layout
     device = inputs.q.device
     counts, indices = empty_block_mask_tensors(layout, device)
-    allowed, diagonal = block_sets(layout, device)
+    sets = block_sets(layout, device)
     inverse = None
     if inputs.force_sink_block:
         perm = inputs.key_permutation or Permutation.from_indices(inputs.key_positions)
@@ -63,10 +77,11 @@ def select_in_head_chunks(
     step = heads_per_chunk(inputs)
     for h0 in range(0, layout.heads_q, step):
         h1 = min(layout.heads_q, h0 + step)
-        scores = score_chunk(h0, h1, allowed)
+        scores = score_chunk(h0, h1, sets.candidates)
         threshold_select_rows(
             scores, layout, threshold, counts, indices, head_offset=h0, key_inverse=inverse,
-            from_logits=from_logits, logit_scale=logit_scale, allowed=allowed, diagonal=diagonal,
+            from_logits=from_logits, logit_scale=logit_scale, candidates=sets.candidates,
+            diagonal=sets.diagonal, forced_first=forced_first,
         )
     return BlockMask(counts=counts, indices=indices, layout=layout)
 
@@ -79,8 +94,9 @@ def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
     k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
     group = layout.heads_q // k_bar.shape[1]
 
-    def logits(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
+    def logits(h0: int, h1: int, candidates: torch.Tensor) -> torch.Tensor:
         # Pooled keys of each query head's KV head: (B, hc, Tk, D), small next to the scores.
+        # The softmax over the candidates is taken by the threshold kernel.
         heads = torch.arange(h0, h1, device=k_bar.device) // group
         keys = k_bar.index_select(1, heads) if group > 1 else k_bar[:, h0:h1]
         return torch.matmul(q_bar[:, h0:h1], keys.transpose(-1, -2))
@@ -95,10 +111,15 @@ def antidiagonal_select(config, inputs: SelectionInputs) -> BlockMask:
     layout = inputs.layout
     k_rows, k_indices = _permuted_key_rows(inputs)
 
-    def shares(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
+    def shares(h0: int, h1: int, candidates: torch.Tensor) -> torch.Tensor:
+        # Segmented: the softmax sees the candidate blocks only. Unsegmented: the candidates are
+        # the allowed blocks, and the kernel adds XAttention's strided causal mask.
         return antidiagonal_block_shares(
             inputs.q, k_rows, layout, config.stride, inputs.scale, key_indices=k_indices,
-            head_start=h0, head_stop=h1, allowed=allowed,
+            head_start=h0, head_stop=h1, allowed=candidates,
+            strided_causal=layout.causal and not layout.segmented,
         )
 
-    return select_in_head_chunks(inputs, config.threshold, shares, from_logits=False)
+    return select_in_head_chunks(
+        inputs, config.threshold, shares, from_logits=False, forced_first=not layout.segmented
+    )

@@ -5,9 +5,22 @@ The fast twin of :func:`pbs.selectors._threshold.select_by_cumulative_threshold`
 sort, cumulative sum, threshold, forced blocks and the compaction to a sorted list all happen in
 registers, so no ``(B, Hq, Tq, Tk)`` bool or float mask is ever written.
 
-Ties: a score and its block index are packed into one int64 key (score bits high, reversed index
-low), so a descending sort ranks equal scores by ascending block index, as the reference's stable
-sort does, and the kept set is exactly the first ``needed`` keys.
+Semantics (the paper's Algorithm 2 and XAttention's estimator, as the reference selectors):
+
+* only the *candidate* blocks (:func:`pbs.kernels.block_sets.block_sets`) are ranked: the softmax of
+  logits is taken over them, and the fewest highest-scoring ones whose scores reach ``tau`` are
+  kept; a row without candidates keeps nothing here;
+* the *forced* blocks, the diagonal set and (optionally) the sink block, are then added, limited to
+  the allowed blocks (``candidates | diagonal``);
+* ``forced_first`` (XAttention's rule, used by the unsegmented ``antidiagonal`` selector): the
+  forced blocks that are candidates rank ahead of every other candidate and their mass counts first
+  towards ``tau``, as ``ranked_first`` does in the reference.
+
+Ties: a score and its block index are packed into one int64 key (a forced-first flag at bit 62,
+the score's bits from bit 32, the reversed index low), so a descending sort ranks equal scores by
+ascending block index, as the reference's stable sort does, and the kept set is exactly the first
+``needed`` keys. The reference ranks forced-first blocks by ``score + 2`` in fp32, which can merge
+two of their scores into a tie; that only reorders blocks that are all kept anyway.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ LOG2_E = 1.4426950408889634
 @triton.jit
 def _threshold_select_kernel(
     scores_ptr,
-    allowed_ptr,
+    candidates_ptr,
     diagonal_ptr,
     inverse_ptr,
     stride_inv_b,
@@ -44,6 +57,7 @@ def _threshold_select_kernel(
     TK_PAD: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
     FORCE_SINK: tl.constexpr,
+    FORCED_FIRST: tl.constexpr,
 ):
     i_row = tl.program_id(0)  # (b, local head, query block) of this chunk, row-major
     i_q = i_row % num_query_blocks
@@ -53,38 +67,48 @@ def _threshold_select_kernel(
     o_j = tl.arange(0, TK_PAD)
     m_j = o_j < num_key_blocks
 
-    allowed = tl.load(allowed_ptr + i_q * num_key_blocks + o_j, mask=m_j, other=0) != 0
+    p_sets = i_q.to(tl.int64) * num_key_blocks + o_j
+    candidates = tl.load(candidates_ptr + p_sets, mask=m_j, other=0) != 0
+    diagonal = tl.load(diagonal_ptr + p_sets, mask=m_j, other=0) != 0
+    allowed = candidates | diagonal  # block_sets guarantees it: no third load
+    forced = diagonal
+    if FORCE_SINK:
+        # The sink is the block of the slot that original position 0 moved to.
+        sink_slot = tl.load(inverse_ptr + i_b.to(tl.int64) * stride_inv_b + (i_h // key_group).to(tl.int64) * stride_inv_h)
+        forced = forced | (o_j == sink_slot // block_size)
+    forced = forced & allowed
+
     x = tl.load(scores_ptr + i_row.to(tl.int64) * num_key_blocks + o_j, mask=m_j, other=0.0)
     if FROM_LOGITS:
-        x = tl.where(allowed, x * logit_scale, float("-inf"))
+        x = tl.where(candidates, x * logit_scale, float("-inf"))
         row_max = tl.max(x, 0)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         p = tl.math.exp2(x - row_max)
         total = tl.sum(p, 0)
         p = p / tl.where(total > 0.0, total, 1.0)
     else:
-        p = tl.where(allowed, x, 0.0)
+        p = tl.where(candidates, x, 0.0)
     p = tl.maximum(p, 0.0)  # -0.0 and tiny negatives would break the bit-order of the key
 
-    # Non-negative floats order like their bit patterns; -1 sorts every disallowed block last.
+    # Non-negative floats order like their bit patterns (below 2**30 for p <= 1); -1 sorts every
+    # non-candidate last; bit 62 ranks the forced blocks first in forced-first mode.
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (TK_PAD - 1 - o_j).to(tl.int64)
-    key = tl.where(allowed, key, -1)
+    if FORCED_FIRST:
+        key = tl.where(forced, key | (1 << 62), key)
+    key = tl.where(candidates, key, -1)
     ranked = tl.sort(key, 0, descending=True)
-    ranked_p = tl.where(ranked >= 0, (ranked >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    ranked_bits = ((ranked >> 32) & 0x3FFFFFFF).to(tl.int32)
+    ranked_p = tl.where(ranked >= 0, ranked_bits.to(tl.float32, bitcast=True), 0.0)
     cumulative = tl.cumsum(ranked_p, 0)
-    num_allowed = tl.sum(allowed.to(tl.int32), 0)
+    num_candidates = tl.sum(candidates.to(tl.int32), 0)
     needed = tl.sum((cumulative < threshold).to(tl.int32), 0) + 1
-    needed = tl.minimum(needed, num_allowed)
+    needed = tl.minimum(needed, num_candidates)
+    if FORCED_FIRST:
+        needed = tl.maximum(needed, tl.sum((forced & candidates).to(tl.int32), 0))
     o_rank = tl.arange(0, TK_PAD)
     cutoff = tl.max(tl.where(o_rank == needed - 1, ranked, -1), 0)
-    selected = allowed & (key >= cutoff) & (needed > 0)
-
-    forced = tl.load(diagonal_ptr + i_q * num_key_blocks + o_j, mask=m_j, other=0) != 0
-    if FORCE_SINK:
-        # The sink is the block of the slot that original position 0 moved to.
-        sink_slot = tl.load(inverse_ptr + i_b.to(tl.int64) * stride_inv_b + (i_h // key_group).to(tl.int64) * stride_inv_h)
-        forced = forced | (o_j == sink_slot // block_size)
-    selected = selected | (forced & allowed)
+    selected = candidates & (key >= cutoff) & (needed > 0)
+    selected = selected | forced
 
     taken = selected.to(tl.int32)
     count = tl.sum(taken, 0)
@@ -114,16 +138,17 @@ def threshold_select_rows(
     head_offset: int,
     key_inverse: torch.Tensor | None,
     from_logits: bool,
-    allowed: torch.Tensor,
+    candidates: torch.Tensor,
     diagonal: torch.Tensor,
     logit_scale: float = 1.0,
+    forced_first: bool = False,
 ) -> None:
     """Selects the blocks of query heads ``[head_offset, head_offset + hc)`` into ``counts``/``indices``.
 
     Args:
-        scores: ``(B, hc, Tq, Tk)`` float32, contiguous: logits (``from_logits``, softmax over the
-            allowed blocks is taken here after multiplying by ``logit_scale``) or shares that
-            already sum to 1 over the allowed blocks of each row.
+        scores: ``(B, hc, Tq, Tk)`` float32, contiguous: logits (``from_logits``: the softmax over
+            the candidate blocks is taken here after multiplying by ``logit_scale``) or shares that
+            already sum to 1 over the candidate blocks of each row (or are all zero).
         layout: geometry of the call.
         threshold: ``tau`` in ``(0, 1]``.
         counts, indices: the BlockMask tensors of all ``Hq`` heads (see
@@ -132,15 +157,21 @@ def threshold_select_rows(
         key_inverse: ``(B, Hk, Nk)`` inverse key permutation (original index -> slot), whose
             entry for position 0 gives the sink block; None to not force the sink.
         from_logits: whether ``scores`` are logits or shares.
-        allowed, diagonal: ``(Tq, Tk)`` bool block sets of the layout (:mod:`pbs.kernels.block_sets`).
+        candidates, diagonal: ``(Tq, Tk)`` bool block sets of the layout
+            (:func:`pbs.kernels.block_sets.block_sets`); the allowed set is their union.
+        logit_scale: factor of the logits before the softmax.
+        forced_first: rank the forced candidates (diagonal and sink) first and count their mass
+            first towards ``threshold`` (XAttention's rule; see the module docstring).
     """
     b, hc, tq, tk = scores.shape
+    if b * hc * tq == 0 or tk == 0:
+        return
     scores = scores.contiguous()
     inverse = key_inverse if key_inverse is not None else counts
     key_group = layout.heads_q // key_inverse.shape[1] if key_inverse is not None else 1
     tk_pad = max(16, triton.next_power_of_2(tk))
     _threshold_select_kernel[(b * hc * tq,)](
-        scores, allowed.view(torch.int8), diagonal.view(torch.int8),
+        scores, candidates.contiguous().view(torch.int8), diagonal.contiguous().view(torch.int8),
         inverse, inverse.stride(0) if key_inverse is not None else 0,
         inverse.stride(1) if key_inverse is not None else 0, key_group,
         counts, indices,
@@ -149,5 +180,6 @@ def threshold_select_rows(
         TK_PAD=tk_pad,
         FROM_LOGITS=from_logits,
         FORCE_SINK=key_inverse is not None,
+        FORCED_FIRST=forced_first,
         num_warps=max(1, min(8, tk_pad // 256)),
     )
