@@ -77,6 +77,25 @@ def test_last_block_reaches_coverage_at_lower_density_than_identity(workload_cap
         curves["greedy"]
 
 
+def test_densities_below_the_forced_blocks_are_unreachable_not_clamped(small_capture):
+    # 1024 tokens, blocks of 128, segments of 256: the sink and diagonal blocks alone are density 0.55.
+    curves = coverage_density_curves(small_capture, permuters=["identity", "last_block"])
+    identity = curves["identity"]
+    assert identity.min_density == pytest.approx(0.55)
+    assert identity.forced_density.shape == identity.forced_coverage.shape == (4,)
+    assert identity.coverage_at(0.3) is None and identity.coverage_at(0.5) is None
+    assert not identity.reachable(0.5) and identity.reachable(0.55) and identity.reachable(0.7)
+    # at the forced density the coverage is the forced blocks' own, not the next point's
+    assert identity.coverage_at(0.55) == pytest.approx(float(identity.forced_coverage.mean()))
+    assert identity.coverage_at(0.55) < float(identity.mean_coverage[0])
+    summary = curves.summary(densities=(0.3, 0.7))
+    assert "n/a (forced ≥ 0.550)" in summary and f"{identity.coverage_at(0.7):.3f}" in summary
+    cells = {row["permuter"]: row["cells"] for row in curves.to_dict(summary_densities=(0.3, 0.7))["summary"]}
+    assert cells["identity"][0] == {"density": 0.3, "coverage": None, "unreachable": True}
+    assert cells["identity"][1]["unreachable"] is False and cells["identity"][1]["coverage"] > 0.9
+    assert curves.to_dict()["curves"][0]["forced"]["density"] == pytest.approx(0.55)
+
+
 def test_curves_reject_bad_arguments(small_capture):
     with pytest.raises(ValueError, match="coverage_targets"):
         coverage_density_curves(small_capture, permuters=["identity"], coverage_targets=[0.5, 1.5])
@@ -185,6 +204,29 @@ def test_write_analysis_writes_valid_pictures_and_data(small_capture, tmp_path):
     assert [r["category"] for r in head_rows] == [h["category"] for h in heads["heads"]]
     maps = json.loads(report.files["attention_map.json"].read_text())
     assert maps["meta"]["head"] == 2 and len(maps["panels"]) == 2
+
+
+def test_attention_map_marks_each_selected_block_and_leaves_holes_unmarked():
+    from pbs.analysis.plotting import attention_map_figure, selection_squares
+
+    # a selected ring around an unselected hole: the hole gets no square (a region outline would
+    # have drawn around it)
+    ring = torch.ones(3, 3, dtype=torch.bool)
+    ring[1, 1] = False
+    squares = selection_squares(ring, inset=0.1)
+    assert len(squares) == 8
+    assert all(not (x < 1 < x + w and y < 1 < y + h) for x, y, w, h in squares)
+    assert squares[0] == pytest.approx((-0.4, -0.4, 0.8, 0.8))
+
+    # two blocks per axis: matplotlib's default ticks would fall at half blocks (-0.5, 0, 0.5, ...)
+    maps = attention_maps(synthetic_capture(seq_len=256, heads_q=2, heads_kv=1, head_dim=32), 0)
+    fig = attention_map_figure(maps)
+    fig.canvas.draw()
+    for ax, panel in zip(fig.axes, maps.panels):
+        (selection,) = [c for c in ax.collections if c.get_gid() == "selection"]
+        assert len(selection.get_paths()) == int(panel.selected.sum())
+        for ticks in (ax.get_xticks(), ax.get_yticks()):
+            assert all(float(t).is_integer() for t in ticks)
 
 
 def test_multi_layer_pictures(tmp_path):
@@ -303,6 +345,7 @@ def test_cli_end_to_end_on_a_tiny_workload(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "head statistics: last_block vs identity at coverage 0.95, 2 heads" in captured.out
     assert "wrote 8 files" in captured.out and str(out / "coverage_density.png") in captured.out
+    assert "n/a (forced ≥" in captured.out  # 512 tokens: densities 0.3 and 0.5 are below the forced blocks
     assert "pbs analyze [" in captured.err  # the progress bar
     assert_png(out / "coverage_density.png")
     assert json.loads((out / "attention_map.json").read_text())["meta"]["head"] == 1

@@ -53,6 +53,9 @@ class CoverageCurve:
         heads: one :class:`HeadId` per row of ``density`` and ``coverage``.
         density: ``(num_heads, T)`` float64, selected over allowed blocks per head and target.
         coverage: ``(num_heads, T)`` float64, attention share captured per head and target.
+        forced_density: ``(num_heads,)`` float64, density of the forced blocks alone (sink and
+            on-diagonal segment): no selection is sparser. ``None``: the curve's first point.
+        forced_coverage: ``(num_heads,)`` float64, the attention share those blocks capture.
     """
 
     permuter: str
@@ -60,6 +63,8 @@ class CoverageCurve:
     heads: tuple[HeadId, ...]
     density: torch.Tensor
     coverage: torch.Tensor
+    forced_density: torch.Tensor | None = None
+    forced_coverage: torch.Tensor | None = None
 
     @property
     def mean_density(self) -> torch.Tensor:
@@ -71,24 +76,54 @@ class CoverageCurve:
         """``(T,)`` coverage averaged over heads, per target."""
         return self.coverage.mean(0)
 
-    def coverage_at(self, density: float) -> float:
+    @property
+    def min_density(self) -> float:
+        """Head-mean density of the forced blocks alone: the sparsest any selection can be."""
+        if self.forced_density is None:
+            return float(self.mean_density[0])
+        return float(self.forced_density.mean())
+
+    def reachable(self, density: float) -> bool:
+        """Whether a selection can be as sparse as ``density`` (not below :attr:`min_density`)."""
+        return density >= self.min_density - 1e-12
+
+    def coverage_at(self, density: float) -> float | None:
         """Head-mean coverage at a block density, linearly interpolated along the mean curve.
 
         No selection is sparser than the forced blocks (sink and on-diagonal segment), so the curve
-        starts at their density; below it, and above the last point, the end point is returned.
+        starts at their density and coverage; below it the density is unreachable and the result
+        is ``None`` (see :meth:`reachable`). Above the last point (density 1) it is the last
+        point's coverage.
         """
-        return _interpolate(self.mean_density, self.mean_coverage, density)
+        if not self.reachable(density):
+            return None
+        x, y = self._points()
+        return _interpolate(x, y, density)
 
     def density_at(self, coverage: float) -> float:
-        """Head-mean density needed for a coverage, linearly interpolated along the mean curve."""
-        return _interpolate(self.mean_coverage, self.mean_density, coverage)
+        """Head-mean density needed for a coverage, linearly interpolated along the mean curve (the
+        forced blocks' density where they alone reach it)."""
+        x, y = self._points()
+        return _interpolate(y, x, coverage)
+
+    def _points(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head-mean curve, starting at the forced blocks' point when it is known."""
+        x, y = self.mean_density, self.mean_coverage
+        if self.forced_density is not None and self.forced_coverage is not None:
+            start = torch.stack([self.forced_density.mean(), self.forced_coverage.mean()]).to(x.dtype)
+            x, y = torch.cat([start[:1], x]), torch.cat([start[1:], y])
+        return x, y
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: targets, the head-mean curve and every head's curve."""
+        """JSON-ready: targets, the head-mean curve, the forced blocks' point and every head's curve."""
+        forced = None
+        if self.forced_density is not None and self.forced_coverage is not None:
+            forced = {"density": float(self.forced_density.mean()), "coverage": float(self.forced_coverage.mean())}
         return {
             "permuter": self.permuter,
             "targets": list(self.targets),
             "mean": {"density": self.mean_density.tolist(), "coverage": self.mean_coverage.tolist()},
+            "forced": forced,
             "heads": [
                 {"layer": h.layer, "batch": h.batch, "head": h.head, "density": d.tolist(), "coverage": c.tolist()}
                 for h, d, c in zip(self.heads, self.density, self.coverage)
@@ -123,7 +158,9 @@ class CoverageCurves:
     def permuters(self) -> list[str]:
         return [c.permuter for c in self.curves]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, summary_densities: Sequence[float] = (0.3, 0.5)) -> dict[str, Any]:
+        """JSON-ready: meta, every curve, and the :meth:`summary` cells (``coverage`` null and
+        ``unreachable`` true where the forced blocks alone are denser than the cell's density)."""
         return {
             "meta": {
                 "analysis": "coverage_density",
@@ -134,6 +171,18 @@ class CoverageCurves:
                 "selection": "oracle: per query block the fewest blocks whose exact mass reaches the target, plus forced blocks",
             },
             "curves": [c.to_dict() for c in self.curves],
+            "summary": [
+                {
+                    "permuter": c.permuter,
+                    "min_density": c.min_density,
+                    "cells": [
+                        {"density": d, "coverage": c.coverage_at(d), "unreachable": not c.reachable(d)}
+                        for d in summary_densities
+                    ],
+                    "density_at_0.95": c.density_at(0.95),
+                }
+                for c in self.curves
+            ],
         }
 
     def write_json(self, path: str | Path) -> Path:
@@ -158,12 +207,24 @@ class CoverageCurves:
         return path
 
     def summary(self, densities: Sequence[float] = (0.3, 0.5)) -> str:
-        """A small table: head-mean coverage of every permuter at a few densities."""
-        header = f"{'permuter':24s}" + "".join(f" cov@{d:<5g}" for d in densities) + "  density@0.95"
-        lines = [header]
-        for curve in self.curves:
-            cells = "".join(f" {curve.coverage_at(d):9.3f}" for d in densities)
-            lines.append(f"{curve.permuter:24s}{cells}  {curve.density_at(0.95):12.3f}")
+        """A small table: head-mean coverage of every permuter at a few densities.
+
+        A density below what the forced blocks alone reach cannot be selected: its cell reads
+        ``n/a (forced ≥ X)`` with ``X`` the forced blocks' density, not a clamped coverage.
+        """
+        cells = [
+            [
+                f"{value:.3f}" if (value := curve.coverage_at(d)) is not None else f"n/a (forced ≥ {curve.min_density:.3f})"
+                for d in densities
+            ]
+            for curve in self.curves
+        ]
+        widths = [max([9, *(len(row[i]) for row in cells)]) for i in range(len(densities))]
+        header = f"{'permuter':24s}" + "".join(f" {f'cov@{d:g}':<{w}s}" for d, w in zip(densities, widths))
+        lines = [header + "  density@0.95"]
+        for curve, row in zip(self.curves, cells):
+            line = "".join(f" {cell:>{w}s}" for cell, w in zip(row, widths))
+            lines.append(f"{curve.permuter:24s}{line}  {curve.density_at(0.95):12.3f}")
         return "\n".join(lines)
 
 
@@ -206,23 +267,26 @@ def coverage_density_curves(
     cache.fill(permuters, progress=progress)
     curves = []
     for permuter in permuters:
-        densities, coverages, heads = [], [], []
+        densities, coverages, heads, forced_density, forced_coverage = [], [], [], [], []
         for index, layer_id in enumerate(capture.layer_ids):
             entry = cache.get(index, permuter)
             per_target = [entry.oracle_selection(t) for t in targets]
             densities.append(torch.stack([entry.density(s) for s in per_target], -1).flatten(0, 1))
             coverages.append(torch.stack([entry.coverage(s) for s in per_target], -1).flatten(0, 1))
+            forced = entry.forced & entry.allowed
+            forced_density.append(entry.density(forced).flatten())
+            forced_coverage.append(entry.coverage(forced).flatten())
             b, h = entry.mass.shape[:2]
             heads.extend(HeadId(layer_id, bi, hi) for bi in range(b) for hi in range(h))
-        density = torch.cat(densities).cpu()
-        coverage = torch.cat(coverages).cpu()
         curves.append(
             CoverageCurve(
                 permuter=permuter_label(permuter),
                 targets=targets,
                 heads=tuple(heads),
-                density=density,
-                coverage=coverage,
+                density=torch.cat(densities).cpu(),
+                coverage=torch.cat(coverages).cpu(),
+                forced_density=torch.cat(forced_density).cpu(),
+                forced_coverage=torch.cat(forced_coverage).cpu(),
             )
         )
     return CoverageCurves(curves=tuple(curves), source=capture.source, config=cache.config)

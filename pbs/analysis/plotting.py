@@ -155,7 +155,11 @@ def plot_head_statistics(stats: HeadStatistics, path: str | Path, *, title: str 
 
 
 def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | None = None, dpi: int = 120) -> Path:
-    """Block attention maps side by side (log colour scale), selected blocks outlined in red.
+    """Block attention maps side by side (log colour scale), each selected block marked in red.
+
+    The selection is its own layer: one semi-transparent red square per selected block, inset so
+    the map shows between neighbours. An unselected block inside a selected region stays unmarked
+    (an outline of the region would surround it too). Axes count blocks, with integer ticks.
 
     Args:
         maps: from :func:`~pbs.analysis.attention_maps`.
@@ -163,9 +167,16 @@ def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | N
         title: figure title; default names the head and the selector.
         dpi: resolution.
     """
+    return _save(attention_map_figure(maps, title=title), path, dpi)
+
+
+def attention_map_figure(maps: AttentionMaps, *, title: str | None = None) -> Any:
+    """The matplotlib ``Figure`` that :func:`plot_attention_maps` saves (Agg canvas, no pyplot)."""
     matplotlib = require_matplotlib()
-    from matplotlib.collections import LineCollection
+    from matplotlib.collections import PatchCollection
     from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     n = len(maps.panels)
     fig = _new_figure(3.9 * n + 0.9, 4.3)
@@ -184,10 +195,14 @@ def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | N
         blank = ~panel.allowed | (panel.mass == 0)
         shown = panel.mass.clamp(min=vmin).masked_fill(blank, float("nan")).numpy()
         image = ax.imshow(shown, cmap=cmap, norm=norm, interpolation="nearest")
-        overlay = torch.zeros(*panel.selected.shape, 4)
-        overlay[panel.selected] = torch.tensor([1.0, 0.0, 0.0, 0.22])
-        ax.imshow(overlay.numpy(), interpolation="nearest")
-        ax.add_collection(LineCollection(_outline_segments(panel.selected), colors="#ff2020", linewidths=0.9))
+        blocks = max(panel.selected.shape)
+        squares = [Rectangle((x, y), w, h) for x, y, w, h in selection_squares(panel.selected)]
+        ax.add_collection(PatchCollection(
+            squares, facecolor=(1.0, 0.1, 0.1, 0.25), edgecolor="#ff2020",
+            linewidth=0.8 if blocks <= 32 else 0.4, gid="selection",
+        ))
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{panel.permuter}\ncoverage {panel.coverage:.3f}, density {panel.density:.3f}", fontsize=9)
         ax.set_xlabel(f"key block ({maps.block_size} tokens)")
         ax.set_ylabel("query block")
@@ -196,20 +211,14 @@ def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | N
         title or f"Layer {maps.layer}, head {maps.head}: blocks selected by {maps.selector} in red",
         fontsize=10,
     )
-    return _save(fig, path, dpi)
+    return fig
 
 
-def _outline_segments(selected: torch.Tensor) -> list[list[tuple[float, float]]]:
-    """Edges between selected and unselected cells of a ``(rows, cols)`` grid drawn by imshow."""
-    sel = selected.int()
-    segments = []
-    padded = torch.nn.functional.pad(sel, (1, 1))
-    for i, j in (padded[:, 1:] != padded[:, :-1]).nonzero().tolist():  # vertical edge left of column j
-        segments.append([(j - 0.5, i - 0.5), (j - 0.5, i + 0.5)])
-    padded = torch.nn.functional.pad(sel, (0, 0, 1, 1))
-    for i, j in (padded[1:] != padded[:-1]).nonzero().tolist():  # horizontal edge above row i
-        segments.append([(j - 0.5, i - 0.5), (j + 0.5, i - 0.5)])
-    return segments
+def selection_squares(selected: torch.Tensor, inset: float = 0.1) -> list[tuple[float, float, float, float]]:
+    """``(x, y, width, height)`` of one square per selected cell of a ``(rows, cols)`` grid drawn by
+    imshow (cell ``(i, j)`` spans ``j - 0.5 .. j + 0.5``), inset by ``inset`` on every side."""
+    side = 1.0 - 2 * inset
+    return [(j - 0.5 + inset, i - 0.5 + inset, side, side) for i, j in selected.nonzero().tolist()]
 
 
 def _permuter_colours(names: list[str]) -> dict[str, Any]:
