@@ -440,9 +440,11 @@ def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrat
     try:
         with _attention_implementation(model, pbs_hf.ATTENTION_NAME), pbs_hf.trace_dispatch() as records:
             losses = token_losses(model, sample.input_ids)
-    finally:
+    finally:  # leave the integration as it was: a user's own registration, or none
         if previous is not None:
             pbs_hf.register(previous)
+        else:
+            pbs_hf._registered = None
     seconds = time.perf_counter() - start
     layers = attention_layers(model)
     seen = {r.layer_idx for r in records}
@@ -616,6 +618,7 @@ def run_quality(
     methods: Sequence[Method],
     *,
     layer_samples: Sequence[str] = (),
+    probe_layers: Sequence[int] | None = None,
     gpu_check: bool | None = None,
     progress: bool = True,
     meta: dict[str, Any] | None = None,
@@ -629,6 +632,7 @@ def run_quality(
         layer_samples: names of the samples on which every method's per-layer error and coverage
             are measured (each costs a dense pass plus, per layer and method, a plan, a reference
             attention and, per distinct permutation, an exact block-mass pass).
+        probe_layers: the layer ids probed there (default all).
         gpu_check: also run each PBS method with ``backend="auto"`` and compare; default: when the
             model is on CUDA.
         progress: progress lines on stderr.
@@ -651,9 +655,12 @@ def run_quality(
     if gpu_check and device.type != "cuda":
         raise ValueError("gpu_check needs the model on a CUDA device")
     layers = attention_layers(model)
+    probed = layers if probe_layers is None else sorted({int(i) for i in probe_layers})
+    if not set(probed) <= set(layers):
+        raise ValueError(f"probe_layers: {sorted(set(probed) - set(layers))} are not attention layers of the model")
     report = QualityReport(
         meta={**(meta or {}), "environment": _environment(), "device": str(device), "layers": layers,
-              "layer_samples": list(layer_samples), "gpu_check": bool(gpu_check)},
+              "layer_samples": list(layer_samples), "probe_layers": probed, "gpu_check": bool(gpu_check)},
         methods=methods,
         samples=[s.describe() for s in samples],
     )
@@ -662,7 +669,8 @@ def run_quality(
     bar = ProgressBar(total, "quality", enabled=progress)
     try:
         for sample in samples:
-            dense = _dense_with_layer_probe(model, sample, methods, report, sample.name in layer_samples, progress)
+            probe = probed if sample.name in layer_samples else []
+            dense = _dense_with_layer_probe(model, sample, methods, report, probe, progress)
             dense_row = _sample_result(DENSE, sample, dense, "sdpa")
             if sample.name in layer_samples:
                 dense_row["layer_probe"] = True  # its seconds include the per-layer probes
@@ -687,15 +695,19 @@ def run_quality(
 
 
 def _dense_with_layer_probe(
-    model: torch.nn.Module, sample: Sample, methods: Sequence[Method], report: QualityReport, probe: bool, progress: bool
+    model: torch.nn.Module, sample: Sample, methods: Sequence[Method], report: QualityReport, probe: Sequence[int],
+    progress: bool,
 ) -> ForwardResult:
     if not probe:
         return dense_forward(model, sample)
     layers = attention_layers(model)
-    bar = ProgressBar(len(layers), f"layer probe {sample.name}", enabled=progress)
+    wanted = set(probe)
+    bar = ProgressBar(len(wanted), f"layer probe {sample.name}", enabled=progress)
 
     def callback(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                  attention_mask: torch.Tensor | None) -> None:
+        if layer_idx not in wanted:
+            return
         if attention_mask is not None:
             raise RuntimeError(f"layer probe: layer {layer_idx} got an attention mask (padding?); probes need plain causal inputs")
         configs = {

@@ -11,6 +11,16 @@ from pbs.cli import check_device, positive_int, unit_interval
 DEFAULT_OUT = "pbs-quality"
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer ids, e.g. 0,15,29, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"must name layer ids >= 0, got {text!r}")
+    return values
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pbs.analysis.quality import DEFAULT_GGUF_FILE, DEFAULT_THRESHOLDS
     from pbs.analysis.quality_texts import TEXT_SET_CHOICES
@@ -45,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     texts.add_argument("--layer-probe", choices=("copy", "document", "none"), default="copy",
                        help="where per-layer error and coverage are measured, per text set: the copy probe with the "
                             "longest filler (default), the first document at the longest length, or nowhere")
+    texts.add_argument("--probe-layers", type=_layer_list, default=None, metavar="L0,L1,...",
+                       help="layers of the per-layer probe (default all; on CPU the probe costs about one PBS "
+                            "forward pass per method)")
 
     methods = parser.add_argument_group("methods")
     methods.add_argument("--methods", metavar="FILE",
@@ -121,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pbs quality: {len(methods)} methods x {len(samples)} samples; per-layer probes on "
               f"{layer_samples or 'none'}", file=sys.stderr)
     try:
-        report = run_quality(loaded.model, samples, methods, layer_samples=layer_samples,
+        report = run_quality(loaded.model, samples, methods, layer_samples=layer_samples, probe_layers=args.probe_layers,
                              gpu_check=False if args.no_gpu_check else None, progress=progress, meta=meta)
     except DenseFallbackError as exc:
         print(f"pbs quality: {exc}", file=sys.stderr)
