@@ -61,3 +61,32 @@ def test_threshold_counts_forced_blocks_first_and_reaches_its_estimate():
 def test_rows_per_block_is_checked_against_the_block_size():
     with pytest.raises(ValueError, match=r"rows_per_block \(64\) must be at most block_size \(32\)"):
         small_config(selector={"name": "sampled_rows", "rows_per_block": 64})
+
+
+@pytest.mark.parametrize(
+    "permuter, gqa, seq_len, seq_len_q, rows",
+    [("none", "shared", 300, None, 4), ("last_block", "per_head", 300, None, 8), ("last_block", "shared", 320, 200, 4)],
+)
+def test_triton_selection_matches_the_reference(permuter, gqa, seq_len, seq_len_q, rows):
+    """The GPU implementation (run by the Triton interpreter on CPU) selects the reference's blocks."""
+    from pbs.kernels.sampled_rows import sampled_block_shares, sampled_rows_select
+    from pbs.planning import finalize_selection
+    from tests.test_kernel_planning import assert_same_selection
+
+    q, k, _ = random_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q, head_dim=16, seed=3)
+    config = small_config(permuter=permuter, gqa=gqa, selector={"name": "sampled_rows", "rows_per_block": rows, "threshold": 0.85})
+    plan, q_perm, _, _ = build_plan(q, k, config.model_copy(update={"backend": "reference"}), 0.25)
+    inputs = SelectionInputs(
+        q_perm, None, plan.layout, plan.query_positions(), plan.key_positions(), 0.25,
+        source_k=k, key_permutation=plan.key_permutation,
+    )
+    actual = sampled_rows_select(config.selector, inputs)
+    reference = finalize_selection(config.selector.select(inputs), plan.layout, plan.key_positions(), True)
+    mass = sampled_block_mass(inputs, rows)
+    shares = sampled_block_shares(
+        q_perm, k, plan.query_positions(), plan.key_positions(), plan.layout, rows, 0.25,
+        plan.layout.allowed_blocks(), key_indices=plan.key_positions(),
+    )
+    torch.testing.assert_close(shares, mass, atol=1e-5, rtol=1e-5)
+    forced = forced_blocks(plan.layout, plan.key_positions(), True)
+    assert_same_selection(actual, reference, mass, plan.layout.allowed_blocks(), 0.85, ranked_first=forced)

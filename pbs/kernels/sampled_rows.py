@@ -190,3 +190,38 @@ def sampled_block_shares(
         R=rows_per_block, TK_PAD=tk_pad, num_warps=max(1, min(8, tk_pad * rows_per_block // 1024)),
     )
     return out
+
+
+def sampled_rows_select(config, inputs) -> "BlockMask":
+    """``triton`` implementation of :class:`~pbs.selectors.sampled_rows.SampledRowsSelector`.
+
+    Like the reference, it ranks every allowed block, the forced ones (sink, on-diagonal segment)
+    first with their estimated mass counting towards the threshold.
+    """
+    from pbs.kernels.block_sets import block_sets
+    from pbs.kernels.selection import _permuted_key_rows
+    from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
+    from pbs.types import BlockMask, Permutation
+
+    layout = inputs.layout
+    device = inputs.q.device
+    counts, indices = empty_block_mask_tensors(layout, device)
+    sets = block_sets(layout, device)
+    inverse = None
+    if inputs.force_sink_block:
+        perm = inputs.key_permutation or Permutation.from_indices(inputs.key_positions)
+        inverse = perm.inverse
+    k_rows, k_indices = _permuted_key_rows(inputs)
+    rows = config.rows_per_block
+    step = heads_per_scratch(layout, rows)
+    for h0 in range(0, layout.heads_q, step):
+        h1 = min(layout.heads_q, h0 + step)
+        shares = sampled_block_shares(
+            inputs.q, k_rows, inputs.query_positions, inputs.key_positions, layout, rows, inputs.scale,
+            sets.allowed, key_indices=k_indices, head_start=h0, head_stop=h1,
+        )
+        threshold_select_rows(
+            shares, layout, config.threshold, counts, indices, head_offset=h0, key_inverse=inverse,
+            from_logits=False, candidates=sets.allowed, diagonal=sets.diagonal, forced_first=True,
+        )
+    return BlockMask(counts=counts, indices=indices, layout=layout)
