@@ -206,16 +206,18 @@ def _unsegmented(q, k, block, causal=True):
     return layout
 
 
-@pytest.mark.parametrize("nq, block, stride", [(None, 32, 8), (90, 64, 16)], ids=["prefill", "offset"])
+@pytest.mark.parametrize("nq, block, stride", [(None, 64, 16), (90, 32, 8)], ids=["prefill", "offset"])
 def test_unsegmented_strided_causal_mask(nq, block, stride):
     # XAttention's estimator: GQA 4:2, batch 2, 230 keys; with 90 queries the offset (140) is not
     # a multiple of the block or the stride.
     q, k = workload(seq_len=230, seq_len_q=nq, seed=14)
     layout = _unsegmented(q, k, block)
     scale = q.shape[-1] ** -0.5
-    got = run_kernel(q, k, layout, stride, scale)
     want = reference(q, k, layout, stride, scale)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Four blocks per key step: the first steps of a program need no strided mask, the later do.
+    for qb_per, kb_per in [(None, None), (4, 4)]:
+        got = run_kernel(q, k, layout, stride, scale, query_blocks_per_program=qb_per, key_blocks_per_step=kb_per)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # The strided mask matters: the block-level allowed set alone gives other shares.
     block_level = run_kernel(q, k, layout, stride, scale, strided_causal=False)
     assert (block_level - want).abs().max() > 1e-3

@@ -61,11 +61,11 @@ def _permutation_inputs(case, dtype, **config_extra):
     return q, k, v, config, PermutationInputs(q=q, k=k, layout=layout, gqa=gqa, scale=q.shape[-1] ** -0.5)
 
 
-def _reference_key_scores(inputs: PermutationInputs, causal: bool) -> torch.Tensor:
+def reference_key_scores(inputs: PermutationInputs, causal: bool) -> torch.Tensor:
     """Eq. 3 scores of the reference (``causal=False``: full-segment keys only, no mask)."""
     layout = inputs.layout
     m = min(layout.seq_len_q, layout.block_size)
-    slots = torch.arange(layout.seq_len_q - m, layout.seq_len_q)
+    slots = torch.arange(layout.seq_len_q - m, layout.seq_len_q, device=inputs.q.device)
     keys = inputs.k if causal else inputs.k[:, :, : layout.permutable_key_len]
     return mean_attention_over_queries(
         scoring_queries(inputs)[:, :, slots], slots + layout.query_offset, keys, inputs.scale, causal
@@ -93,8 +93,8 @@ def assert_same_key_order(actual: Permutation, expected: Permutation, scores: to
 
 
 def assert_same_selection(
-    actual: BlockMask,
-    expected: BlockMask,
+    actual: BlockMask | torch.Tensor,
+    expected: BlockMask | torch.Tensor,
     scores: torch.Tensor,
     candidates: torch.Tensor,
     threshold: float,
@@ -111,17 +111,19 @@ def assert_same_selection(
     (rounding moved the cut by one block); the kept counts then differ by at most one.
 
     Args:
-        scores: ``(B, Hq, Tq, Tk)`` the reference's block scores of the selection.
+        actual, expected: BlockMasks, or dense ``(..., Tq, Tk)`` bool masks.
+        scores: ``(..., Tq, Tk)`` the reference's block scores of the selection.
         candidates: ``(Tq, Tk)`` bool, the ranked blocks.
         ranked_first: as in :func:`select_by_cumulative_threshold` (forced-first mode).
     """
-    got, want = actual.to_dense(), expected.to_dense()
+    got = actual.to_dense() if isinstance(actual, BlockMask) else actual
+    want = expected.to_dense() if isinstance(expected, BlockMask) else expected
     assert got.shape == want.shape
     cand = candidates.to(got.device).expand_as(got)
     outside = ~cand
     assert torch.equal(got & outside, want & outside), "forced or excluded blocks differ"
     rows = ((got ^ want) & cand).any(-1).nonzero().tolist()
-    first = ranked_first.expand_as(got) & cand if ranked_first is not None else torch.zeros_like(cand)
+    first = ranked_first.to(got.device).expand_as(got) & cand if ranked_first is not None else torch.zeros_like(cand)
     for idx in rows:
         idx = tuple(idx)
         s, c, f = scores[idx].double().cpu(), cand[idx].cpu(), first[idx].cpu()
@@ -224,7 +226,7 @@ def test_block_means_match_reference(dtype, gather):
 def test_last_block_scores_match_reference(case, dtype, causal):
     q, k, _, config, inputs = _permutation_inputs(CPU_CASES[case], dtype)
     layout = inputs.layout
-    expected = _reference_key_scores(inputs, causal)
+    expected = reference_key_scores(inputs, causal)
     actual = last_block_key_scores(inputs, min(layout.seq_len_q, layout.block_size), causal=causal)
     assert actual.shape == expected.shape
     assert actual.shape[-1] == (layout.seq_len_k if causal else layout.permutable_key_len)
@@ -251,7 +253,7 @@ def test_last_block_permutation_matches_reference(case, causal_scoring):
     assert perm.indices.shape == (layout.batch, inputs.key_heads, layout.seq_len_k)
     n, s = layout.seq_len_k, layout.segment_size
     assert torch.equal(perm.indices // s, torch.arange(n).expand_as(perm.indices) // s), "keys left their segment"
-    scores = _reference_key_scores(inputs, causal_scoring)[..., : layout.permutable_key_len]
+    scores = reference_key_scores(inputs, causal_scoring)[..., : layout.permutable_key_len]
     assert_same_key_order(perm, reference, scores)
 
 

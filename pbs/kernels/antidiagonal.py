@@ -119,6 +119,16 @@ def _masked_step_logits(
 
 
 @triton.jit
+def _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, o_k, stride_oq, num_k_blocks, m_out_q,
+                       BLOCK_KB: tl.constexpr, BLOCK_QB: tl.constexpr, PB: tl.constexpr):
+    """Pass 2 of one key step: probabilities summed per (key block, query block) tile, stored."""
+    b_p = tl.math.exp2(b_s - m_i[None, :]) * w_r[None, :]
+    b_tile = tl.sum(tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_QB, PB]), 3), 1)
+    p_out = out_head + o_qb[None, :] * stride_oq + o_k[:, None]
+    tl.store(p_out, b_tile, mask=(o_k < num_k_blocks)[:, None] & m_out_q)
+
+
+@triton.jit
 def _antidiagonal_shares_kernel(
     q_ptr,
     k_ptr,
@@ -200,20 +210,40 @@ def _antidiagonal_shares_kernel(
     hi = tl.load(hi_ptr + i_g)
     end = lo + tl.cdiv(hi - lo, BLOCK_KB) * BLOCK_KB
 
+    # XAttention's strided causal mask matters only on the key steps that reach past the earliest
+    # row's first query position: the steps before `mid` run without it (like FlashAttention's
+    # split of the causal loop), so the mask costs nothing away from the diagonal.
+    mid = end
+    if STRIDED_CAUSAL:
+        first_row = i_g * BLOCK_QB * BLOCK_SIZE
+        n_free = (first_row + query_offset + STRIDE - lo * BLOCK_SIZE) // (BLOCK_KB * BLOCK_SIZE)
+        mid = tl.minimum(lo + tl.maximum(n_free, 0) * BLOCK_KB, end)
+
     # Pass 1: softmax statistics per strided row, in the log2 domain. A finite start for the
     # running max keeps rows that see no key free of inf - inf.
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for kb0 in range(lo, end, BLOCK_KB):
+    for kb0 in range(lo, mid, BLOCK_KB):
         b_s = _masked_step_logits(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
             query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            STRIDED_CAUSAL,
+            False,
         )
         m_new = tl.maximum(m_i, tl.max(b_s, 0))
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
         m_i = m_new
+    if STRIDED_CAUSAL:
+        for kb0 in range(mid, end, BLOCK_KB):
+            b_s = _masked_step_logits(
+                q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+                kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+                query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
+                DOT_PRECISION, True,
+            )
+            m_new = tl.maximum(m_i, tl.max(b_s, 0))
+            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
+            m_i = m_new
 
     # The reference divides each query block's tile sums by their total, which is the number of
     # its strided rows that see any key (each such row's probabilities sum to one).
@@ -224,18 +254,25 @@ def _antidiagonal_shares_kernel(
 
     # Pass 2: probabilities summed per (key block, query block) tile; finished shares are stored.
     m_out_q = (o_qb < num_q_blocks)[None, :]
-    for kb0 in range(lo, end, BLOCK_KB):
+    for kb0 in range(lo, mid, BLOCK_KB):
         b_s = _masked_step_logits(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
             query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            STRIDED_CAUSAL,
+            False,
         )
-        b_p = tl.math.exp2(b_s - m_i[None, :]) * w_r[None, :]
-        b_tile = tl.sum(tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_QB, PB]), 3), 1)
-        o_k = kb0 + o_kb
-        p_out = out_head + o_qb[None, :] * stride_oq + o_k[:, None]
-        tl.store(p_out, b_tile, mask=(o_k < num_k_blocks)[:, None] & m_out_q)
+        _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
+                           BLOCK_KB, BLOCK_QB, PB)
+    if STRIDED_CAUSAL:
+        for kb0 in range(mid, end, BLOCK_KB):
+            b_s = _masked_step_logits(
+                q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+                kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+                query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
+                DOT_PRECISION, True,
+            )
+            _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
+                               BLOCK_KB, BLOCK_QB, PB)
 
     # Key blocks outside the walked range are not allowed for any query block here.
     zeros = tl.zeros([BLOCK_KB, BLOCK_QB], dtype=tl.float32)
