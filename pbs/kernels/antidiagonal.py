@@ -95,11 +95,11 @@ def _masked_step_logits(
     seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale, query_offset,
     BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_INDICES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_ALLOWED: tl.constexpr, STRIDED_CAUSAL: tl.constexpr,
+    STRIDED_CAUSAL: tl.constexpr,
 ):
     """One key step of either pass: ``log2``-scaled strided logits ``(BLOCK_C, BLOCK_R)``, -inf
-    where a row/column is padding, (``USE_ALLOWED``) the block pair is not allowed or
-    (``STRIDED_CAUSAL``) the strided key starts after the strided row's first query position."""
+    where the block pair is not allowed, a row/column is padding or (``STRIDED_CAUSAL``) the
+    strided key starts after the strided row's first query position."""
     col_tok = kb * BLOCK_SIZE + c_in * STRIDE
     col_valid = (c_in < PER_BLOCK) & (col_tok < seq_len_k)
     b_s = _strided_logits_t(
@@ -107,14 +107,12 @@ def _masked_step_logits(
         seq_len_q, seq_len_k, head_dim,
         STRIDE, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
     )
-    m_keep = col_valid[:, None] & row_valid[None, :]
-    if USE_ALLOWED:
-        b_allowed = tl.load(
-            allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
-            mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
-            other=0,
-        )
-        m_keep = m_keep & (b_allowed != 0)
+    b_allowed = tl.load(
+        allowed_ptr + qb[None, :] * num_k_blocks + kb[:, None],
+        mask=(kb < num_k_blocks)[:, None] & (qb < num_q_blocks)[None, :],
+        other=0,
+    )
+    m_keep = (b_allowed != 0) & col_valid[:, None] & row_valid[None, :]
     if STRIDED_CAUSAL:
         m_keep = m_keep & (col_tok[:, None] <= row_tok[None, :] + query_offset)
     return tl.where(m_keep, b_s * qk_scale, float("-inf"))
@@ -172,7 +170,6 @@ def _antidiagonal_shares_kernel(
     USE_INDICES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDED_CAUSAL: tl.constexpr,
-    BLOCK_MASK: tl.constexpr,
 ):
     BLOCK_R: tl.constexpr = BLOCK_QB * PB
     BLOCK_C: tl.constexpr = BLOCK_KB * PB
@@ -215,9 +212,7 @@ def _antidiagonal_shares_kernel(
 
     # XAttention's strided causal mask matters only on the key steps that reach past the earliest
     # row's first query position: the steps before `mid` run without it (like FlashAttention's
-    # split of the causal loop). There every key precedes every row's queries, so the block pair
-    # is allowed too, and the steps from `mid` on need the strided mask alone (it implies the
-    # allowed set): with STRIDED_CAUSAL the block mask is not read (BLOCK_MASK is False).
+    # split of the causal loop), so the mask costs nothing away from the diagonal.
     mid = end
     if STRIDED_CAUSAL:
         first_row = i_g * BLOCK_QB * BLOCK_SIZE
@@ -233,7 +228,7 @@ def _antidiagonal_shares_kernel(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
             query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            BLOCK_MASK, False,
+            False,
         )
         m_new = tl.maximum(m_i, tl.max(b_s, 0))
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
@@ -244,7 +239,7 @@ def _antidiagonal_shares_kernel(
                 q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
                 kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
                 query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
-                DOT_PRECISION, False, True,
+                DOT_PRECISION, True,
             )
             m_new = tl.maximum(m_i, tl.max(b_s, 0))
             l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
@@ -264,7 +259,7 @@ def _antidiagonal_shares_kernel(
             q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
             kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
             query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            BLOCK_MASK, False,
+            False,
         )
         _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
                            BLOCK_KB, BLOCK_QB, PB)
@@ -274,7 +269,7 @@ def _antidiagonal_shares_kernel(
                 q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
                 kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
                 query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
-                DOT_PRECISION, False, True,
+                DOT_PRECISION, True,
             )
             _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
                                BLOCK_KB, BLOCK_QB, PB)
@@ -371,11 +366,9 @@ def antidiagonal_block_shares(
         head_start, head_stop: compute query heads ``[head_start, head_stop)`` only.
         allowed: ``(Tq, Tk)`` bool block mask of the softmax, default ``layout.candidate_blocks``
             (the allowed blocks when the layout is unsegmented).
-        strided_causal: mask strided key ``c`` for strided row ``r`` unless
+        strided_causal: also mask strided key ``c`` for strided row ``r`` unless
             ``c * stride <= r * stride + (Nk - Nq)`` (XAttention's estimator); default
-            ``layout.causal and not layout.segmented``. That mask implies the layout's allowed
-            blocks, so ``allowed`` then only bounds which key blocks are walked (it must hold every
-            block the strided mask lets through, as the layout's allowed set does).
+            ``layout.causal and not layout.segmented``.
         out: optional ``(B, head_stop - head_start, Tq, Tk)`` float32 buffer to write (every
             element is written); allocated when None.
         query_blocks_per_program, key_blocks_per_step: tuning overrides (powers of two); by default
@@ -474,7 +467,6 @@ def antidiagonal_block_shares(
         # fp32: exact products so that the result matches the fp32 reference closely.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         STRIDED_CAUSAL=bool(strided_causal),
-        BLOCK_MASK=not strided_causal,
         num_warps=num_warps,
         num_stages=num_stages,
     )
