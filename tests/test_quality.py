@@ -272,6 +272,28 @@ def test_cli_parses_the_quality_subcommand():
         build_parser().parse_args(["quality", "--texts", "both"])
 
 
+@pytest.mark.gpu
+def test_gpu_backend_is_compared_with_the_reference():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=2048,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval().cuda()
+    sample = qt.copy_sample("copy", "heldout", ids(300, 6), ids(700, 7), passage_tokens=256, filler_tokens=512)
+    methods = [q.make_method({"permuter": permuter, "selector": {"name": "mean_pool", "threshold": 0.9}, "gqa": gqa,
+                              "block_size": 64, "segment_size": 128})
+               for permuter, gqa in (("last_block", "per_head"), ("last_block", "shared"), ("identity", "per_head"))]
+    report = q.run_quality(model, [sample], methods, layer_samples=["copy"], progress=False)
+    assert report.meta["gpu_check"] is True
+    assert [r["method"] for r in report.gpu] == [m.label for m in methods]
+    for row in report.gpu:
+        assert row["backend"] == "auto" and 0 < row["density"] < 1
+        assert row["loss"] == pytest.approx(row["loss_reference"], abs=1e-3)
+        assert row["density"] == pytest.approx(row["density_reference"], abs=0.02)
+    assert "### GPU backend against the reference" in markdown_tables(report)
+
+
 # --------------------------------------------------------------------------------------------
 # The real model
 
