@@ -195,9 +195,13 @@ def test_pbs_selection_and_output_follow_algorithm_2(seq_len, tau, seed):
     per_segment = SEGMENT // BLOCK
     c = causal_block_mask_c(nb, per_segment, segmented=True)
     for h in range(2):
-        order, _ = eq3_key_order(q[0, h], k[0, h], BLOCK, SEGMENT)
-        if not torch.equal(order, plan.key_positions()[0, h]):
-            pytest.skip("near-tie in the key scores reordered two keys; covered by the Eq. 3 test")
+        # The key order must sort the independent Eq. 3 scores; it is then used as is, so that a
+        # float near-tie between two keys cannot make the comparison below fail or be skipped.
+        _, scores = eq3_key_order(q[0, h], k[0, h], BLOCK, SEGMENT)
+        order = plan.key_positions()[0, h]
+        for start in range(0, (seq_len // SEGMENT) * SEGMENT, SEGMENT):
+            ranked = scores[order[start : start + SEGMENT]]
+            assert (ranked[1:] <= ranked[:-1] + 1e-9).all()
         selected = algorithm_2(q[0, h], k[0, h][order], c, BLOCK, tau)
         sink = torch.zeros(nb, nb, dtype=torch.bool)
         sink[:, int((order == 0).nonzero()) // BLOCK] = True
