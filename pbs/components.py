@@ -4,10 +4,10 @@ A component is a frozen pydantic config whose ``name`` field (a ``Literal`` with
 registry key and whose method is the pure-PyTorch reference implementation:
 
 * a **permuter** returns the segmented permutations of keys and queries
-  (:meth:`PermuterConfig.permute`);
+  (`PermuterConfig.permute`);
 * a **selector** returns the key blocks each query block should compute
-  (:meth:`SelectorConfig.select`); forced blocks (sink, on-diagonal segment) and the causal limit
-  are applied afterwards by :func:`pbs.planning.finalize_selection`, so a selector never has to.
+  (`SelectorConfig.select`); forced blocks (sink, on-diagonal segment) and the causal limit
+  are applied afterwards by `pbs.planning.finalize_selection`, so a selector never has to.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ class Permutations(NamedTuple):
 
 
 class PermuterConfig(ComponentConfig):
-    """Base of permuter configs; subclasses implement :meth:`permute`.
+    """Base of permuter configs; subclasses implement `permute`.
 
     Attributes:
         segmented: class-level flag. True (every permuter but ``none``): tokens are permuted inside
             segments, so each query block's whole on-diagonal segment is forced and left out of
             the selectors' softmax. False: no segmented permutation at all; the Layout then has
-            one-block segments (see :class:`pbs.layout.Layout`).
+            one-block segments (see `pbs.layout.Layout`).
     """
 
     segmented: ClassVar[bool] = True
@@ -134,9 +134,9 @@ class SelectionInputs:
         scale: softmax scale.
         source_k: ``(B, Hkv, Nk, D)`` keys in original order, when known: fast selectors read them
             through ``key_positions`` instead of gathering a permuted copy.
-        key_permutation: the key :class:`~pbs.types.Permutation` (needed to gather ``k`` lazily).
+        key_permutation: the key `Permutation` (needed to gather ``k`` lazily).
         force_sink_block: whether the selection must keep the block holding position 0 (selectors
-            that return a finished :class:`~pbs.types.BlockMask` apply it themselves).
+            that return a finished `BlockMask` apply it themselves).
     """
 
     def __init__(
@@ -183,19 +183,19 @@ class SelectionInputs:
     def candidate_blocks(self) -> torch.Tensor:
         """``(Tq, Tk)`` bool: the blocks a score-based selector ranks (Algorithm 2's ``C``): the
         allowed blocks minus the forced on-diagonal segment, or every allowed block when the
-        layout is unsegmented. See :meth:`pbs.layout.Layout.candidate_blocks`."""
+        layout is unsegmented. See `pbs.layout.Layout.candidate_blocks`."""
         return self.layout.candidate_blocks(self.q.device)
 
 
 class SelectorConfig(ComponentConfig):
-    """Base of selector configs; subclasses implement :meth:`select`."""
+    """Base of selector configs; subclasses implement `select`."""
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         """Reference implementation: ``(B, Hq, Tq, Tk)`` bool of the key blocks to compute.
 
-        Blocks outside :meth:`SelectionInputs.allowed_blocks` are dropped and forced blocks (the
+        Blocks outside `SelectionInputs.allowed_blocks` are dropped and forced blocks (the
         sink and the on-diagonal segment) added afterwards, so the result may ignore both. A
-        score-based selector ranks only :meth:`SelectionInputs.candidate_blocks`.
+        score-based selector ranks only `SelectionInputs.candidate_blocks`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement select()")
 

@@ -80,7 +80,7 @@ class PBSConfig(BaseModel):
             ``torch.nn.functional.scaled_dot_product_attention``, NaN/inf inputs give NaN/inf
             outputs (in the rows whose selected blocks hold them) instead of an error. ``True``
             checks everywhere (not inside CUDA graph capture); ``False`` never checks.
-        dense_fallback: when ``backend="auto"`` runs dense SDPA instead (:class:`DenseFallback`).
+        dense_fallback: when ``backend="auto"`` runs dense SDPA instead (`DenseFallback`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -137,7 +137,7 @@ class PBSConfig(BaseModel):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "PBSConfig":
-        """A named configuration from :data:`PRESETS`, with fields overridden by keyword.
+        """A named configuration from `PRESETS`, with fields overridden by keyword.
 
         Example:
             ```python

@@ -1,16 +1,16 @@
-"""Triton kernels and their launchers (each with an eager twin in :mod:`pbs.reference`).
+"""Triton kernels and their launchers (each with an eager twin in `pbs.reference`).
 
 Registers two attention backends:
 
-* ``"triton"``: :func:`pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
+* ``"triton"``: `pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
   ``backend="auto"`` on CUDA; on Hopper it runs the warp-specialized Gluon kernel of
-  :mod:`pbs.kernels.hopper_attn` where that applies; on CPU tensors it runs in the Triton
+  `pbs.kernels.hopper_attn` where that applies; on CPU tensors it runs in the Triton
   interpreter when ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never
   through ``auto``;
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
 
-:func:`pbs.kernels.gather.gather_kv` applies a key permutation to K and V in one launch (3x faster
+`pbs.kernels.gather.gather_kv` applies a key permutation to K and V in one launch (3x faster
 than ``Permutation.apply``'s ``torch.gather`` on an H200; see docs/benchmarks.md).
 
 Triton is imported only when a kernel runs, so ``import pbs`` works without it.

@@ -1,5 +1,5 @@
 """XAttention's strided antidiagonal block shares in Triton: the fast twin of
-:func:`pbs.selectors.antidiagonal.antidiagonal_block_scores`.
+`pbs.selectors.antidiagonal.antidiagonal_block_scores`.
 
 The reference concatenates ``stride`` consecutive queries in reverse order and ``stride``
 consecutive keys in order, so the strided logit of row ``r`` and column ``c`` is

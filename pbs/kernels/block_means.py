@@ -1,8 +1,8 @@
 """Block means of rows, optionally read through a permutation: the fast twin of
-:func:`pbs.permuters.avg_query.block_means` applied to ``Permutation.apply(x)``.
+`pbs.permuters.avg_query.block_means` applied to ``Permutation.apply(x)``.
 
 Reading the rows through the permutation's indices means the selectors never need a permuted copy
-of K to pool it, which keeps :func:`pbs.plan`'s memory small.
+of K to pool it, which keeps `pbs.plan`'s memory small.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The layout's allowed, diagonal and candidate block sets, built on the device in one launch.
 
-The fast twin of :meth:`pbs.layout.Layout.allowed_blocks`, :meth:`~pbs.layout.Layout.diagonal_blocks`
-and :meth:`~pbs.layout.Layout.candidate_blocks`, in closed form:
+The fast twin of `pbs.layout.Layout.allowed_blocks`, `diagonal_blocks`
+and `candidate_blocks`, in closed form:
 
 * *allowed* (not wholly in the future) compares effective position ranges: a block lies wholly
   inside or wholly outside the permutable prefix because ``S % block_size == 0``, and a slot's

@@ -1,5 +1,5 @@
 """Block-sparse flash-attention forward in Triton: the fast twin of
-:func:`pbs.reference.block_sparse_attention_reference`.
+`pbs.reference.block_sparse_attention_reference`.
 
 One program computes one tile of ``BLOCK_M`` query slots of one (batch, query head) and walks only
 the key blocks its query block selected (``mask.indices[b, h, i, :mask.counts[b, h, i]]``). The
@@ -348,10 +348,10 @@ def block_sparse_attention(
             are not permuted.
         scale: softmax scale, default ``D ** -0.5``.
         causal: mask pairs with ``key_position > query_position``.
-        config: tile shape and schedule; default :func:`select_config`.
+        config: tile shape and schedule; default `select_config`.
         out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype (16-byte aligned rows).
         kernel: ``"auto"`` runs the warp-specialized Gluon kernel
-            (:mod:`pbs.kernels.hopper_attn`) where it applies (Hopper, fp16/bf16, head dim 64 or
+            (`pbs.kernels.hopper_attn`) where it applies (Hopper, fp16/bf16, head dim 64 or
             128, mask block 128, no ``config``) and this Triton kernel elsewhere; ``"triton"``
             always runs this one; ``"hopper"`` insists on the Gluon one. The environment variable
             ``PBS_ATTENTION_KERNEL`` overrides ``"auto"``.
@@ -416,7 +416,7 @@ def select_config(
     scale: float | None = None,
     causal: bool = True,
 ) -> KernelConfig:
-    """The config :func:`block_sparse_attention` uses for these arguments.
+    """The config `block_sparse_attention` uses for these arguments.
 
     ``PBS_TRITON_CONFIG="bm,bn,warps,stages"`` forces one; the interpreter and single-candidate
     cases take the first candidate; otherwise the candidates are timed once per shape class

@@ -1,6 +1,6 @@
 """The PBS block mask lowered to ``torch.nn.attention.flex_attention``: a second implementation.
 
-The :class:`~pbs.types.BlockMask` maps one to one onto FlexAttention's: ``counts``/``indices``
+The `BlockMask` maps one to one onto FlexAttention's: ``counts``/``indices``
 become its ``kv_num_blocks``/``kv_indices``. Blocks that lie wholly in the past of their query block
 go in as *full* blocks (no ``mask_mod`` call); the on-diagonal ones as partial blocks whose
 ``mask_mod`` compares *original* positions, read from the permutation, so permuted attention stays
@@ -153,9 +153,9 @@ def flex_block_sparse_attention(
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)``, permuted.
         mask, query_positions, key_positions, causal: as
-            :func:`pbs.kernels.block_sparse_attn.block_sparse_attention`.
+            `pbs.kernels.block_sparse_attn.block_sparse_attention`.
         scale: softmax scale, default ``D ** -0.5``.
-        block_mask: a prebuilt :func:`to_flex_block_mask` result (saves rebuilding it per call).
+        block_mask: a prebuilt `to_flex_block_mask` result (saves rebuilding it per call).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype, permuted query order.

@@ -1,4 +1,4 @@
-"""Applying a key permutation to K and V in one pass: the fast twin of :meth:`pbs.types.Permutation.apply`.
+"""Applying a key permutation to K and V in one pass: the fast twin of `pbs.types.Permutation.apply`.
 
 ``torch.gather`` with an index expanded over the head dim reads an int64 index per element; this
 kernel reads one index per row and copies whole rows of K and V together.

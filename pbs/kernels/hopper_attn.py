@@ -1,6 +1,6 @@
 """Warp-specialized block-sparse attention forward for Hopper (sm_90), written in Gluon.
 
-The Triton kernel (:mod:`pbs.kernels.block_sparse_attn`) is software-pipelined by the compiler:
+The Triton kernel (`pbs.kernels.block_sparse_attn`) is software-pipelined by the compiler:
 every loop step ends in CTA-wide barriers, so its two warpgroups do their softmax at the same time
 while the tensor cores wait, and each program pays its prologue (list scan, Q load, pipeline
 fill) with nothing to overlap it. This kernel splits a CTA into three partitions that talk only
@@ -19,7 +19,7 @@ each tile's rank to the consumers through shared memory. A CTA that drew light t
 and CTAs running at the same time work on neighbouring ranks, which share K/V in L2. The producer
 loads the next tile's Q and first K/V blocks while the consumers finish the current one.
 
-It covers the common case only, and :func:`hopper_not_supported_reasons` says when it does not
+It covers the common case only, and `hopper_not_supported_reasons` says when it does not
 apply: fp16/bf16, head dims 64 or 128 (same for values), mask blocks of 128. Causality is checked
 on original positions in the masked tail of each list exactly as in the Triton kernel, which is
 this kernel's differential twin (``tests/test_hopper_kernel.py``).
@@ -411,7 +411,7 @@ def _descriptor(x: torch.Tensor, strides: list[int], rows: int) -> TensorDescrip
 
 def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
-    (:class:`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
+    (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
     layout = call.mask.layout
     b, hq, nq, d = call.q.shape
     hk, nk = call.k.shape[1], call.k.shape[2]
@@ -455,6 +455,6 @@ def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> 
 
 
 def launch_hopper(call, tma_strides, sm_count: int, stages: int = STAGES) -> None:
-    """Run the kernel on a prepared call (:class:`pbs.kernels.block_sparse_attn._Call`)."""
+    """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
     grid, args, kwargs = launch_arguments(call, tma_strides, sm_count, stages)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)

@@ -1,4 +1,4 @@
-"""GPU ``last_block`` key permutation: the fast twin of :mod:`pbs.permuters.last_block`.
+"""GPU ``last_block`` key permutation: the fast twin of `pbs.permuters.last_block`.
 
 Scoring follows the reference. By default (Eq. 3 and the paper's code) the proxy queries see every
 key with no causal mask, and the softmax is normalised over the keys of the full segments,
@@ -247,7 +247,7 @@ def sort_segments(scores: torch.Tensor, segment_size: int, total_len: int | None
 
 
 def last_block_permute(config, inputs: PermutationInputs) -> Permutations:
-    """``triton`` implementation of :class:`~pbs.permuters.last_block.LastBlockPermuter`.
+    """``triton`` implementation of `LastBlockPermuter`.
 
     ``config.causal_scoring`` (on a causal layout) selects the causal rule; the default is Eq. 3.
     """

@@ -1,4 +1,4 @@
-"""GPU ``sampled_rows`` block mass: the fast twin of :func:`pbs.selectors.sampled_rows.sampled_block_mass`.
+"""GPU ``sampled_rows`` block mass: the fast twin of `pbs.selectors.sampled_rows.sampled_block_mass`.
 
 Two launches per chunk of query heads, one pass over the keys:
 
@@ -193,7 +193,7 @@ def sampled_block_shares(
 
 
 def sampled_rows_select(config, inputs) -> "BlockMask":
-    """``triton`` implementation of :class:`~pbs.selectors.sampled_rows.SampledRowsSelector`.
+    """``triton`` implementation of `SampledRowsSelector`.
 
     Like the reference, it ranks every allowed block, the forced ones (sink, on-diagonal segment)
     first with their estimated mass counting towards the threshold.

@@ -1,12 +1,12 @@
 """GPU implementations of the ``mean_pool`` and ``antidiagonal`` selectors, producing a BlockMask directly.
 
 Both score one chunk of query heads at a time into a bounded fp32 buffer and hand it to the row
-kernel of :mod:`pbs.kernels.threshold_select`, so the float scores of all heads never exist at once
+kernel of `pbs.kernels.threshold_select`, so the float scores of all heads never exist at once
 (``Hq * Tq * Tk * 4`` bytes would be 2 GiB at 512K tokens). Registered as the ``triton``
-implementations of the selector configs in :mod:`pbs.kernels`.
+implementations of the selector configs in `pbs.kernels`.
 
-They follow the reference selectors exactly (:mod:`pbs.selectors.mean_pool`,
-:mod:`pbs.selectors.antidiagonal`):
+They follow the reference selectors exactly (`pbs.selectors.mean_pool`,
+`pbs.selectors.antidiagonal`):
 
 * ``mean_pool``: softmax of the pooled logits over the candidate blocks (allowed minus the
   on-diagonal segment, or every allowed block for the unsegmented ``none`` permuter), cumulative
@@ -35,7 +35,7 @@ SCORE_CHUNK_BYTES = 64 * 1024 * 1024
 
 def heads_per_chunk(inputs: SelectionInputs, chunk_bytes: int | None = None) -> int:
     """Query heads scored together: as many as fit ``chunk_bytes`` (default
-    :data:`SCORE_CHUNK_BYTES`), at least one."""
+    `SCORE_CHUNK_BYTES`), at least one."""
     layout = inputs.layout
     chunk_bytes = SCORE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     per_head = layout.batch * layout.num_query_blocks * layout.num_key_blocks * 4
@@ -61,10 +61,10 @@ def select_in_head_chunks(
 ) -> BlockMask:
     """Runs ``score_chunk(h0, h1, candidates) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
 
-    ``candidates`` is the layout's ``(Tq, Tk)`` candidate set (:func:`pbs.kernels.block_sets.block_sets`),
+    ``candidates`` is the layout's ``(Tq, Tk)`` candidate set (`pbs.kernels.block_sets.block_sets`),
     over which shares must sum to one. The sink block and the diagonal set are forced here, as
-    :func:`pbs.planning.finalize_selection` does for the reference selectors; ``forced_first``
-    ranks them first (see :func:`pbs.kernels.threshold_select.threshold_select_rows`).
+    `pbs.planning.finalize_selection` does for the reference selectors; ``forced_first``
+    ranks them first (see `pbs.kernels.threshold_select.threshold_select_rows`).
     """
     layout = inputs.layout
     device = inputs.q.device
@@ -87,7 +87,7 @@ def select_in_head_chunks(
 
 
 def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
-    """``triton`` implementation of :class:`~pbs.selectors.mean_pool.MeanPoolSelector`."""
+    """``triton`` implementation of `MeanPoolSelector`."""
     layout = inputs.layout
     q_bar = block_means(inputs.q, layout.block_size)  # (B, Hq, Tq, D)
     k_rows, k_indices = _permuted_key_rows(inputs)
@@ -105,7 +105,7 @@ def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
 
 
 def antidiagonal_select(config, inputs: SelectionInputs) -> BlockMask:
-    """``triton`` implementation of :class:`~pbs.selectors.antidiagonal.AntidiagonalSelector`."""
+    """``triton`` implementation of `AntidiagonalSelector`."""
     from pbs.kernels.antidiagonal import antidiagonal_block_shares
 
     layout = inputs.layout

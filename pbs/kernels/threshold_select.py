@@ -1,13 +1,13 @@
-"""Cumulative-threshold block selection straight to a :class:`~pbs.types.BlockMask`, one row per program.
+"""Cumulative-threshold block selection straight to a `BlockMask`, one row per program.
 
-The fast twin of :func:`pbs.selectors._threshold.select_by_cumulative_threshold` followed by
-:func:`pbs.planning.finalize_selection` and :meth:`BlockMask.from_dense`: softmax (for logits),
+The fast twin of `pbs.selectors._threshold.select_by_cumulative_threshold` followed by
+`pbs.planning.finalize_selection` and `BlockMask.from_dense`: softmax (for logits),
 sort, cumulative sum, threshold, forced blocks and the compaction to a sorted list all happen in
 registers, so no ``(B, Hq, Tq, Tk)`` bool or float mask is ever written.
 
 Semantics (the paper's Algorithm 2 and XAttention's estimator, as the reference selectors):
 
-* only the *candidate* blocks (:func:`pbs.kernels.block_sets.block_sets`) are ranked: the softmax of
+* only the *candidate* blocks (`pbs.kernels.block_sets.block_sets`) are ranked: the softmax of
   logits is taken over them, and the fewest highest-scoring ones whose scores reach ``tau`` are
   kept; a row without candidates keeps nothing here;
 * the *forced* blocks, the diagonal set and (optionally) the sink block, are then added, limited to
@@ -152,13 +152,13 @@ def threshold_select_rows(
         layout: geometry of the call.
         threshold: ``tau`` in ``(0, 1]``.
         counts, indices: the BlockMask tensors of all ``Hq`` heads (see
-            :func:`empty_block_mask_tensors`); rows of this chunk are written.
+            `empty_block_mask_tensors`); rows of this chunk are written.
         head_offset: first query head of the chunk.
         key_inverse: ``(B, Hk, Nk)`` inverse key permutation (original index -> slot), whose
             entry for position 0 gives the sink block; None to not force the sink.
         from_logits: whether ``scores`` are logits or shares.
         candidates, diagonal: ``(Tq, Tk)`` bool block sets of the layout
-            (:func:`pbs.kernels.block_sets.block_sets`); the allowed set is their union.
+            (`pbs.kernels.block_sets.block_sets`); the allowed set is their union.
         logit_scale: factor of the logits before the softmax.
         forced_first: rank the forced candidates (diagonal and sink) first and count their mass
             first towards ``threshold`` (XAttention's rule; see the module docstring).
