@@ -272,6 +272,29 @@ def test_cli_parses_the_quality_subcommand():
         build_parser().parse_args(["quality", "--texts", "both"])
 
 
+def test_cli_end_to_end_on_the_tiny_model(tiny, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from pbs.cli import main
+
+    loaded = q.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 1024})
+    monkeypatch.setattr(loaded, "tokenize", lambda text: [ord(c) % 128 for c in text])
+    monkeypatch.setattr(q, "load_model", lambda *args, **kwargs: loaded)
+    code = main(["quality", "--device", "cpu", "--texts", "all", "--lengths", "256", "--fillers", "64",
+                 "--passage-tokens", "32", "--out", str(tmp_path), "--quiet", "--method", json.dumps(MEAN_POOL)])
+    assert code == 0
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert [m["label"] for m in data["methods"]] == ["dense", label(MEAN_POOL)]
+    assert len(data["results"]) == 2 * 2 * (3 + 1)  # methods x sets x (documents + copy probes)
+    assert data["meta"]["layer_samples"] == ["tuning copy topic:types / stdlib:tarfile.py 64",
+                                             "heldout copy topic:formatstrings / stdlib:inspect.py 64"]
+    assert set(data["meta"]["texts"]) == set(qt.TUNING.sources() + qt.HELDOUT.sources())
+    assert all(len(t["sha256"]) == 16 for t in data["meta"]["texts"].values())
+    assert (tmp_path / "quality_loss_density.png").exists() and (tmp_path / "quality_layers.png").exists()
+    assert "### Texts: heldout" in capsys.readouterr().out
+    # A sample longer than the model's context is refused before any work.
+    assert main(["quality", "--device", "cpu", "--lengths", "2048", "--out", str(tmp_path), "--quiet"]) == 2
+
+
 @pytest.mark.gpu
 def test_gpu_backend_is_compared_with_the_reference():
     torch.manual_seed(0)
