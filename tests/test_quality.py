@@ -264,6 +264,11 @@ def test_markdown_shows_gpu_agreement(report):
     assert "loss differs by at most 1.00e-03" in markdown_tables(report)
 
 
+def test_cli_lengths_may_be_empty_for_copy_probes_only():
+    args = build_parser().parse_args(["quality", "--lengths", "--fillers", "500"])
+    assert args.lengths == [] and args.fillers == [500]
+
+
 def test_cli_parses_the_quality_subcommand():
     args = build_parser().parse_args(["quality", "--texts", "heldout", "--lengths", "2048", "--method", "{}"])
     assert args.texts == "heldout" and args.lengths == [2048] and args.fillers == [1000, 3000, 5000]

@@ -46,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     texts = parser.add_argument_group("texts")
     texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default="all",
                        help="text set(s) to measure: tuning, heldout or all (default all)")
-    texts.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 8192], metavar="N",
-                       help="document lengths in tokens (default 4096 8192)")
+    texts.add_argument("--lengths", type=positive_int, nargs="*", default=[4096, 8192], metavar="N",
+                       help="document lengths in tokens (default 4096 8192; none: copy probes only)")
     texts.add_argument("--fillers", type=positive_int, nargs="+", default=[1000, 3000, 5000], metavar="F",
                        help="copy-probe filler lengths in tokens (default 1000 3000 5000)")
     texts.add_argument("--passage-tokens", type=positive_int, default=1000,
