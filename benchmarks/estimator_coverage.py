@@ -54,7 +54,15 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
     parser.add_argument("--layers", type=int, nargs="+", help="layer ids (default all)")
     parser.add_argument("--out", type=Path, help="JSON output path")
+    parser.add_argument("--plot", type=Path, help="PNG of per-layer coverage and density at tau 0.9")
+    parser.add_argument("--from-json", type=Path, help="only plot / print an earlier --out file")
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(format_table(saved["summary"]))
+        if args.plot:
+            plot_layers(saved["rows"], args.plot)
+        return 0
     began = time.perf_counter()
 
     loaded = load_model()
@@ -103,7 +111,35 @@ def main() -> int:
             "wall_s": time.perf_counter() - began, "summary": table, "rows": rows,
         }, indent=1) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot:
+        plot_layers(rows, args.plot)
     return 0
+
+
+def plot_layers(rows: list[dict], path: Path, threshold: float = 0.9) -> None:
+    """Coverage of the true mass (top) and density (bottom) per layer, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    for method in methods:
+        sel = sorted((r for r in rows if r["method"] == method and r["threshold"] == threshold), key=lambda r: r["layer"])
+        style = "--" if method.startswith("oracle") else "-"
+        layers = [r["layer"] for r in sel]
+        top.plot(layers, [r["coverage"] for r in sel], style, marker="o", label=method)
+        bottom.plot(layers, [r["density"] for r in sel], style, marker="o", label=method)
+    top.set_ylabel("coverage of the true mass")
+    top.axhline(threshold, color="grey", lw=0.8)
+    bottom.set_ylabel("density")
+    bottom.set_xlabel("layer")
+    top.set_title(f"Estimated against true attention mass, threshold / coverage {threshold}")
+    top.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
