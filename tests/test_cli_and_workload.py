@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,21 @@ def test_public_api_is_pinned():
 def test_registries_hold_the_papers_components():
     assert {"identity", "random", "last_block", "random_query", "avg_query", "greedy", "key_aware_query"} <= set(pbs.list_permuters())
     assert {"mean_pool", "antidiagonal", "oracle", "budget"} <= set(pbs.list_selectors())
+
+
+def _setup_commands() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_ci_runs_exactly_the_readme_test_command_in_a_virtual_environment():
+    demo, tests, cpu_torch = _setup_commands()
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text(encoding="utf-8")
+    assert ci.strip().splitlines()[-1] == tests
+    venv = "python3 -m venv .venv && . .venv/bin/activate && "
+    assert demo.startswith(venv) and tests.startswith(venv) and cpu_torch.startswith(venv)
+    assert demo.endswith("&& pbs demo") and tests.endswith("&& python -m pytest -q")
+    # the commands CI runs ask the package index only; the CPU index is the separate line for users
+    assert "download.pytorch.org" not in demo + tests and "torch==2.13.0" in demo and "torch==2.13.0" in tests
+    assert cpu_torch.endswith("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")

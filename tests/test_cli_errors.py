@@ -115,3 +115,9 @@ def test_python_dash_m_pbs_runs_the_cli():
     assert result.stdout.startswith("permuters:")
     usage = subprocess.run([sys.executable, "-m", "pbs", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert usage.stdout.startswith("usage: pbs ")
+
+
+def test_generate_help_shows_no_rst_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "``" not in capsys.readouterr().out
