@@ -1,10 +1,12 @@
 """pbs: Permuted Block-Sparse Attention for fast long-context prefill.
 
->>> import pbs
->>> q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
->>> out = pbs.attention(q, k, v)            # default: last_block permutation + mean_pool selection
->>> out.shape
-torch.Size([1, 4, 1024, 32])
+```python
+import pbs
+
+q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
+out = pbs.attention(q, k, v)  # default: last_block permutation + mean_pool selection
+assert out.shape == (1, 4, 1024, 32)
+```
 """
 
 from pbs import permuters as _permuters  # noqa: F401  (registers the built-in permuters)

@@ -59,7 +59,7 @@ class DemoRow:
 
 @dataclass(frozen=True)
 class DemoResult:
-    """What :func:`run_demo` returns.
+    """What `run_demo` returns.
 
     Attributes:
         rows: dense, then per selector its unpermuted and its PBS row, all at the given threshold.
@@ -162,7 +162,7 @@ def run_demo(
     selectors: Sequence[str] = DEFAULT_SELECTORS,
     equal_density: bool = True,
 ) -> DemoResult:
-    """Runs every method of :func:`demo_methods` and, with ``equal_density``, the equal-density view.
+    """Runs every method of `demo_methods` and, with ``equal_density``, the equal-density view.
 
     Coverage is the share of the exact attention mass inside the selected blocks; the error is
     ``||out - dense|| / ||dense||`` against fp32 dense attention. Every config is checked against
@@ -315,7 +315,7 @@ def format_table(rows: list[DemoRow], *, timings: bool = True) -> str:
 
 
 def format_result(result: DemoResult) -> str:
-    """Both views of a :class:`DemoResult` as text."""
+    """Both views of a `DemoResult` as text."""
     text = "at equal threshold:\n" + format_table(result.rows)
     if result.equal_density:
         text += (

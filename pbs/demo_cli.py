@@ -1,4 +1,4 @@
-"""``pbs demo``: the command-line face of :mod:`pbs.demo`."""
+"""``pbs demo``: the command-line face of `pbs.demo`."""
 
 from __future__ import annotations
 

@@ -11,15 +11,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mkdocs_build_strict(tmp_path):
+import re
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         timeout=300,
     )
+    return site, result
+
+
+def test_mkdocs_build_strict(built_site):
+    site, result = built_site
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "site" / "index.html").exists()
-    assert (tmp_path / "site" / "api" / "index.html").exists()
+    assert (site / "index.html").exists()
+    assert (site / "api" / "index.html").exists()
+
+
+def test_api_page_renders_docstrings(built_site):
+    """mkdocstrings renders Google-style docstrings; the build does not catch these mistakes."""
+    site, result = built_site
+    assert result.returncode == 0, result.stdout + result.stderr
+    html = (site / "api" / "index.html").read_text()
+    # Sphinx roles are not understood and would show as literal text.
+    roles = re.findall(r":(?:class|func|meth|data|attr|mod|obj):`", html)
+    assert not roles, f"{len(roles)} literal Sphinx roles on the API page"
+    # Doctest prompts render as nested quotes: examples are fenced code blocks instead.
+    assert "&gt;&gt;&gt;" not in html
+    # Every Example section of the public API holds a code block.
+    examples = html.split(">Example")[1:]
+    assert examples, "no Example section found on the API page"
+    for section in examples:
+        assert "<code" in section.split("doc-heading")[0], "an Example section without a code block"
+    # The Returns section of pbs.plan is a description, not a mis-parsed name/type row.
+    plan = html.split('id="pbs.plan"')[1].split('id="pbs.run"')[0]
+    assert "<code>A</code>" not in plan

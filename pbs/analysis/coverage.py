@@ -50,7 +50,7 @@ class CoverageCurve:
     Attributes:
         permuter: the permuter's label.
         targets: ``(T,)`` coverage targets of the oracle, ascending; the last is 1 (every allowed block).
-        heads: one :class:`HeadId` per row of ``density`` and ``coverage``.
+        heads: one `HeadId` per row of ``density`` and ``coverage``.
         density: ``(num_heads, T)`` float64, selected over allowed blocks per head and target.
         coverage: ``(num_heads, T)`` float64, attention share captured per head and target.
         forced_density: ``(num_heads,)`` float64, density of the forced blocks alone (sink and
@@ -84,7 +84,7 @@ class CoverageCurve:
         return float(self.forced_density.mean())
 
     def reachable(self, density: float) -> bool:
-        """Whether a selection can be as sparse as ``density`` (not below :attr:`min_density`)."""
+        """Whether a selection can be as sparse as ``density`` (not below `min_density`)."""
         return density >= self.min_density - 1e-12
 
     def coverage_at(self, density: float) -> float | None:
@@ -92,7 +92,7 @@ class CoverageCurve:
 
         No selection is sparser than the forced blocks (sink and on-diagonal segment), so the curve
         starts at their density and coverage; below it the density is unreachable and the result
-        is ``None`` (see :meth:`reachable`). Above the last point (density 1) it is the last
+        is ``None`` (see `reachable`). Above the last point (density 1) it is the last
         point's coverage.
         """
         if not self.reachable(density):
@@ -136,7 +136,7 @@ class CoverageCurves:
     """Coverage-density curves of several permuters on the same inputs.
 
     Attributes:
-        curves: one :class:`CoverageCurve` per permuter, in the order asked for.
+        curves: one `CoverageCurve` per permuter, in the order asked for.
         source: where the queries and keys came from.
         config: geometry used (block size, segment size, GQA mode).
     """
@@ -159,7 +159,7 @@ class CoverageCurves:
         return [c.permuter for c in self.curves]
 
     def to_dict(self, summary_densities: Sequence[float] = (0.3, 0.5)) -> dict[str, Any]:
-        """JSON-ready: meta, every curve, and the :meth:`summary` cells (``coverage`` null and
+        """JSON-ready: meta, every curve, and the `summary` cells (``coverage`` null and
         ``unreachable`` true where the forced blocks alone are denser than the cell's density)."""
         return {
             "meta": {
@@ -240,7 +240,7 @@ def coverage_density_curves(
     """Coverage reached at each block density, per permuter, with oracle block selection.
 
     Args:
-        qk: a :class:`~pbs.analysis.QKCapture` or a ``(q, k)`` pair with ``q (B, Hq, Nq, D)`` and
+        qk: a `QKCapture` or a ``(q, k)`` pair with ``q (B, Hq, Nq, D)`` and
             ``k (B, Hkv, Nk, D)``; every layer's heads are pooled.
         permuters: names, dicts or configs of the permuters to compare.
         coverage_targets: oracle targets in ``(0, 1]``; 1 (every allowed block) is always added.
@@ -249,15 +249,17 @@ def coverage_density_curves(
         progress: show a progress bar on stderr.
 
     Returns:
-        :class:`CoverageCurves`; ``curves[name].coverage_at(0.3)`` reads the head-mean curve.
+        `CoverageCurves`; ``curves[name].coverage_at(0.3)`` reads the head-mean curve.
 
     Example:
-        >>> import pbs
-        >>> from pbs.analysis import coverage_density_curves
-        >>> q, k, _ = pbs.testing.make_qkv(seq_len=1024, heads_q=2, heads_kv=1, head_dim=32)
-        >>> curves = coverage_density_curves((q, k), permuters=["identity", "last_block"])
-        >>> round(curves["identity"].mean_coverage[-1].item(), 4)
-        1.0
+        ```python
+        import pbs
+        from pbs.analysis import coverage_density_curves
+
+        q, k, _ = pbs.testing.make_qkv(seq_len=1024, heads_q=2, heads_kv=1, head_dim=32)
+        curves = coverage_density_curves((q, k), permuters=["identity", "last_block"])
+        assert round(curves["identity"].mean_coverage[-1].item(), 4) == 1.0
+        ```
     """
     targets = _check_targets(coverage_targets)
     if not permuters:

@@ -62,7 +62,7 @@ def plot_coverage_density(
     """Head-mean coverage against block density, one line per permuter (Figure 1).
 
     Args:
-        curves: from :func:`~pbs.analysis.coverage_density_curves`.
+        curves: from `coverage_density_curves`.
         path: PNG file to write.
         reference_coverage: draw a dotted horizontal line at this coverage (e.g. 0.975).
         show_heads: also draw every head's curve, faintly.
@@ -107,7 +107,7 @@ def plot_head_statistics(stats: HeadStatistics, path: str | Path, *, title: str 
     """Per-head sparsity gain: bars for one layer, a layer-by-head heat map for several.
 
     Args:
-        stats: from :func:`~pbs.analysis.head_statistics`.
+        stats: from `head_statistics`.
         path: PNG file to write.
         title: figure title; default states the comparison and the counts.
         dpi: resolution.
@@ -162,7 +162,7 @@ def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | N
     (an outline of the region would surround it too). Axes count blocks, with integer ticks.
 
     Args:
-        maps: from :func:`~pbs.analysis.attention_maps`.
+        maps: from `attention_maps`.
         path: PNG file to write.
         title: figure title; default names the head and the selector.
         dpi: resolution.
@@ -171,7 +171,7 @@ def plot_attention_maps(maps: AttentionMaps, path: str | Path, *, title: str | N
 
 
 def attention_map_figure(maps: AttentionMaps, *, title: str | None = None) -> Any:
-    """The matplotlib ``Figure`` that :func:`plot_attention_maps` saves (Agg canvas, no pyplot)."""
+    """The matplotlib ``Figure`` that `plot_attention_maps` saves (Agg canvas, no pyplot)."""
     matplotlib = require_matplotlib()
     from matplotlib.collections import PatchCollection
     from matplotlib.colors import LogNorm

@@ -2,7 +2,7 @@
 
 For a list of methods (PBS configs, and dense SDPA as the reference) on the same model and tokens:
 
-* **long-text loss**: mean next-token loss over real documents (:mod:`pbs.analysis.quality_texts`);
+* **long-text loss**: mean next-token loss over real documents (`pbs.analysis.quality_texts`);
 * **copy recall**: a passage, unrelated filler, the passage again; the loss on the second copy;
 * **per-layer attention error and coverage**: in the dense run, each layer's ``q``/``k``/``v`` are
   handed to every method, whose output is compared with dense attention on the same inputs, and
@@ -12,7 +12,7 @@ For a list of methods (PBS configs, and dense SDPA as the reference) on the same
 The model runs the PBS reference backend (``backend="reference"``, whatever a config says). On
 CUDA the default GPU backend (``backend="auto"``, with the dense fallback off) runs as well, and the
 report compares the two. A method whose PBS layers fall back to dense attention is an error, not
-a quiet row of dense numbers. :mod:`pbs.analysis.quality_report` writes the JSON, markdown and
+a quiet row of dense numbers. `pbs.analysis.quality_report` writes the JSON, markdown and
 pictures; ``pbs quality`` is the command.
 """
 
@@ -213,7 +213,7 @@ def selector_threshold(config: PBSConfig) -> tuple[str | None, float | None]:
 
 
 def coerce_integration(config: Any) -> PBSIntegrationConfig:
-    """A :class:`PBSIntegrationConfig` from itself, a :class:`PBSConfig`, or a dict / JSON of either.
+    """A `PBSIntegrationConfig` from itself, a `PBSConfig`, or a dict / JSON of either.
 
     A plain PBS config runs in every layer at every length (``min_seq_len=1``): the harness asks what
     PBS does, so nothing may quietly stay dense.
@@ -228,7 +228,7 @@ def coerce_integration(config: Any) -> PBSIntegrationConfig:
 
 
 def make_method(config: Any, label: str | None = None, family: str | None = None) -> Method:
-    """A :class:`Method` from a config (see :func:`coerce_integration`), ``"dense"`` or ``None``."""
+    """A `Method` from a config (see `coerce_integration`), ``"dense"`` or ``None``."""
     if config is None or config == "dense":
         return DENSE if label is None else Method(label, family or "dense", None, None)
     integration = coerce_integration(config)
@@ -321,7 +321,7 @@ def _with_backend(config: PBSConfig | None, backend: str) -> PBSConfig | None:
 
 def with_backend(integration: PBSIntegrationConfig, backend: str) -> PBSIntegrationConfig:
     """``integration`` with every layer's backend set to ``backend`` (``"auto"`` also turns
-    :class:`~pbs.DenseFallback` off, so that the GPU run is PBS everywhere)."""
+    `DenseFallback` off, so that the GPU run is PBS everywhere)."""
     return integration.model_copy(update={
         "pbs": _with_backend(integration.pbs, backend),
         "layer_overrides": {i: _with_backend(c, backend) for i, c in integration.layer_overrides.items()},
@@ -545,7 +545,7 @@ def layer_metrics(
 
 @dataclass
 class QualityReport:
-    """Everything ``pbs quality`` measured; :meth:`to_json` is what ``quality.json`` holds.
+    """Everything ``pbs quality`` measured; `to_json` is what ``quality.json`` holds.
 
     Attributes:
         meta: model, versions, settings, texts (source id -> SHA-256 prefix and token count).
@@ -627,8 +627,8 @@ def run_quality(
 
     Args:
         model: a transformers causal LM whose attention dispatches through ``AttentionInterface``.
-        samples: token sequences (:func:`~pbs.analysis.quality_texts.build_samples`).
-        methods: rows; include :data:`DENSE` for the reference (it is added first if missing).
+        samples: token sequences (`build_samples`).
+        methods: rows; include `DENSE` for the reference (it is added first if missing).
         layer_samples: names of the samples on which every method's per-layer error and coverage
             are measured (each costs a dense pass plus, per layer and method, a plan, a reference
             attention and, per distinct permutation, an exact block-mass pass).

@@ -1,4 +1,4 @@
-"""Writing a :class:`~pbs.analysis.quality.QualityReport`: summary, JSON, markdown and pictures.
+"""Writing a `QualityReport`: summary, JSON, markdown and pictures.
 
 * ``<name>.json``: everything (per sample, per layer, the summary, the texts' hashes);
 * ``<name>.md``: one table per text set, the GPU agreement, a per-layer table;

@@ -8,7 +8,7 @@ Every text ships with CPython itself (3.10 and later), so the report needs no do
   (``pydoc_data.topics.topics[name]``), i.e. English prose with a few code examples.
 
 The texts are split into two fixed sets, so that a method can be tuned on one and judged on the
-other (:data:`TEXT_SETS`). Each set has long **documents** (next-token loss at several lengths) and
+other (`TEXT_SETS`). Each set has long **documents** (next-token loss at several lengths) and
 **copy probes**: a prose passage, filler from an unrelated source file, then the passage again.
 
 The files differ between Python versions, so the report records the Python version and a SHA-256
@@ -181,8 +181,8 @@ def copy_sample(
 ) -> Sample:
     """``passage[:passage_tokens] + filler[:filler_tokens] + passage[:passage_tokens]``.
 
-    The loss of the probe is measured on the second passage only (:attr:`Sample.copy_span`); the
-    first passage's own loss (:attr:`Sample.first_span`, its first token excepted) says how hard the
+    The loss of the probe is measured on the second passage only (`Sample.copy_span`); the
+    first passage's own loss (`Sample.first_span`, its first token excepted) says how hard the
     passage is to predict without a copy to read.
     """
     passage_ids = torch.as_tensor(passage_ids, dtype=torch.long).flatten()

@@ -22,7 +22,7 @@ from pbs.config import PBSConfig
 
 @dataclass(frozen=True, eq=False)
 class AnalysisReport:
-    """The results of :func:`write_analysis` and the files it wrote.
+    """The results of `write_analysis` and the files it wrote.
 
     Attributes:
         curves: coverage-density curves of every permuter.
@@ -57,7 +57,7 @@ def write_analysis(
     each one's PNG plus its data (JSON, and CSV for the tables) into ``out_dir``.
 
     Args:
-        qk: a :class:`~pbs.analysis.QKCapture` or a ``(q, k)`` pair.
+        qk: a `QKCapture` or a ``(q, k)`` pair.
         out_dir: folder to write into (created if needed).
         permuters: permuters of the coverage-density curves.
         coverage_targets: oracle targets swept for the curves.

@@ -1,7 +1,7 @@
 """Integrations of PBS-Attn with model libraries.
 
-* :mod:`pbs.integrations.transformers`: ``attn_implementation="pbs"`` for Hugging Face
-  transformers (``register()``), with the ``pbs generate`` command in :mod:`pbs.integrations.cli`.
+* `pbs.integrations.transformers`: ``attn_implementation="pbs"`` for Hugging Face
+  transformers (``register()``), with the ``pbs generate`` command in `pbs.integrations.cli`.
 
 Nothing here is imported by ``import pbs``, and the library an integration serves is imported only
 when it is used, so ``pbs`` works without them installed.

@@ -1,7 +1,7 @@
 """Which attention one model call gets: PBS or the dense fallback, and why.
 
 This module knows nothing about transformers: it holds the per-model configuration
-(:class:`PBSIntegrationConfig`) and the pure decision rule (:func:`choose_attention`), so both can
+(`PBSIntegrationConfig`) and the pure decision rule (`choose_attention`), so both can
 be imported, validated and tested without transformers installed.
 """
 
@@ -42,7 +42,7 @@ FALLBACK_REASONS: dict[str, str] = {
 
 
 class PBSIntegrationConfig(BaseModel):
-    """How a whole model uses PBS: one :class:`~pbs.PBSConfig` plus when to stay dense.
+    """How a whole model uses PBS: one `PBSConfig` plus when to stay dense.
 
     Attributes:
         pbs: the PBS config of every layer without an override.
@@ -56,10 +56,12 @@ class PBSIntegrationConfig(BaseModel):
             override wins over ``skip_first_layers``.
 
     Example:
-        >>> from pbs.integrations.dispatch import PBSIntegrationConfig
-        >>> cfg = PBSIntegrationConfig(skip_first_layers=2, layer_overrides={5: None})
-        >>> [cfg.config_for_layer(i) is None for i in (0, 1, 2, 5)]
-        [True, True, False, True]
+        ```python
+        from pbs.integrations.dispatch import PBSIntegrationConfig
+
+        cfg = PBSIntegrationConfig(skip_first_layers=2, layer_overrides={5: None})
+        assert [cfg.config_for_layer(i) is None for i in (0, 1, 2, 5)] == [True, True, False, True]
+        ```
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -131,7 +133,7 @@ def choose_attention(
 
     Returns:
         ``(pbs_config, None)`` to run PBS, or ``(None, reason)`` with a key of
-        :data:`FALLBACK_REASONS` to run dense attention.
+        `FALLBACK_REASONS` to run dense attention.
     """
     if q_len == 1:
         return None, "decode"

@@ -6,9 +6,9 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
     model.set_attn_implementation("pbs")            # or switch a model that is already loaded
 
-:func:`register` adds two things to transformers, under the name ``"pbs"``:
+`register` adds two things to transformers, under the name ``"pbs"``:
 
-* an **attention function** (``AttentionInterface``) that runs :func:`pbs.attention` on prefill
+* an **attention function** (``AttentionInterface``) that runs `pbs.attention` on prefill
   and on chunks after a cached prefix, and falls back to transformers' SDPA function (with
   ``enable_gqa`` or repeated K/V, as for ``attn_implementation="sdpa"``) everywhere else;
 * a **mask function** (``AttentionMaskInterface``). Without one, transformers builds no mask at all
@@ -18,7 +18,7 @@
 
 Why a call fell back is logged once per reason and per model (logger
 ``pbs.integrations.transformers``; WARNING, except for decode and layers configured dense, which
-are INFO), and :func:`trace_dispatch` records every decision. transformers is imported only when :func:`register`
+are INFO), and `trace_dispatch` records every decision. transformers is imported only when `register`
 (or a fallback) needs it, so this module imports without it.
 """
 
@@ -66,14 +66,14 @@ _active_traces: list[list["Dispatch"]] = []
 
 @dataclass(frozen=True)
 class Dispatch:
-    """One attention call as :func:`trace_dispatch` records it.
+    """One attention call as `trace_dispatch` records it.
 
     Attributes:
         layer_idx: ``module.layer_idx`` of the calling layer (``None`` if it has none).
         q_len: queries ``Nq`` of the call.
         kv_len: keys ``Nk`` of the call (``Nq < Nk`` after a cached prefix).
         path: ``"pbs"`` or ``"sdpa"`` (the dense fallback; eager when softcapping).
-        reason: for ``"sdpa"``, a key of :data:`~pbs.integrations.dispatch.FALLBACK_REASONS`.
+        reason: for ``"sdpa"``, a key of `FALLBACK_REASONS`.
         density: for ``"pbs"``, the share of causally allowed blocks that were computed.
         detail: for ``"sdpa"``, the numbers behind the reason where there are some, e.g.
             ``"90 < min_seq_len=1024"`` or the ``dense_fallback`` rule that fired.
@@ -93,7 +93,7 @@ def trace_dispatch() -> Iterator[list[Dispatch]]:
     """Records every call of the ``pbs`` attention function made inside the ``with`` block.
 
     Yields:
-        A list that fills with one :class:`Dispatch` per layer call, in call order. PBS calls also
+        A list that fills with one `Dispatch` per layer call, in call order. PBS calls also
         measure their density, which costs a host sync per layer: trace to inspect, not to time.
     """
     records: list[Dispatch] = []
@@ -168,9 +168,9 @@ def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
     fallback log; models already loaded with ``"pbs"`` use the new config from their next call.
 
     Args:
-        config: a :class:`PBSIntegrationConfig`, a :class:`~pbs.PBSConfig` (used for every layer), a
+        config: a `PBSIntegrationConfig`, a `PBSConfig` (used for every layer), a
             dict or JSON string of either, or ``None`` for the defaults.
-        **fields: :class:`PBSIntegrationConfig` fields that override ``config``'s, e.g.
+        **fields: `PBSIntegrationConfig` fields that override ``config``'s, e.g.
             ``skip_first_layers=2, min_seq_len=4096``.
 
     Returns:
@@ -205,7 +205,7 @@ def switch_attention(model: torch.nn.Module, name: str = ATTENTION_NAME) -> None
 
 
 def registered_config() -> PBSIntegrationConfig | None:
-    """The config of the last :func:`register` call, or ``None`` before the first."""
+    """The config of the last `register` call, or ``None`` before the first."""
     return _registered
 
 
@@ -229,7 +229,7 @@ def pbs_attention_forward(
         module: the attention layer (its ``layer_idx`` selects per-layer config).
         query: ``(B, Hq, Nq, D)``, the last ``Nq`` positions.
         key, value: ``(B, Hkv, Nk, D)``, not repeated for GQA.
-        attention_mask: from :func:`pbs_mask`: ``None`` for unpadded causal attention, else a
+        attention_mask: from `pbs_mask`: ``None`` for unpadded causal attention, else a
             ``(B, 1, Nq, Nk)`` mask (bool, or float additive).
         scaling: softmax scale (``None``: ``D ** -0.5``).
         dropout: attention dropout probability.
