@@ -10,6 +10,10 @@ Two launches per chunk of query heads, one pass over the keys:
    row's softmax mass per key block and averages the rows.
 
 The scratch of step 1 is ``(B, hc, Tq * R, Tk)`` fp32, bounded by chunking the heads.
+
+Not registered as the selector's ``triton`` implementation yet: it is tested against the reference
+in Triton's interpreter only, and has not run or been timed on a GPU. Until then ``sampled_rows``
+runs its reference ``select`` on CUDA too.
 """
 
 from __future__ import annotations
