@@ -202,30 +202,18 @@ def sampled_rows_select(config, inputs) -> "BlockMask":
     Like the reference, it ranks every allowed block, the forced ones (sink, on-diagonal segment)
     first with their estimated mass counting towards the threshold.
     """
-    from pbs.kernels.block_sets import block_sets
-    from pbs.kernels.selection import _permuted_key_rows
-    from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
-    from pbs.types import BlockMask, Permutation
+    from pbs.kernels.selection import _permuted_key_rows, select_in_head_chunks
 
-    layout = inputs.layout
-    device = inputs.q.device
-    counts, indices = empty_block_mask_tensors(layout, device)
-    sets = block_sets(layout, device)
-    inverse = None
-    if inputs.force_sink_block:
-        perm = inputs.key_permutation or Permutation.from_indices(inputs.key_positions)
-        inverse = perm.inverse
     k_rows, k_indices = _permuted_key_rows(inputs)
     rows = config.rows_per_block
-    step = heads_per_scratch(layout, rows)
-    for h0 in range(0, layout.heads_q, step):
-        h1 = min(layout.heads_q, h0 + step)
-        shares = sampled_block_shares(
-            inputs.q, k_rows, inputs.query_positions, inputs.key_positions, layout, rows, inputs.scale,
-            sets.allowed, key_indices=k_indices, head_start=h0, head_stop=h1,
+
+    def shares(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
+        return sampled_block_shares(
+            inputs.q, k_rows, inputs.query_positions, inputs.key_positions, inputs.layout, rows,
+            inputs.scale, allowed, key_indices=k_indices, head_start=h0, head_stop=h1,
         )
-        threshold_select_rows(
-            shares, layout, config.threshold, counts, indices, head_offset=h0, key_inverse=inverse,
-            from_logits=False, candidates=sets.allowed, diagonal=sets.diagonal, forced_first=True,
-        )
-    return BlockMask(counts=counts, indices=indices, layout=layout)
+
+    return select_in_head_chunks(
+        inputs, config.threshold, shares, from_logits=False, forced_first=True, rank_allowed=True,
+        heads_step=heads_per_scratch(inputs.layout, rows),
+    )

@@ -58,6 +58,8 @@ def select_in_head_chunks(
     from_logits: bool,
     logit_scale: float = 1.0,
     forced_first: bool = False,
+    rank_allowed: bool = False,
+    heads_step: int | None = None,
 ) -> BlockMask:
     """Runs ``score_chunk(h0, h1, candidates) -> (B, h1 - h0, Tq, Tk) float32`` per head chunk, then selects.
 
@@ -65,6 +67,8 @@ def select_in_head_chunks(
     over which shares must sum to one. The sink block and the diagonal set are forced here, as
     `pbs.planning.finalize_selection` does for the reference selectors; ``forced_first``
     ranks them first (see `pbs.kernels.threshold_select.threshold_select_rows`).
+    ``rank_allowed`` ranks every allowed block instead of the candidates (selectors that score
+    the forced blocks too); ``heads_step`` overrides the number of heads scored per chunk.
     """
     layout = inputs.layout
     device = inputs.q.device
@@ -74,13 +78,14 @@ def select_in_head_chunks(
     if inputs.force_sink_block:
         perm = inputs.key_permutation or Permutation.from_indices(inputs.key_positions)
         inverse = perm.inverse
-    step = heads_per_chunk(inputs)
+    ranked = sets.allowed if rank_allowed else sets.candidates
+    step = heads_step or heads_per_chunk(inputs)
     for h0 in range(0, layout.heads_q, step):
         h1 = min(layout.heads_q, h0 + step)
-        scores = score_chunk(h0, h1, sets.candidates)
+        scores = score_chunk(h0, h1, ranked)
         threshold_select_rows(
             scores, layout, threshold, counts, indices, head_offset=h0, key_inverse=inverse,
-            from_logits=from_logits, logit_scale=logit_scale, candidates=sets.candidates,
+            from_logits=from_logits, logit_scale=logit_scale, candidates=ranked,
             diagonal=sets.diagonal, forced_first=forced_first,
         )
     return BlockMask(counts=counts, indices=indices, layout=layout)
