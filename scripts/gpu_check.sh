@@ -26,10 +26,7 @@ if [[ $mode == hopper ]]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_kernel_hopper.py -m gpu -q -p no:cacheprovider -x \
     2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 40
   status=${PIPESTATUS[0]}
-  [[ $status == 0 ]] || if [[ $mode == ttft ]]; then
-  timeout ${TTFT_TIMEOUT:-300} python3 benchmarks/bench_ttft.py --out "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -n 20
-fi
-exit $status
+  [[ $status == 0 ]] || exit $status
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -57,12 +57,15 @@ COMBOS = {
     "none-mean_pool": ("none", "mean_pool", "shared"),
     "none-antidiagonal": ("none", "antidiagonal", "shared"),
     "last_block-antidiagonal": ("last_block", "antidiagonal", "per_head"),
+    "none-sampled_rows": ("none", {"name": "sampled_rows", "rows_per_block": 4}, "shared"),
+    "last_block-sampled_rows": ("last_block", {"name": "sampled_rows", "rows_per_block": 8}, "per_head"),
 }
 
 
 def _config(combo: str, threshold: float = 0.9, **extra) -> pbs.PBSConfig:
     permuter, selector, gqa = COMBOS[combo]
-    sel = {"name": selector, "threshold": threshold, **({"stride": STRIDE} if selector == "antidiagonal" else {})}
+    sel = selector if isinstance(selector, dict) else {"name": selector}
+    sel = {**sel, "threshold": threshold, **({"stride": STRIDE} if sel["name"] == "antidiagonal" else {})}
     return pbs.PBSConfig(
         block_size=BLOCK, segment_size=SEGMENT, permuter=permuter, selector=sel, gqa=gqa, backend="triton", **extra
     )

@@ -29,6 +29,7 @@ from pbs.planning import build_plan, finalize_selection, forced_blocks, make_lay
 from pbs.selectors._threshold import select_by_cumulative_threshold
 from pbs.selectors.antidiagonal import antidiagonal_block_scores
 from pbs.selectors.mean_pool import mean_pool_block_scores
+from pbs.selectors.sampled_rows import sampled_block_mass
 from pbs.types import BlockMask, Permutation
 
 CPU_CASES = {
@@ -153,6 +154,9 @@ def reference_scores(selector, inputs: SelectionInputs) -> tuple[torch.Tensor, t
     candidates = inputs.candidate_blocks()
     if selector.name == "mean_pool":
         return mean_pool_block_scores(inputs), candidates, None
+    if selector.name == "sampled_rows":
+        forced = forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
+        return sampled_block_mass(inputs, selector.rows_per_block), inputs.allowed_blocks(), forced
     scores = antidiagonal_block_scores(inputs, selector.stride)
     first = None if layout.segmented else forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
     return scores, candidates, first

@@ -127,6 +127,12 @@ def _antidiagonal_select(config, inputs):
     return antidiagonal_select(config, inputs)
 
 
+def _sampled_rows_select(config, inputs):
+    from pbs.kernels.sampled_rows import sampled_rows_select
+
+    return sampled_rows_select(config, inputs)
+
+
 # Planning on the GPU: the `triton` implementations of the default permuter and both
 # score-based selectors (pbs.planning uses them for CUDA inputs unless backend="reference").
 # They follow the reference semantics (Eq. 3 scoring unless `causal_scoring`, candidate blocks,
@@ -135,6 +141,7 @@ def _antidiagonal_select(config, inputs):
 permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
 selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
 selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
+selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
 
 register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton, _triton_auto_reasons))
 register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex))

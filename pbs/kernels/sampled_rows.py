@@ -11,9 +11,9 @@ Two launches per chunk of query heads, one pass over the keys:
 
 The scratch of step 1 is ``(B, hc, Tq * R, Tk)`` fp32, bounded by chunking the heads.
 
-Not registered as the selector's ``triton`` implementation yet: it is tested against the reference
-in Triton's interpreter only, and has not run or been timed on a GPU. Until then ``sampled_rows``
-runs its reference ``select`` on CUDA too.
+Registered as the selector's ``triton`` implementation: tests/test_kernel_gpu_selection.py checks it
+against the reference on an H100 (benchmarks/results/gpu_tests_h100_paper_rules.log), and
+benchmarks/bench_planning.py times it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
