@@ -115,15 +115,15 @@ def dense_time(q, k, v, timer) -> tuple[float, str]:
     return timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), "CPU SDPA (enable_gqa)"
 
 
-def auto_path(plan) -> tuple[str, str | None]:
+def auto_path(plan, n: int, config: PBSConfig) -> tuple[str, str | None]:
     """Which path ``pbs.attention(..., return_plan=True)`` took, from the plan it returned.
 
-    No plan: dense before planning (length rule); a plan whose ``fallback`` is a reason string:
-    dense after planning (density rule); otherwise sparse. ``getattr`` because ``Plan.fallback``
-    may not exist in every version of the library.
+    No plan: dense before planning (the length rule if ``n`` is below ``min_seq_len``, else the
+    density probe); a plan whose ``fallback`` is a reason string: dense after planning (density
+    rule); otherwise sparse.
     """
     if plan is None:
-        return "dense (length)", None
+        return ("dense (length)", None) if n < config.dense_fallback.min_seq_len else ("dense (probe)", None)
     reason = getattr(plan, "fallback", None)
     return ("dense (density)", reason) if reason else ("sparse", None)
 
@@ -188,7 +188,7 @@ def measure_method(row: dict, q, k, v, config: PBSConfig, config_sparse: PBSConf
 
     def auto_total():
         _, plan = pbs.attention(q, k, v, config, return_plan=True)
-        row["auto_path"], row["auto_fallback_reason"] = auto_path(plan)
+        row["auto_path"], row["auto_fallback_reason"] = auto_path(plan, k.shape[2], config)
         del plan
         row["auto_total_ms"] = timer(lambda: pbs.attention(q, k, v, config))
         print(f"{tag} total (auto) {row['auto_total_ms']:.3f} ms, {row['auto_path']}", flush=True)

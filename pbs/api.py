@@ -9,7 +9,7 @@ import torch
 
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
-from pbs.dense import dense_attention_sdpa, density_fallback_reason, length_fallback_reason
+from pbs.dense import dense_attention_sdpa, density_fallback_reason, length_fallback_reason, probe_fallback_reason
 from pbs.planning import build_plan, permute_keys_and_values
 from pbs.types import Plan
 from pbs.validation import check_qkv
@@ -106,7 +106,8 @@ def attention(
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``). With
         ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense SDPA instead: the plan
-        is then None (too short to plan) or has ``plan.fallback`` set (density too high).
+        is then None (too short to plan, or the density probe estimated a density above
+        ``max_density`` before planning) or has ``plan.fallback`` set (planned density too high).
 
     Example:
         Sparse against dense attention on the synthetic workload:
@@ -127,7 +128,7 @@ def attention(
     config = PBSConfig.coerce(config)
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     s = _scale(q, scale)
-    if length_fallback_reason(config, q, k) is not None:
+    if length_fallback_reason(config, q, k) is not None or probe_fallback_reason(config, q, k, s) is not None:
         out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
         return (out, None) if return_plan else out
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pbs.config import PBSConfig
+from pbs.reference.density_probe import probe_density
 from pbs.types import Plan
 
 logger = logging.getLogger("pbs")
@@ -26,11 +27,26 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def _preferred_backends() -> list:
-    from torch.nn.attention import SDPBackend
+_CUDNN = None
 
-    # cuDNN first: the fastest dense causal prefill on Hopper (ARCHITECTURE.md, docs/benchmarks.md).
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+def _cudnn_priority_order() -> list[int] | None:
+    """SDPA's backend priority with cuDNN moved first, or None if it is first already.
+
+    cuDNN is the fastest dense causal prefill on Hopper (ARCHITECTURE.md, docs/benchmarks.md), but
+    PyTorch does not rank it first. Only the order changes: a backend the user disabled stays
+    disabled. (``torch.nn.attention.sdpa_kernel`` would do the same at ~20 us of host time per
+    call, which shows at 2K tokens, where cuDNN itself takes ~0.1 ms.)
+    """
+    global _CUDNN
+    if _CUDNN is None:
+        from torch.nn.attention import SDPBackend
+
+        _CUDNN = int(SDPBackend.CUDNN_ATTENTION)
+    order = torch._C._get_sdp_priority_order()
+    if order[0] == _CUDNN:
+        return None
+    return [_CUDNN] + [b for b in order if b != _CUDNN]
 
 
 def dense_attention_sdpa(
@@ -39,7 +55,7 @@ def dense_attention_sdpa(
     """Dense attention with PBS's conventions, through ``scaled_dot_product_attention``.
 
     Queries are the last ``Nq`` of the ``Nk`` positions (bottom-right causal alignment), and GQA is
-    handled by SDPA's ``enable_gqa`` (no copy of K/V).
+    handled by SDPA's ``enable_gqa`` (no copy of K/V). On CUDA cuDNN is tried first.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
@@ -55,12 +71,17 @@ def dense_attention_sdpa(
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(nq, nk)
-    if q.is_cuda:
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(_preferred_backends(), set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    order = _cudnn_priority_order()
+    if order is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    previous = torch._C._get_sdp_priority_order()
+    torch._C._set_sdp_priority_order(order)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    finally:
+        torch._C._set_sdp_priority_order(previous)
 
 
 def policy_applies(config: PBSConfig, device: torch.device) -> bool:
@@ -78,6 +99,13 @@ def length_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor) 
     return None
 
 
+def _capturing(device: torch.device, rule: str) -> bool:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _log_once(f"pbs: dense_fallback.{rule} is not applied inside a CUDA graph capture (it needs a host sync)")
+        return True
+    return False
+
+
 def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     """Why dense attention should run although a plan exists (density too high), or None.
 
@@ -86,10 +114,7 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     """
     limit = config.dense_fallback.max_density
     device = plan.mask.counts.device
-    if limit is None or not policy_applies(config, device):
-        return None
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _log_once("pbs: dense_fallback.max_density is not applied inside a CUDA graph capture (it needs a host sync)")
+    if limit is None or not policy_applies(config, device) or _capturing(device, "max_density"):
         return None
     # One reduction and one read on the host (Plan.density would take several small ops).
     layout = plan.layout
@@ -97,4 +122,44 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     density = selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
     if density > limit:
         return f"density {density:.3f} is above dense_fallback.max_density = {limit}"
+    return None
+
+
+def _probe_threshold(config: PBSConfig) -> float:
+    threshold = getattr(config.selector, "threshold", None)
+    return float(threshold) if isinstance(threshold, (int, float)) else 0.9
+
+
+def triton_not_supported_reasons_for_probe(q: torch.Tensor) -> list[str]:
+    """Why the probe's Triton kernel cannot run on ``q`` (then the eager twin runs)."""
+    import importlib.util
+
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed")
+    elif torch.cuda.get_device_capability(q.device) < (8, 0):
+        reasons.append("compute capability below 8.0")
+    if q.shape[-1] > 256:
+        reasons.append("head dim above 256")
+    return reasons
+
+
+def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
+    """Why dense attention should run before planning (the density probe is above
+    ``dense_fallback.max_density``), or None. One host sync; skipped inside a CUDA graph capture."""
+    policy = config.dense_fallback
+    if policy.max_density is None or policy.probe_blocks == 0 or not policy_applies(config, q.device):
+        return None
+    if _capturing(q.device, "max_density"):
+        return None
+    args = dict(block_size=config.block_size, num_blocks=policy.probe_blocks, threshold=_probe_threshold(config),
+                scale=scale, causal=config.causal)
+    if q.is_cuda and not triton_not_supported_reasons_for_probe(q):
+        from pbs.kernels.density_probe import probe_density_triton
+
+        estimate = probe_density_triton(q, k, **args)
+    else:
+        estimate = float(probe_density(q, k, **args))
+    if estimate > policy.max_density:
+        return f"the density probe estimates {estimate:.3f}, above dense_fallback.max_density = {policy.max_density}"
     return None

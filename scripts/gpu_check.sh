@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
 # and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark;
-# selection: every GPU test, then the planning benchmark (fits one 10-minute device call);
-# ttft: end-to-end time to first token, then the planning memory benchmark.
+# selection: every GPU test, then the planning benchmark (about 10 minutes);
+# ttft: end-to-end time to first token, then the planning memory benchmark;
+# defaults: the GPU tests of the dense fallback and the density probe, then bench_defaults.py
+# (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
 # Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
 # then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
 set -uo pipefail
@@ -27,6 +29,12 @@ if [[ $mode == hopper ]]; then
     2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 40
   status=${PIPESTATUS[0]}
   [[ $status == 0 ]] || exit $status
+fi
+if [[ $mode == defaults ]]; then
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_dense_fallback.py tests/test_density_probe.py -m gpu -q -p no:cacheprovider \
+    2>&1 | tee "$OUT/gpu_tests_defaults.log" | tail -n 30
+  status=${PIPESTATUS[0]}
+  timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -31,7 +31,7 @@ def test_short_inputs_run_dense_without_planning():
     assert plan is None
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
     # One key more than the limit: PBS runs (its output differs from dense).
-    config["dense_fallback"]["min_seq_len"] = 256
+    config["dense_fallback"].update(min_seq_len=256, probe_blocks=0)  # (the probe calls 8 blocks dense)
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and plan.fallback is None and plan.density < 1
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) > 1e-3
@@ -40,13 +40,42 @@ def test_short_inputs_run_dense_without_planning():
 def test_dense_selection_falls_back_after_planning():
     q, k, v = _qkv()
     sparse = pbs.plan(q, k, SMALL)
-    config = {**SMALL, "dense_fallback": {"min_seq_len": 0, "max_density": sparse.density - 0.01, "devices": ["cpu"]}}
+    config = {**SMALL, "dense_fallback": {
+        "min_seq_len": 0, "max_density": sparse.density - 0.01, "probe_blocks": 0, "devices": ["cpu"]}}
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and "max_density" in plan.fallback
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
     config["dense_fallback"]["max_density"] = min(1.0, sparse.density + 0.01)
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan.fallback is None
+
+
+def test_flat_attention_goes_dense_before_planning():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 512, 32, generator=gen)
+    k, v = torch.randn(1, 2, 512, 32, generator=gen), torch.randn(1, 2, 512, 32, generator=gen)
+    policy = {"min_seq_len": 0, "devices": ["cpu"]}
+    calls = []
+    real = pbs.api.build_plan
+    try:
+        pbs.api.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        out, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
+        assert plan is None and not calls  # decided by the probe: nothing planned
+        assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
+        # With the probe off the same input is planned, then falls back on the planned density.
+        _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**policy, "probe_blocks": 0}}, return_plan=True)
+        assert calls and plan is not None and "max_density" in plan.fallback
+    finally:
+        pbs.api.build_plan = real
+    # Structured attention passes the probe and runs sparse.
+    q, k, v = _qkv(seq_len=512)
+    _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
+    assert plan is not None and plan.fallback is None
+
+
+def test_the_default_config_is_built_once():
+    assert pbs.PBSConfig.coerce(None) is pbs.PBSConfig.coerce(None)
+    assert pbs.PBSConfig.coerce(None) == pbs.PBSConfig()
 
 
 def test_policy_only_for_auto_and_listed_devices():
@@ -78,4 +107,29 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
     config = {"check_finite": False, "dense_fallback": {"min_seq_len": 0, "max_density": 1.0}}
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is not None and plan.fallback is None
+
+
+@pytest.mark.gpu
+def test_gpu_defaults_send_flat_attention_to_cudnn_and_leave_sdpa_settings_alone():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 8, 16384, 128)
+    q = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((1, 2, 16384, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    before = torch._C._get_sdp_priority_order()
+    calls = []
+    real = pbs.api.build_plan
+    try:
+        pbs.api.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        out, plan = pbs.attention(q, k, v, return_plan=True)
+    finally:
+        pbs.api.build_plan = real
+    assert plan is None and not calls  # the probe sent it to dense attention before planning
+    assert torch._C._get_sdp_priority_order() == before
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
+    # Structured attention at the same length runs sparse.
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=16384, head_dim=128,
+                                   dtype=torch.bfloat16, device="cuda")
+    _, plan = pbs.attention(q, k, v, return_plan=True)
     assert plan is not None and plan.fallback is None

@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import torch
 
-from pbs.api import attention as pbs_attention
 from pbs.config import PBSConfig
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig, choose_attention
+from pbs.integrations.tensor_parallel import HeadShard, attention_on_shard, head_shard_of, local_heads
 
 __all__ = [
     "ATTENTION_NAME",
@@ -77,6 +77,10 @@ class Dispatch:
         density: for ``"pbs"``, the share of causally allowed blocks that were computed.
         detail: for ``"sdpa"``, the numbers behind the reason where there are some, e.g.
             ``"90 < min_seq_len=1024"`` or the ``dense_fallback`` rule that fired.
+        tp_rank: under tensor parallelism, this rank's index among the ranks that split the
+            layer's heads (``None`` when the call holds every head). ``density`` is then that of
+            this rank's heads; each rank records its own calls.
+        tp_size: how many ranks split the heads (``None`` without tensor parallelism).
     """
 
     layer_idx: int | None
@@ -86,6 +90,8 @@ class Dispatch:
     reason: str | None = None
     density: float | None = None
     detail: str | None = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
 
 
 @contextmanager
@@ -236,12 +242,24 @@ def pbs_attention_forward(
         **kwargs: what the model passes besides (``sliding_window``, ``softcap``, ``is_causal``,
             position ids, the cache, ...).
 
+    Under tensor parallelism (``tp_plan="auto"``) ``query``, ``key`` and ``value`` hold this rank's
+    heads only, and PBS runs on them as one process would on all heads
+    (`pbs.integrations.tensor_parallel`); DTensors sharded on the head axis run on their local
+    shard.
+
     Returns:
         ``(attn_output (B, Nq, Hq, Dv), None)``; no attention weights are materialised.
     """
     config = _registered if _registered is not None else PBSIntegrationConfig()
     layer_idx = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    local = local_heads(query, key, value)
+    if local is not None:
+        query, key, value, shard, wrap = local
+        if shard is None:
+            shard = head_shard_of(module, query.shape[1])
+    else:  # DTensors laid out otherwise: left to transformers' SDPA function (and torch's DTensor rules)
+        shard, wrap = None, lambda out: out
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -258,25 +276,27 @@ def pbs_attention_forward(
         paged_cache=kwargs.get("cache") is not None,
         compiling=torch.compiler.is_compiling(),
         needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
+        dtensor_layout=local is None,
     )
+    tp = (shard.rank, shard.size) if shard is not None else (None, None)
     if pbs_config is None:
         assert reason is not None
         detail = _fallback_detail(reason, layer_idx, q_len, kv_len, config)
-        _log_fallback_once(module, reason, detail, layer_idx, q_len, kv_len)
-        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail))
-        return _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-    out, plan = pbs_attention(query, key, value, pbs_config, scale=scaling, return_plan=True)
-    if plan is None or plan.fallback is not None:
-        # pbs.attention itself ran dense SDPA (PBSConfig.dense_fallback): too short to plan (no plan),
-        # or the planned density too high (plan.fallback says so).
-        from pbs.dense import length_fallback_reason
-
-        detail = plan.fallback if plan is not None else length_fallback_reason(pbs_config, query, key)
-        _log_fallback_once(module, "dense_fallback", detail, layer_idx, q_len, kv_len)
-        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback", detail=detail))
+        _log_fallback_once(module, reason, detail, layer_idx, q_len, kv_len, shard)
+        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail, tp_rank=tp[0], tp_size=tp[1]))
+        out, weights = _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return wrap(out), weights
+    # pbs.attention, or its tensor-parallel twin, may itself run dense SDPA (PBSConfig.dense_fallback):
+    # then `detail` says why (too short to plan, the density probe, or the planned density).
+    out, plan, detail = attention_on_shard(query, key, value, pbs_config, scale=scaling, shard=shard)
+    if detail is not None:
+        _log_fallback_once(module, "dense_fallback", detail, layer_idx, q_len, kv_len, shard)
+        _record(
+            Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback", detail=detail, tp_rank=tp[0], tp_size=tp[1])
+        )
     elif _active_traces:
-        _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density))
-    return out.transpose(1, 2).contiguous(), None
+        _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density, tp_rank=tp[0], tp_size=tp[1]))
+    return wrap(out.transpose(1, 2).contiguous()), None
 
 
 def _record(dispatch: Dispatch) -> None:
@@ -295,9 +315,18 @@ def _fallback_detail(
 
 
 def _log_fallback_once(
-    module: torch.nn.Module, reason: str, detail: str | None, layer_idx: int | None, q_len: int, kv_len: int
+    module: torch.nn.Module,
+    reason: str,
+    detail: str | None,
+    layer_idx: int | None,
+    q_len: int,
+    kv_len: int,
+    shard: HeadShard | None = None,
 ) -> None:
-    """Logs why a call ran dense, the first time ``reason`` happens in ``module``'s model."""
+    """Logs why a call ran dense, the first time ``reason`` happens in ``module``'s model.
+
+    Under tensor parallelism every rank is its own process and logs once, naming its rank.
+    """
     if torch.compiler.is_compiling():
         return
     model_config = getattr(module, "config", None)
@@ -314,10 +343,12 @@ def _log_fallback_once(
     entry[1].add(reason)
     name = getattr(model_config, "name_or_path", None) or getattr(model_config, "model_type", None)
     for_model = f" in {name}" if name else ""
+    on_rank = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None else ""
     logger.log(
         logging.INFO if reason in INFO_REASONS else logging.WARNING,
-        "pbs: dense attention instead of PBS%s: %s%s (reason %r, first at layer %s, q_len %d, kv_len %d; "
+        "pbs%s: dense attention instead of PBS%s: %s%s (reason %r, first at layer %s, q_len %d, kv_len %d; "
         "logged once per reason and model)",
+        on_rank,
         for_model,
         FALLBACK_REASONS[reason],
         f" ({detail})" if detail else "",

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
-from pbs.permuters._segments import seeded_generator, sort_within_segments, to_key_permutation
+from pbs.permuters._segments import seeded_rand, sort_within_segments, to_key_permutation
 
 
 @register_permuter
@@ -24,6 +24,6 @@ class RandomPermuter(PermuterConfig):
     def permute(self, inputs: PermutationInputs) -> Permutations:
         layout = inputs.layout
         shape = (layout.batch, inputs.key_heads, layout.seq_len_k)
-        scores = torch.rand(shape, generator=seeded_generator(self.seed)).to(inputs.k.device)
+        scores = seeded_rand(shape, self.seed).to(inputs.k.device)  # CPU draws: the same on every device
         indices = sort_within_segments(scores, 0, layout.permutable_key_len, layout.segment_size)
         return Permutations(keys=to_key_permutation(indices))

@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.permuters._segments import seeded_generator
+from pbs.permuters._segments import seeded_rand
 from pbs.planning import forced_blocks
 
 
@@ -38,7 +38,8 @@ class BudgetSelector(SelectorConfig):
         forced = forced_blocks(layout, inputs.key_positions, force_sink_block=True)
         shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
         # Drawn where the mask lives: a CPU draw plus copy costs ~0.2 s per layer at 128K tokens.
-        priority = torch.rand(shape, generator=seeded_generator(self.seed, allowed.device), device=allowed.device)
+        # seeded_rand: under tensor parallelism a rank's heads get the draws they have in the whole layer.
+        priority = seeded_rand(shape, self.seed, allowed.device)
         priority = priority.masked_fill(forced, 2.0).masked_fill(~allowed, -1.0)
         order = priority.argsort(dim=-1, descending=True, stable=True)
         budget = torch.round(self.density * allowed.sum(-1).double()).long()  # (Tq,)

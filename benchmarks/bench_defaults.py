@@ -1,0 +1,165 @@
+"""What a user gets from ``pbs.attention(q, k, v)`` with no config, against cuDNN (issue 13).
+
+For each length, on two kinds of input:
+    flat        random q, k, v (attention is nearly uniform, so PBS should run dense)
+    structured  ``pbs.testing.make_qkv`` (sparse from 16K on)
+it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the timed call) and
+``pbs.attention`` with the default config, two ways:
+    events      CUDA events around each call, L2 flushed before it (``pbs.testing.benchmark_cuda``;
+                host overhead shows where it exceeds the flush)
+    wall        back-to-back calls, wall time over the batch divided by the calls (what a loop
+                over layers sees; a host sync inside a call shows here)
+and records which path ``pbs.attention`` took (dense by length, dense by the density probe,
+dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
+
+    python benchmarks/bench_defaults.py --json benchmarks/results/defaults_<device>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import pbs
+from bench_kernel import package_version, save
+from pbs.testing import benchmark_cuda
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
+
+
+def inputs(kind: str, n: int):
+    if kind == "structured":
+        return pbs.testing.make_qkv(batch=1, heads_q=HEADS_Q, heads_kv=HEADS_KV, seq_len=n, head_dim=HEAD_DIM,
+                                    dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(1, HEADS_Q, n, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, HEADS_KV, n, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, HEADS_KV, n, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, k, v
+
+
+def wall_ms(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def counts_for(n: int) -> tuple[int, int, int]:
+    """(event iterations, event repeats, wall calls): fewer at long lengths to bound the run."""
+    if n >= 262144:
+        return 3, 1, 3
+    if n >= 65536:
+        return 5, 3, 5
+    return 20, 3, 50
+
+
+def path_of(q, k, v) -> str:
+    config = pbs.PBSConfig()
+    _, plan = pbs.attention(q, k, v, return_plan=True)
+    if plan is None:
+        return "dense (length)" if k.shape[2] < config.dense_fallback.min_seq_len else "dense (probe)"
+    if plan.fallback:
+        return "dense (density)"
+    return f"sparse (density {plan.density:.3f})"
+
+
+def measure(kind: str, n: int) -> dict:
+    q, k, v = inputs(kind, n)
+    iters, repeats, calls = counts_for(n)
+
+    def cudnn():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def defaults():
+        return pbs.attention(q, k, v)
+
+    row = {"input": kind, "seq_len": n, "path": path_of(q, k, v)}
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        row["cudnn_events_ms"] = statistics.median(benchmark_cuda(cudnn, warmup=1, iters=iters) for _ in range(repeats))
+        row["cudnn_wall_ms"] = wall_ms(cudnn, calls)
+    row["pbs_events_ms"] = statistics.median(benchmark_cuda(defaults, warmup=1, iters=iters) for _ in range(repeats))
+    row["pbs_wall_ms"] = wall_ms(defaults, calls)
+    row["ratio_events"] = row["pbs_events_ms"] / row["cudnn_events_ms"]
+    row["ratio_wall"] = row["pbs_wall_ms"] / row["cudnn_wall_ms"]
+    del q, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def kernels_of(fn) -> list[str]:
+    """Names of the CUDA kernels one call launches (to see which SDPA backend ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--inputs", nargs="+", default=["flat", "structured"], choices=["flat", "structured"])
+    parser.add_argument("--json", help="where to write the results")
+    args = parser.parse_args()
+    started = time.time()
+    rows = []
+    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} | {'cuDNN wall':>10} {'pbs wall':>9} {'x':>6} | path")
+    for n in args.lengths:
+        for kind in args.inputs:
+            try:
+                row = measure(kind, n)
+            except torch.OutOfMemoryError as error:
+                row = {"input": kind, "seq_len": n, "error": str(error).splitlines()[0]}
+                torch.cuda.empty_cache()
+            rows.append(row)
+            if "error" in row:
+                print(f"{kind:>10} {n:>7} | {row['error']}", flush=True)
+                continue
+            print(f"{kind:>10} {n:>7} | {row['cudnn_events_ms']:9.3f} {row['pbs_events_ms']:9.3f} {row['ratio_events']:6.3f} | "
+                  f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | {row['path']}", flush=True)
+    q, k, v = inputs("structured", 4096)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn_kernels = kernels_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    pbs_kernels = kernels_of(lambda: pbs.attention(q, k, v))
+    print("kernels at 4K, cuDNN:", cudnn_kernels, "\nkernels at 4K, pbs defaults:", pbs_kernels)
+    worst = {m: max((r[f"ratio_{m}"] for r in rows if "error" not in r), default=None) for m in ("events", "wall")}
+    print(f"worst ratio to cuDNN: events {worst['events']:.3f}, wall {worst['wall']:.3f} (target 1.03)")
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                  "causal": True},
+        "config": pbs.PBSConfig().model_dump(mode="json"),
+        "timing": "events: median over repeats of the median CUDA-event time (L2 flushed before each call); "
+                  "wall: back-to-back calls, wall time / calls",
+        "rows": rows,
+        "kernels_4k": {"cudnn": cudnn_kernels, "pbs_defaults": pbs_kernels},
+        "worst_ratio": worst,
+        "target_ratio": 1.03,
+        "wall_s": round(time.time() - started, 1),
+    }
+    if args.json:
+        save(result, args.json)
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()

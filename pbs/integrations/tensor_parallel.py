@@ -1,0 +1,264 @@
+"""PBS on one rank's share of the heads, when a model is split by tensor parallelism.
+
+transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` or
+``distributed_config=DistributedConfig(tp_plan="auto")``) shards ``q_proj``, ``k_proj`` and ``v_proj``
+column-wise, so each rank's attention function receives plain tensors holding its own query and
+KV heads (``Hq / tp`` and ``Hkv / tp``, GQA groups intact) and the row-wise ``o_proj`` sums the
+ranks' outputs. PBS plans every head on its own (the permutation of a KV head depends only on its
+own query group, selection is per query head), so running PBS on each rank's heads gives the
+single-process result, with three exceptions that this module removes:
+
+* **decisions over all heads.** ``dense_fallback.max_density`` (``backend="auto"`` on CUDA) compares
+  a density averaged over the heads (the pre-planning probe's and the plan's) with a limit. Each
+  rank sees only its heads, so ranks could decide differently, and differently from one process.
+  `attention_on_shard` averages those densities over the ranks (one ``all_reduce`` of a few
+  numbers, where one process already syncs with the host) so every rank decides as one process
+  would.
+* **seeded draws.** The ``random`` permuter and the ``budget`` selector draw one tensor over the
+  head axis; inside `pbs.permuters._segments.head_shard` a rank takes its heads' slice of the draw
+  for all heads.
+* **DTensor inputs.** Styles that keep the projections' outputs as DTensors (not transformers'
+  defaults, which hand attention local tensors) give a DTensor sharded on the head axis:
+  `local_heads` runs PBS on the local shard and wraps the output back.
+
+On CUDA the call also runs under ``torch.cuda.device(q.device)``, so Triton launches on the rank's
+own GPU even if the current device was not set to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["HeadShard", "attention_on_shard", "head_shard_of", "local_heads"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """This rank's share of an attention layer's heads.
+
+    Attributes:
+        rank: this rank's index among the ranks the heads are split over (its heads are
+            ``rank * H_local .. (rank + 1) * H_local - 1`` of the layer).
+        size: how many ranks the heads are split over.
+        group: the process group of those ranks (``None``: the default group).
+    """
+
+    rank: int
+    size: int
+    group: Any = None
+
+
+def _dtensor_type() -> type | None:
+    # A DTensor can only exist once torch.distributed.tensor is imported: no import cost otherwise.
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def _is_shard(placement: Any, dim: int | None = None, ndim: int | None = None) -> bool:
+    if not (hasattr(placement, "is_shard") and placement.is_shard()):
+        return False
+    if dim is None:
+        return True
+    return placement.dim % ndim == dim  # type: ignore[operator]
+
+
+def _mesh_shard(mesh: Any) -> HeadShard:
+    return HeadShard(rank=mesh.get_local_rank(), size=mesh.size(), group=mesh.get_group())
+
+
+def head_shard_of(module: torch.nn.Module, heads_q: int) -> HeadShard | None:
+    """The head shard of ``module``'s call, or ``None`` if it sees all its layer's heads.
+
+    The shard is read from the module's own parameters: a tensor-parallel plan leaves them as
+    DTensors sharded over the tensor-parallel mesh (``q_proj`` row-sharded for column-wise TP).
+    A call whose query heads already number ``config.num_attention_heads`` (projections whose
+    outputs were gathered) is not a shard.
+
+    Args:
+        module: the attention layer transformers passes to the attention function.
+        heads_q: query heads of this call.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return None
+    mesh = None
+    for param in module.parameters():
+        if isinstance(param, dtensor) and any(_is_shard(p) for p in param.placements):
+            mesh = param.device_mesh
+            break
+    if mesh is None:
+        return None
+    if mesh.ndim > 1:
+        names = mesh.mesh_dim_names or ()
+        if "tp" not in names:
+            return None
+        mesh = mesh["tp"]
+    if mesh.size() == 1:
+        return None
+    config = getattr(module, "config", None)
+    total = getattr(config, "num_attention_heads", None)
+    if isinstance(total, int) and heads_q >= total:
+        return None  # every head is here: each rank computes the whole layer
+    return _mesh_shard(mesh)
+
+
+def local_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadShard | None, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """Local tensors for DTensor ``(B, H, N, D)`` inputs sharded on the head axis (or replicated).
+
+    Returns:
+        ``(q, k, v, shard, wrap)``: plain tensors, the shard (``None`` when replicated) and a
+        function that turns the ``(B, N, Hq, D)`` output back into a DTensor of the same layout;
+        for plain tensors ``(query, key, value, None, identity)``. ``None`` when DTensor inputs
+        are laid out otherwise (sharded over the sequence, partial sums, a mesh of more than one
+        dimension, or plain and DTensor mixed): PBS cannot run on them locally.
+    """
+    dtensor = _dtensor_type()
+    tensors = (query, key, value)
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return query, key, value, None, lambda out: out
+    if not all(isinstance(t, dtensor) for t in tensors):
+        return None
+    mesh = query.device_mesh
+    if mesh.ndim != 1 or any(t.device_mesh != mesh for t in tensors):
+        return None
+    layouts = {
+        "shard" if _is_shard(t.placements[0], 1, t.ndim) else "replicate" if t.placements[0].is_replicate() else "other"
+        for t in tensors
+    }
+    if layouts not in ({"shard"}, {"replicate"}):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = layouts == {"shard"}
+    placement = Shard(2) if sharded else Replicate()  # the output is (B, N, Hq, D)
+
+    def wrap(out: torch.Tensor) -> torch.Tensor:
+        return dtensor.from_local(out, mesh, [placement], run_check=False)
+
+    shard = _mesh_shard(mesh) if sharded and mesh.size() > 1 else None
+    return query.to_local(), key.to_local(), value.to_local(), shard, wrap
+
+
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _mean_over_ranks(values: list[float], shard: HeadShard, device: torch.device) -> list[float]:
+    """The mean over the ranks of each of ``values`` (one all_reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=shard.group)
+    return (t / shard.size).tolist()
+
+
+def attention_on_shard(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: Any,
+    *,
+    scale: float | None,
+    shard: HeadShard | None,
+) -> tuple[torch.Tensor, Any, str | None]:
+    """`pbs.attention` on one rank's heads, deciding as one process over all heads would.
+
+    Args:
+        q, k, v: this rank's heads, ``(B, Hq_local, Nq, D)`` and ``(B, Hkv_local, Nk, D)``.
+        config: the layer's `PBSConfig`.
+        scale: softmax scale (``None``: ``D ** -0.5``).
+        shard: this rank's `HeadShard`, or ``None`` when the call holds every head.
+
+    Returns:
+        ``(out (B, Hq_local, Nq, Dv), plan, dense_reason)``. ``dense_reason`` is set when
+        ``config.dense_fallback`` ran dense SDPA instead, the plan is then ``None`` (decided
+        before planning) or has ``fallback`` set; otherwise ``plan`` is what ran.
+    """
+    from pbs.api import attention, plan, run
+
+    if shard is None or shard.size == 1:
+        with _device_guard(q):
+            out, p = attention(q, k, v, config, scale=scale, return_plan=True)
+        return out, p, _dense_reason(config, q, k, p)
+
+    from pbs.permuters._segments import head_shard
+
+    with _device_guard(q), head_shard(shard.rank, shard.size):
+        if not _density_rule_applies(config, q, k):
+            # Only shape rules (the same on every rank) can send this call to dense attention.
+            out, p = attention(q, k, v, config, scale=scale, return_plan=True)
+            return out, p, _dense_reason(config, q, k, p)
+        from pbs.dense import dense_attention_sdpa
+
+        policy = config.dense_fallback
+        limit = policy.max_density
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        probe = _local_probe(config, q, k, s)
+        if probe is not None:
+            (estimate,) = _mean_over_ranks([probe], shard, q.device)
+            if estimate > limit:
+                reason = (
+                    f"the density probe estimates {estimate:.3f} over the {shard.size} tensor-parallel ranks, "
+                    f"above dense_fallback.max_density = {limit}"
+                )
+                return dense_attention_sdpa(q, k, v, scale=s, causal=config.causal), None, reason
+        # Plan with both density rules off here, then apply the plan's rule to every rank's heads.
+        relaxed = config.model_copy(update={"dense_fallback": policy.model_copy(update={"max_density": None})})
+        p = dataclasses.replace(plan(q, k, relaxed, scale=scale), config=config)
+        layout = p.layout
+        selected = float(p.mask.counts.sum(dtype=torch.int64))
+        (density,) = _mean_over_ranks([selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)], shard, q.device)
+        if density > limit:
+            reason = (
+                f"density {density:.3f} over the {shard.size} tensor-parallel ranks is above "
+                f"dense_fallback.max_density = {limit}"
+            )
+            out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
+            return out, dataclasses.replace(p, fallback=reason), reason
+        return run(p, q, k, v, scale=scale), p, None
+
+
+def _density_rule_applies(config: Any, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``dense_fallback`` would read a density for this call (not just its shapes)."""
+    from pbs.dense import length_fallback_reason, policy_applies
+
+    if config.dense_fallback.max_density is None or not policy_applies(config, q.device):
+        return False
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # pbs.attention skips the density rules inside a capture too
+    return length_fallback_reason(config, q, k) is None
+
+
+def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> float | None:
+    """The pre-planning density probe on this rank's heads, or ``None`` where there is none."""
+    import pbs.dense as dense
+
+    blocks = getattr(config.dense_fallback, "probe_blocks", 0)
+    probe = getattr(dense, "probe_density", None)
+    if not blocks or probe is None:
+        return None
+    threshold_of = getattr(dense, "_probe_threshold", None)  # the threshold pbs.attention's probe uses
+    if threshold_of is not None:
+        threshold = threshold_of(config)
+    else:
+        threshold = getattr(config.selector, "threshold", None)
+        threshold = float(threshold) if isinstance(threshold, (int, float)) else 0.9
+    return float(
+        probe(q, k, block_size=config.block_size, num_blocks=blocks, threshold=threshold, scale=scale, causal=config.causal)
+    )
+
+
+def _dense_reason(config: Any, q: torch.Tensor, k: torch.Tensor, p: Any) -> str | None:
+    if p is not None:
+        return p.fallback
+    from pbs.dense import length_fallback_reason
+
+    return length_fallback_reason(config, q, k) or "the density probe estimated a density above dense_fallback.max_density"

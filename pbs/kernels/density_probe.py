@@ -1,0 +1,173 @@
+"""The density probe in two launches: the fast twin of `pbs.reference.density_probe.probe_density`.
+
+The eager twin takes about twenty small PyTorch ops; at 16K tokens their launch cost alone is a
+few percent of cuDNN's whole attention, which is the margin the probe must fit in (flat attention
+runs the probe and then dense attention). Here:
+
+1. `pbs.kernels.block_means.block_means` pools every key block (one read of K);
+2. ``_probe_kernel``: one program per (sampled query block, batch x query head) pools its query
+   block, scores it against the visible key blocks, and counts the blocks that cover
+   ``threshold`` of the row's pooled mass, sink and diagonal blocks first. The count needs the
+   other blocks in descending order; instead of sorting, it bisects for the smallest kept
+   probability (a row has at most a few thousand key blocks, read from L2 on every step).
+   Two int32 counters (kept, visible) are summed with atomics, so the host reads two numbers.
+
+The bisection keeps exactly the blocks the sort would keep, except at probabilities equal to
+within 2^-30; the test compares the two twins.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pbs.kernels.block_means import block_means
+
+LOG2_E = 1.4426950408889634
+_CHUNK = 128  # key blocks per step
+_BISECTION_STEPS = 30
+
+
+@triton.jit
+def _probe_kernel(
+    q_ptr, kmean_ptr, scratch_ptr, counter_ptr,
+    stride_qb, stride_qh, stride_qn,
+    heads_q, group, seq_len_q, seq_len_k, dim, num_key_blocks, num_query_blocks, num_samples,
+    scale_log2, threshold,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    CAUSAL: tl.constexpr, STEPS: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // heads_q
+    i_h = i_bh % heads_q
+    # The same blocks as sampled_query_blocks: round(i (Tq - 1) / (P - 1)), halves up.
+    if num_samples > 1:
+        row = (2 * i_s * (num_query_blocks - 1) + (num_samples - 1)) // (2 * (num_samples - 1))
+    else:
+        row = num_query_blocks - 1
+
+    # Pool the query block (its valid rows only).
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < dim
+    first = row * BLOCK_SIZE
+    count = tl.minimum(seq_len_q - first, BLOCK_SIZE)
+    p_q = q_ptr + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for r0 in range(0, BLOCK_SIZE, ROWS):
+        o_r = first + r0 + tl.arange(0, ROWS)
+        m_r = o_r < seq_len_q
+        x = tl.load(p_q + o_r[:, None].to(tl.int64) * stride_qn + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32), 0)
+    q_pooled = acc / count
+
+    offset = seq_len_k - seq_len_q
+    first_q = offset + first
+    last_q = offset + first + count - 1
+    p_k = kmean_ptr + (i_b * (heads_q // group) + i_h // group).to(tl.int64) * num_key_blocks * dim
+    p_s = scratch_ptr + (i_bh * num_samples + i_s).to(tl.int64) * num_key_blocks
+
+    # Pass 1: logits (base 2) to the scratch row, with the running max and sum of the visible ones.
+    m_i = -float("inf")
+    l_i = 0.0
+    for j0 in range(0, num_key_blocks, CHUNK):
+        o_j = j0 + tl.arange(0, CHUNK)
+        m_j = o_j < num_key_blocks
+        if CAUSAL:
+            m_j = m_j & (o_j * BLOCK_SIZE <= last_q)
+        km = tl.load(p_k + o_j[:, None].to(tl.int64) * dim + o_d[None, :], mask=m_j[:, None] & m_d[None, :], other=0.0)
+        s = tl.sum(km * q_pooled[None, :], 1) * scale_log2
+        s = tl.where(m_j, s, -float("inf"))
+        tl.store(p_s + o_j, s, mask=o_j < num_key_blocks)
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new), 0)
+        m_i = m_new
+
+    # Pass 2: the forced blocks' mass and the counts.
+    forced_mass = 0.0
+    n_forced = 0
+    n_visible = 0
+    for j0 in range(0, num_key_blocks, CHUNK):
+        o_j = j0 + tl.arange(0, CHUNK)
+        s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
+        vis = s > -float("inf")
+        if CAUSAL:
+            forced = vis & ((o_j == 0) | ((o_j + 1) * BLOCK_SIZE > first_q))
+        else:
+            forced = vis & (o_j == 0)
+        p = tl.exp2(s - m_i) / l_i
+        forced_mass += tl.sum(tl.where(forced, p, 0.0), 0)
+        n_forced += tl.sum(forced.to(tl.int32), 0)
+        n_visible += tl.sum(vis.to(tl.int32), 0)
+
+    # Bisection for the smallest probability c whose blocks (p >= c, not forced) still bring the
+    # kept mass to the threshold; all of them are kept.
+    need = threshold - forced_mass
+    lo = 0.0
+    hi = 1.0
+    for _ in range(STEPS):
+        mid = (lo + hi) * 0.5
+        total = 0.0
+        for j0 in range(0, num_key_blocks, CHUNK):
+            o_j = j0 + tl.arange(0, CHUNK)
+            s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
+            if CAUSAL:
+                free = (s > -float("inf")) & (o_j != 0) & ((o_j + 1) * BLOCK_SIZE <= first_q)
+            else:
+                free = (s > -float("inf")) & (o_j != 0)
+            p = tl.exp2(s - m_i) / l_i
+            total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
+        if total >= need:
+            lo = mid
+        else:
+            hi = mid
+    n_kept = 0
+    if need > 0:
+        for j0 in range(0, num_key_blocks, CHUNK):
+            o_j = j0 + tl.arange(0, CHUNK)
+            s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
+            if CAUSAL:
+                free = (s > -float("inf")) & (o_j != 0) & ((o_j + 1) * BLOCK_SIZE <= first_q)
+            else:
+                free = (s > -float("inf")) & (o_j != 0)
+            p = tl.exp2(s - m_i) / l_i
+            n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
+    tl.atomic_add(counter_ptr, n_forced + n_kept)
+    tl.atomic_add(counter_ptr + 1, n_visible)
+
+
+def probe_density_triton(
+    q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
+    causal: bool = True,
+) -> float:
+    """`pbs.reference.density_probe.probe_density` in two launches and one read of two numbers.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (unit stride along D is not required).
+
+    Returns:
+        The estimate as a Python float (the read is the probe's one host sync).
+    """
+    if threshold >= 1.0:
+        return 1.0
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k_means = block_means(k, block_size)  # (B, Hkv, Tk, D) fp32
+    tq, tk = triton.cdiv(nq, block_size), triton.cdiv(nk, block_size)
+    samples = min(num_blocks, tq)
+    scratch = torch.empty(b * hq * samples * tk, dtype=torch.float32, device=q.device)
+    counter = torch.zeros(2, dtype=torch.int32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _probe_kernel[(samples, b * hq)](
+        q, k_means, scratch, counter,
+        q.stride(0), q.stride(1), q.stride(2),
+        hq, hq // hkv, nq, nk, d, tk, tq, samples,
+        scale * LOG2_E, threshold,
+        BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=_CHUNK,
+        CAUSAL=causal, STEPS=_BISECTION_STEPS, num_warps=4,
+    )
+    kept, visible = counter.tolist()
+    return kept / visible
