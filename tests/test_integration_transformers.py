@@ -460,15 +460,22 @@ def test_trace_records_the_dense_fallback_of_pbs_attention(model):
     assert max_diff(got, expected) < TOL
 
 
-def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog):
-    # by density this time: every block selected (density 1) is above max_density 0.5
-    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"]}},
-                    min_seq_len=32, min_query_len=2)
+@pytest.mark.parametrize("probe_blocks", [0, 16])
+def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog, probe_blocks):
+    # by density this time: every block selected (density 1) is above max_density 0.5; with the
+    # probe on, the probe (about 0.9 on a random model) says so before planning
+    policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": probe_blocks}
+    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": policy}, min_seq_len=32, min_query_len=2)
     with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
         forward(model, "pbs", input_ids=prompt())  # no trace_dispatch: the log alone must tell
     (record,) = [r for r in caplog.records if r.name == "pbs.integrations.transformers"]
     assert record.levelno == logging.WARNING
-    assert "dense_fallback" in record.getMessage() and "density 1.000 is above dense_fallback.max_density = 0.5" in record.getMessage()
+    message = record.getMessage()
+    assert "dense_fallback" in message
+    if probe_blocks:
+        assert "the density probe estimated a density above dense_fallback.max_density" in message
+    else:
+        assert "density 1.000 is above dense_fallback.max_density = 0.5" in message
 
 
 def test_fallbacks_are_warned_once_per_reason_and_per_model(caplog):

@@ -25,10 +25,6 @@ FALLBACK_REASONS: dict[str, str] = {
         "torch.no_grad() or torch.inference_mode(), as generate() does)"
     ),
     "dropout": "attention dropout > 0 (training mode)",
-    "dtensor_layout": (
-        "DTensor inputs that are not sharded on the head axis (e.g. over the sequence) or replicated: "
-        "PBS runs on a rank's own heads only"
-    ),
     "softcap": "attention logit softcapping (runs eager attention with the softcap)",
     "sliding_window": "a sliding-window layer whose window is shorter than the sequence",
     "attention_mask": (
@@ -122,7 +118,6 @@ def choose_attention(
     paged_cache: bool = False,
     compiling: bool = False,
     needs_grad: bool = False,
-    dtensor_layout: bool = False,
 ) -> tuple[PBSConfig | None, str | None]:
     """Decides whether one attention call runs PBS.
 
@@ -135,8 +130,6 @@ def choose_attention(
             ``None`` exactly for unpadded causal calls, so a mask means padding or a pattern.
         is_causal, dropout, softcap, sliding_window, paged_cache, compiling, needs_grad: what the
             model asks of this call.
-        dtensor_layout: the inputs are DTensors that are neither sharded on the head axis nor
-            replicated (tensor parallelism hands PBS its heads; other layouts run dense).
 
     Returns:
         ``(pbs_config, None)`` to run PBS, or ``(None, reason)`` with a key of
@@ -154,8 +147,6 @@ def choose_attention(
         return None, "needs_grad"
     if dropout > 0.0:
         return None, "dropout"
-    if dtensor_layout:
-        return None, "dtensor_layout"
     if softcap is not None:
         return None, "softcap"
     if sliding_window is not None and kv_len > sliding_window:

@@ -18,8 +18,8 @@ single-process result, with three exceptions that this module removes:
   head axis; inside `pbs.permuters._segments.head_shard` a rank takes its heads' slice of the draw
   for all heads.
 * **DTensor inputs.** Styles that keep the projections' outputs as DTensors (not transformers'
-  defaults, which hand attention local tensors) give a DTensor sharded on the head axis:
-  `local_heads` runs PBS on the local shard and wraps the output back.
+  defaults, which hand attention local tensors) give DTensors: `local_heads` runs PBS on the
+  local shard of head-sharded ones (and gathers any other layout first) and wraps the output back.
 
 On CUDA the call also runs under ``torch.cuda.device(q.device)``, so Triton launches on the rank's
 own GPU even if the current device was not set to it.
@@ -110,41 +110,76 @@ def head_shard_of(module: torch.nn.Module, heads_q: int) -> HeadShard | None:
 
 def local_heads(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadShard | None, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """Local tensors for DTensor ``(B, H, N, D)`` inputs sharded on the head axis (or replicated).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadShard | None, Callable[[torch.Tensor], torch.Tensor]]:
+    """Plain tensors for the attention function, and how to turn its output back into a DTensor.
+
+    DTensor ``(B, H, N, D)`` inputs sharded on the head axis (or replicated) on a one-dimensional
+    mesh give their local tensors: each rank runs PBS on its heads. Other layouts (sharded over
+    the sequence, partial sums, several mesh dimensions) are first gathered to every rank, since
+    PBS plans a whole sequence (logged once); the output is then sharded again as the queries
+    were.
 
     Returns:
-        ``(q, k, v, shard, wrap)``: plain tensors, the shard (``None`` when replicated) and a
-        function that turns the ``(B, N, Hq, D)`` output back into a DTensor of the same layout;
-        for plain tensors ``(query, key, value, None, identity)``. ``None`` when DTensor inputs
-        are laid out otherwise (sharded over the sequence, partial sums, a mesh of more than one
-        dimension, or plain and DTensor mixed): PBS cannot run on them locally.
+        ``(q, k, v, shard, wrap)``: plain tensors, this rank's `HeadShard` (``None`` when the
+        tensors hold every head) and a function that turns the ``(B, N, Hq, D)`` output into a
+        DTensor laid out like ``query`` (heads and sequence swap places); for plain inputs
+        ``(query, key, value, None, identity)``.
     """
     dtensor = _dtensor_type()
     tensors = (query, key, value)
     if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
         return query, key, value, None, lambda out: out
-    if not all(isinstance(t, dtensor) for t in tensors):
-        return None
-    mesh = query.device_mesh
-    if mesh.ndim != 1 or any(t.device_mesh != mesh for t in tensors):
-        return None
-    layouts = {
-        "shard" if _is_shard(t.placements[0], 1, t.ndim) else "replicate" if t.placements[0].is_replicate() else "other"
-        for t in tensors
-    }
-    if layouts not in ({"shard"}, {"replicate"}):
-        return None
     from torch.distributed.tensor import Replicate, Shard
 
-    sharded = layouts == {"shard"}
-    placement = Shard(2) if sharded else Replicate()  # the output is (B, N, Hq, D)
+    lead = next(t for t in tensors if isinstance(t, dtensor))
+    mesh = lead.device_mesh
+    tensors = tuple(
+        t if isinstance(t, dtensor) else dtensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        for t in tensors
+    )
+    query = tensors[0]
+    by_heads = mesh.ndim == 1 and all(
+        t.device_mesh == mesh and _is_shard(t.placements[0], 1, t.ndim) for t in tensors
+    )
+    if by_heads:
+        out_placements = [Shard(2)]  # the output is (B, N, Hq, D)
+        shard = _mesh_shard(mesh) if mesh.size() > 1 else None
+        local = tuple(t.to_local() for t in tensors)
+    else:
+        replicated = [Replicate()] * mesh.ndim
+        if any(t.device_mesh != mesh or list(t.placements) != replicated for t in tensors):
+            _log_gather_once(query.placements)
+        local = tuple(t.redistribute(mesh, replicated).to_local() for t in tensors)
+        swap = {1: 2, 2: 1}
+        out_placements = [
+            Shard(swap.get(p.dim % query.ndim, p.dim % query.ndim)) if _is_shard(p) else Replicate()
+            for p in query.placements
+        ]
+        shard = None
 
     def wrap(out: torch.Tensor) -> torch.Tensor:
-        return dtensor.from_local(out, mesh, [placement], run_check=False)
+        if by_heads:
+            return dtensor.from_local(out, mesh, out_placements, run_check=False)
+        full = dtensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return full.redistribute(mesh, out_placements)  # slicing a replicated tensor: no communication
 
-    shard = _mesh_shard(mesh) if sharded and mesh.size() > 1 else None
-    return query.to_local(), key.to_local(), value.to_local(), shard, wrap
+    return local[0], local[1], local[2], shard, wrap
+
+
+_gather_logged = False
+
+
+def _log_gather_once(placements: Any) -> None:
+    global _gather_logged
+    if not _gather_logged:
+        _gather_logged = True
+        import logging
+
+        logging.getLogger("pbs.integrations.transformers").warning(
+            "pbs: DTensor attention inputs with placements %s are gathered to every rank before PBS runs "
+            "(PBS splits work by heads: shard q, k and v on the head axis, as tp_plan='auto' does; logged once)",
+            tuple(placements),
+        )
 
 
 def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -238,22 +273,26 @@ def _density_rule_applies(config: Any, q: torch.Tensor, k: torch.Tensor) -> bool
 
 
 def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> float | None:
-    """The pre-planning density probe on this rank's heads, or ``None`` where there is none."""
+    """The pre-planning density probe on this rank's heads, or ``None`` where there is none.
+
+    The same estimate `pbs.attention` makes (`pbs.dense.probe_fallback_reason`: the Triton kernel
+    on CUDA where it runs, else the eager twin), before it is compared with the limit.
+    """
     import pbs.dense as dense
 
     blocks = getattr(config.dense_fallback, "probe_blocks", 0)
     probe = getattr(dense, "probe_density", None)
     if not blocks or probe is None:
         return None
-    threshold_of = getattr(dense, "_probe_threshold", None)  # the threshold pbs.attention's probe uses
-    if threshold_of is not None:
-        threshold = threshold_of(config)
-    else:
-        threshold = getattr(config.selector, "threshold", None)
-        threshold = float(threshold) if isinstance(threshold, (int, float)) else 0.9
-    return float(
-        probe(q, k, block_size=config.block_size, num_blocks=blocks, threshold=threshold, scale=scale, causal=config.causal)
+    args = dict(
+        block_size=config.block_size, num_blocks=blocks, threshold=dense._probe_threshold(config), scale=scale,
+        causal=config.causal,
     )
+    if q.is_cuda and not dense.triton_not_supported_reasons_for_probe(q):
+        from pbs.kernels.density_probe import probe_density_triton
+
+        return float(probe_density_triton(q, k, **args))
+    return float(probe(q, k, **args))
 
 
 def _dense_reason(config: Any, q: torch.Tensor, k: torch.Tensor, p: Any) -> str | None:

@@ -245,7 +245,7 @@ def pbs_attention_forward(
     Under tensor parallelism (``tp_plan="auto"``) ``query``, ``key`` and ``value`` hold this rank's
     heads only, and PBS runs on them as one process would on all heads
     (`pbs.integrations.tensor_parallel`); DTensors sharded on the head axis run on their local
-    shard.
+    shard (other DTensor layouts are gathered first).
 
     Returns:
         ``(attn_output (B, Nq, Hq, Dv), None)``; no attention weights are materialised.
@@ -253,13 +253,9 @@ def pbs_attention_forward(
     config = _registered if _registered is not None else PBSIntegrationConfig()
     layer_idx = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
-    local = local_heads(query, key, value)
-    if local is not None:
-        query, key, value, shard, wrap = local
-        if shard is None:
-            shard = head_shard_of(module, query.shape[1])
-    else:  # DTensors laid out otherwise: left to transformers' SDPA function (and torch's DTensor rules)
-        shard, wrap = None, lambda out: out
+    query, key, value, shard, wrap = local_heads(query, key, value)  # DTensors: this rank's heads
+    if shard is None:
+        shard = head_shard_of(module, query.shape[1])
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -276,7 +272,6 @@ def pbs_attention_forward(
         paged_cache=kwargs.get("cache") is not None,
         compiling=torch.compiler.is_compiling(),
         needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
-        dtensor_layout=local is None,
     )
     tp = (shard.rank, shard.size) if shard is not None else (None, None)
     if pbs_config is None:
