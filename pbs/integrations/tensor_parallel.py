@@ -186,13 +186,17 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _mean_over_ranks(values: list[float], shard: HeadShard, device: torch.device) -> list[float]:
-    """The mean over the ranks of each of ``values`` (one all_reduce)."""
+def _mean_over_ranks(value: torch.Tensor | float, shard: HeadShard, device: torch.device) -> float:
+    """The mean of ``value`` over the ranks: one all_reduce and one read on the host.
+
+    Every rank holds the same number of heads, so the mean of the ranks' per-head averages is the
+    average over all heads.
+    """
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
     dist.all_reduce(t, group=shard.group)
-    return (t / shard.size).tolist()
+    return float(t) / shard.size
 
 
 def attention_on_shard(
@@ -238,7 +242,7 @@ def attention_on_shard(
         s = q.shape[-1] ** -0.5 if scale is None else scale
         probe = _local_probe(config, q, k, s)
         if probe is not None:
-            (estimate,) = _mean_over_ranks([probe], shard, q.device)
+            estimate = _mean_over_ranks(probe, shard, q.device)
             if estimate > limit:
                 reason = (
                     f"the density probe estimates {estimate:.3f} over the {shard.size} tensor-parallel ranks, "
@@ -249,8 +253,8 @@ def attention_on_shard(
         relaxed = config.model_copy(update={"dense_fallback": policy.model_copy(update={"max_density": None})})
         p = dataclasses.replace(plan(q, k, relaxed, scale=scale), config=config)
         layout = p.layout
-        selected = float(p.mask.counts.sum(dtype=torch.int64))
-        (density,) = _mean_over_ranks([selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)], shard, q.device)
+        allowed = layout.batch * layout.heads_q * layout.total_allowed_blocks
+        density = _mean_over_ranks(p.mask.counts.sum(dtype=torch.float64) / allowed, shard, q.device)
         if density > limit:
             reason = (
                 f"density {density:.3f} over the {shard.size} tensor-parallel ranks is above "
@@ -272,7 +276,7 @@ def _density_rule_applies(config: Any, q: torch.Tensor, k: torch.Tensor) -> bool
     return length_fallback_reason(config, q, k) is None
 
 
-def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> float | None:
+def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
     """The pre-planning density probe on this rank's heads, or ``None`` where there is none.
 
     The same estimate `pbs.attention` makes (`pbs.dense.probe_fallback_reason`: the Triton kernel
@@ -292,7 +296,7 @@ def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) ->
         from pbs.kernels.density_probe import probe_density_triton
 
         return float(probe_density_triton(q, k, **args))
-    return float(probe(q, k, **args))
+    return probe(q, k, **args)  # a 0-d tensor: read on the host only after the all_reduce
 
 
 def _dense_reason(config: Any, q: torch.Tensor, k: torch.Tensor, p: Any) -> str | None:
