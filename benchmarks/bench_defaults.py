@@ -9,7 +9,8 @@ it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the 
                 host overhead shows where it exceeds the flush)
     wall        back-to-back calls, wall time over the batch divided by the calls (what a loop
                 over layers sees; a host sync inside a call shows here)
-and records which path ``pbs.attention`` took (dense by length, dense by the density probe,
+the density probe alone (``probe``: its two launches and its host read, events), and records
+which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 
     python benchmarks/bench_defaults.py --json benchmarks/results/defaults_<device>.json
@@ -28,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
 from bench_kernel import package_version, save
+from pbs.dense import dense_attention_sdpa
 from pbs.testing import benchmark_cuda
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -61,7 +63,7 @@ def counts_for(n: int) -> tuple[int, int, int]:
         return 3, 1, 3
     if n >= 65536:
         return 5, 3, 5
-    return 20, 3, 50
+    return 20, 5, 30
 
 
 def path_of(q, k, v) -> str:
@@ -84,12 +86,32 @@ def measure(kind: str, n: int) -> dict:
     def defaults():
         return pbs.attention(q, k, v)
 
+    def sdpa_path():
+        return dense_attention_sdpa(q, k, v, scale=HEAD_DIM**-0.5)
+
     row = {"input": kind, "seq_len": n, "path": path_of(q, k, v)}
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        row["cudnn_events_ms"] = statistics.median(benchmark_cuda(cudnn, warmup=1, iters=iters) for _ in range(repeats))
-        row["cudnn_wall_ms"] = wall_ms(cudnn, calls)
-    row["pbs_events_ms"] = statistics.median(benchmark_cuda(defaults, warmup=1, iters=iters) for _ in range(repeats))
-    row["pbs_wall_ms"] = wall_ms(defaults, calls)
+    # cuDNN and pbs alternate, so that clock drift over the run does not favour either.
+    events = {"cudnn": [], "pbs": []}
+    walls = {"cudnn": [], "pbs": []}
+    for _ in range(repeats):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            events["cudnn"].append(benchmark_cuda(cudnn, warmup=1, iters=iters))
+            walls["cudnn"].append(wall_ms(cudnn, calls))
+        events["pbs"].append(benchmark_cuda(defaults, warmup=1, iters=iters))
+        walls["pbs"].append(wall_ms(defaults, calls))
+        if n < 16384:  # the dense path alone, without pbs.attention's checks (host overhead vs kernel)
+            events.setdefault("sdpa_path", []).append(benchmark_cuda(sdpa_path, warmup=1, iters=iters))
+    for name in ("cudnn", "pbs"):
+        row[f"{name}_events_ms"] = statistics.median(events[name])
+        row[f"{name}_wall_ms"] = statistics.median(walls[name])
+    if "sdpa_path" in events:
+        row["dense_sdpa_path_events_ms"] = statistics.median(events["sdpa_path"])
+    if n >= pbs.PBSConfig().dense_fallback.min_seq_len:
+        from pbs.kernels.density_probe import probe_density_triton
+
+        probe_args = dict(block_size=128, num_blocks=pbs.PBSConfig().dense_fallback.probe_blocks, threshold=0.9,
+                          scale=HEAD_DIM**-0.5)
+        row["probe_events_ms"] = benchmark_cuda(lambda: probe_density_triton(q, k, **probe_args), warmup=1, iters=iters)
     row["ratio_events"] = row["pbs_events_ms"] / row["cudnn_events_ms"]
     row["ratio_wall"] = row["pbs_wall_ms"] / row["cudnn_wall_ms"]
     del q, k, v
@@ -117,7 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     rows = []
-    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} | {'cuDNN wall':>10} {'pbs wall':>9} {'x':>6} | path")
+    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} | {'cuDNN wall':>10} {'pbs wall':>9} {'x':>6} | "
+          f"{'probe':>6} | path")
     for n in args.lengths:
         for kind in args.inputs:
             try:
@@ -130,7 +153,8 @@ def main() -> None:
                 print(f"{kind:>10} {n:>7} | {row['error']}", flush=True)
                 continue
             print(f"{kind:>10} {n:>7} | {row['cudnn_events_ms']:9.3f} {row['pbs_events_ms']:9.3f} {row['ratio_events']:6.3f} | "
-                  f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | {row['path']}", flush=True)
+                  f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | "
+                  f"{row.get('probe_events_ms', float('nan')):6.3f} | {row['path']}", flush=True)
     q, k, v = inputs("structured", 4096)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn_kernels = kernels_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
@@ -148,8 +172,8 @@ def main() -> None:
         "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                   "causal": True},
         "config": pbs.PBSConfig().model_dump(mode="json"),
-        "timing": "events: median over repeats of the median CUDA-event time (L2 flushed before each call); "
-                  "wall: back-to-back calls, wall time / calls",
+        "timing": "cuDNN and pbs alternate over repeats; events: median over repeats of the median CUDA-event "
+                  "time (L2 flushed before each call); wall: median over repeats of back-to-back wall time / calls",
         "rows": rows,
         "kernels_4k": {"cudnn": cudnn_kernels, "pbs_defaults": pbs_kernels},
         "worst_ratio": worst,

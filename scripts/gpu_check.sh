@@ -34,7 +34,7 @@ if [[ $mode == defaults ]]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_dense_fallback.py tests/test_density_probe.py -m gpu -q -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests_defaults.log" | tail -n 30
   status=${PIPESTATUS[0]}
-  timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log"
+  timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" "$@" 2>&1 | tee "$OUT/defaults.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

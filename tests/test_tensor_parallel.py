@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -252,7 +251,6 @@ def tp_run(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(), attn_implementation="pbs").float().eval()
     model.save_pretrained(workdir / "model")
 
-    start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1"}
     procs = [
@@ -276,7 +274,6 @@ def tp_run(tmp_path_factory):
                 proc.kill()
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
-    workers_s = time.perf_counter() - start
 
     single = model_logits(model, MODEL_CONFIGS)
     with torch.no_grad():
@@ -284,7 +281,7 @@ def tp_run(tmp_path_factory):
         pbs_hf.register(MODEL_CONFIGS["exact"], min_seq_len=32)
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)[0, 64:]
     ranks = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    return {"single": single, "ranks": ranks, "generated": generated.tolist(), "workers_s": workers_s}
+    return {"single": single, "ranks": ranks, "generated": generated.tolist(), "workdir": workdir}
 
 
 def test_each_rank_holds_its_share_of_the_heads(tp_run):
@@ -354,9 +351,49 @@ def test_fallbacks_are_logged_once_per_rank(tp_run):
         assert f"tensor-parallel rank {rank} of {WORLD}" in decode[0]
 
 
-def test_runtime(tp_run):
-    # both workers, from start to exit (imports, rendezvous, loading, every check)
-    assert tp_run["workers_s"] < 45
+def save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer for the tiny model's 128 ids (``w0`` .. ``w123`` and 4 specials)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[PAD]", "[EOS]", "[BOS]", "[UNK]"] + [f"w{i}" for i in range(124)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]", unk_token="[UNK]"
+    ).save_pretrained(path)
+
+
+def test_pbs_generate_tp(tp_run, tmp_path, capsys):
+    """``pbs generate --tp 2`` relaunches itself under torchrun and prints what one process prints."""
+    pytest.importorskip("tokenizers")
+    from pbs.cli import main
+
+    model_dir = tp_run["workdir"] / "model"
+    save_tokenizer(model_dir)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(200)))
+    args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "4", "--quiet"]
+    args += ["--config", json.dumps(MODEL_CONFIGS["sparse"]), "--min-seq-len", "32", "--warmup", "0", "--repeats", "1"]
+    assert main(args + ["--json", str(tmp_path / "single.json")]) == 0
+    capsys.readouterr()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pbs", *args, "--tp", "2", "--json", str(tmp_path / "tp.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("--- answer (pbs) ---") == 1  # rank 0 prints, rank 1 does not
+    assert "200 prompt tokens, float32 on 2 tensor-parallel ranks (cpu on rank 0)" in out
+    assert "PBS ran on 2 of 2 layers of the prefill" in out
+    single, tp = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("single", "tp"))
+    assert (single["tp"], tp["tp"]) == (1, 2)
+    for attention in ("sdpa", "pbs"):
+        assert tp["results"][attention]["answer"] == single["results"][attention]["answer"]
+    # rank 0 shows the density of the whole layer (both ranks' heads), as one process does
+    assert tp["results"]["pbs"]["mean_density"] == pytest.approx(single["results"]["pbs"]["mean_density"], abs=1e-6)
+    assert tp["results"]["pbs"]["mean_density"] < 1.0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ TTFT (time to first token) here is the prefill forward plus picking the first to
 ``--warmup`` untimed prefills (the first PBS call compiles its Triton kernels). Only the last
 position's logits are computed, as generation does, so long prompts do not materialise
 ``(N, vocab)`` logits. transformers is imported when the command runs, not when ``pbs`` loads.
+
+With ``--tp N`` the model is split over N processes by transformers' tensor parallelism
+(``tp_plan="auto"``: one GPU each on CUDA, gloo on a CPU-only machine); the command relaunches
+itself under torchrun unless torchrun started it, and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -60,7 +66,51 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen.add_argument("--verbose", action="store_true",
                      help="also log INFO fallbacks (decode, layers configured dense) and list every prefill layer's path")
     gen.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    gen.add_argument(
+        "--tp", type=positive_int, metavar="N",
+        help="tensor parallelism over N processes (transformers' tp_plan='auto'; one GPU each on CUDA, gloo on a "
+             "CPU-only machine); relaunches itself under torchrun unless torchrun started it",
+    )
+    global _PARSER
+    _PARSER = gen
     return gen
+
+
+_PARSER: argparse.ArgumentParser | None = None
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    """The ``pbs generate`` arguments that give ``args`` again (to relaunch under torchrun)."""
+    assert _PARSER is not None
+    argv: list[str] = []
+    for action in _PARSER._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        value = getattr(args, action.dest, None)
+        if not action.option_strings:
+            argv.append(str(value))
+        elif isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(action.option_strings[0])
+        elif value is not None and value != action.default:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def _tp_rank(args: argparse.Namespace) -> int | None:
+    """This process's rank under ``--tp`` (``None`` without it, or before the relaunch)."""
+    if not args.tp or args.tp == 1 or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ.get("RANK", "0"))
+
+
+def _launch_tp(args: argparse.Namespace) -> int:
+    """Runs this command again in ``args.tp`` processes under torchrun (single node, a free port)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
+               "-m", "pbs", "generate", *_argv_of(args)]
+    if not args.quiet:
+        print(f"pbs generate: starting {args.tp} tensor-parallel ranks: {' '.join(command)}", file=sys.stderr, flush=True)
+    return subprocess.call(command)
 
 
 def _read_config(text: str | None) -> Any:
@@ -228,9 +278,18 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     load_kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "local_files_only": True}
     load_kwargs["dtype" if version >= Version("4.56") else "torch_dtype"] = dtype
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if _tp_rank(args) is not None:
+        # Each rank loads its shard onto the device transformers binds it to (cuda:LOCAL_RANK, or the CPU).
+        if hasattr(transformers, "DistributedConfig"):
+            load_kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto", tp_size=args.tp)
+        else:
+            load_kwargs.update(tp_plan="auto", tp_size=args.tp)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs)
+        args.device = str(model.device)
+        return tokenizer, model.eval(), dtype
     if importlib.util.find_spec("accelerate") is not None:  # loads straight to the device, not via CPU RAM
         load_kwargs["device_map"] = args.device
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs)
     return tokenizer, model.to(args.device).eval(), dtype
 
@@ -259,12 +318,6 @@ def _generate(model: Any, tokenizer: Any, input_ids: torch.Tensor, max_new_token
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from pydantic import ValidationError
-
-    import pbs.integrations.transformers as pbs_hf
-
     if not Path(args.model).is_dir():
         print(f"pbs generate: model must be a local model directory, {args.model!r} is not one", file=sys.stderr)
         return 2
@@ -277,6 +330,59 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         print(f"pbs generate: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
         return 2
+    if args.tp and args.tp > 1:
+        if args.device.startswith("cuda:") or (args.device == "cpu" and torch.cuda.is_available()):
+            print(f"pbs generate: --tp runs on the accelerator transformers picks (cuda:RANK on a CUDA machine, "
+                  f"the CPU where there is none); --device {args.device} cannot be honoured, leave it out",
+                  file=sys.stderr)
+            return 2
+        if "WORLD_SIZE" not in os.environ:
+            from pydantic import ValidationError
+
+            from pbs.integrations.transformers import _coerce_config
+
+            try:  # before starting the ranks, so that a bad config is said once
+                _coerce_config(_read_config(args.config), {})
+            except (ValueError, TypeError, ValidationError) as exc:
+                print(f"pbs generate: invalid --config: {config_error_message(exc)}", file=sys.stderr)
+                return 2
+            return _launch_tp(args)
+        if int(os.environ["WORLD_SIZE"]) != args.tp:
+            print(f"pbs generate: --tp {args.tp} but torchrun started {os.environ['WORLD_SIZE']} processes",
+                  file=sys.stderr)
+            return 2
+    rank = _tp_rank(args)
+    if rank is None:
+        return _run(args, rank)
+    try:
+        if rank == 0:
+            return _run(args, rank)
+        args.quiet, args.json = True, None  # the other ranks run every step in lockstep and print nothing
+        with open(os.devnull, "w") as devnull, _stdout_to(devnull):
+            return _run(args, rank)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # leave together: a rank that exits first can abort the others' gloo/NCCL
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _stdout_to(stream: TextIO) -> Iterator[None]:
+    saved, sys.stdout = sys.stdout, stream
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
+def _run(args: argparse.Namespace, rank: int | None) -> int:
+    import logging
+
+    from pydantic import ValidationError
+
+    import pbs.integrations.transformers as pbs_hf
     overrides = {
         key: value
         for key, value in (("skip_first_layers", args.skip_first_layers), ("min_seq_len", args.min_seq_len))
@@ -287,21 +393,24 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, ValidationError) as exc:  # json errors are ValueErrors
         print(f"pbs generate: invalid --config: {config_error_message(exc)}", file=sys.stderr)
         return 2
-    # Fallbacks are logged once per reason at WARNING (INFO for decode and layers configured dense).
+    # Fallbacks are logged once per reason at WARNING (INFO for decode and layers configured dense);
+    # under --tp by rank 0 only (the ranks decide alike), unless --verbose.
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("pbs").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    level = logging.INFO if args.verbose else logging.WARNING if not rank else logging.ERROR
+    logging.getLogger("pbs").setLevel(level)
 
     def stage(message: str) -> None:
         if not args.quiet:
             print(f"pbs generate: {message}", file=sys.stderr, flush=True)
 
-    stage(f"loading {args.model} on {args.device} ...")
+    stage(f"loading {args.model} on {'its tensor-parallel ranks' if rank is not None else args.device} ...")
     tokenizer, model, dtype = _load(args)
     input_ids = _encode(tokenizer, args.prompt_file.read_text(encoding="utf-8"), args.chat, args.device)
     n_tokens = input_ids.shape[1]
+    on = f"{args.tp} tensor-parallel ranks ({args.device} on rank 0)" if rank is not None else args.device
     print(
         f"pbs generate: {args.model} ({type(model).__name__}), {n_tokens} prompt tokens, "
-        f"{str(dtype).removeprefix('torch.')} on {args.device}"
+        f"{str(dtype).removeprefix('torch.')} on {on}"
     )
     print(f"PBS config: {integration.model_dump_json()}")
     progress = PrefillProgress(model, enabled=not args.quiet)
@@ -323,6 +432,8 @@ def run(args: argparse.Namespace) -> int:
         }
         if name == "pbs":
             prefill = [c for c in calls if c.q_len == n_tokens]
+            if rank is not None:
+                prefill = _over_ranks(prefill)
             densities = [c.density for c in prefill if c.density is not None]
             results[name]["pbs_layers"] = len(densities)
             results[name]["layers"] = len(prefill)
@@ -359,10 +470,31 @@ def run(args: argparse.Namespace) -> int:
             "device": args.device,
             "dtype": str(dtype).removeprefix("torch."),
             "config": json.loads(integration.model_dump_json()),
+            "tp": args.tp or 1,
             "results": results,
         }
         Path(args.json).write_text(json.dumps(payload, indent=2), encoding="utf-8")
     return 0
+
+
+def _over_ranks(prefill: list[Any]) -> list[Any]:
+    """Rank 0's prefill calls with each PBS layer's density averaged over the tensor-parallel ranks.
+
+    Each rank traces its own heads; the ranks hold equally many, so the mean is the layer's density.
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+
+    densities: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(densities, [c.density for c in prefill])
+    out = []
+    for i, call in enumerate(prefill):
+        values = [rank_densities[i] for rank_densities in densities]
+        if call.path == "pbs" and all(v is not None for v in values):
+            call = dataclasses.replace(call, density=statistics.fmean(values))
+        out.append(call)
+    return out
 
 
 def _fallbacks(prefill: list[Any]) -> dict[str, dict[str, Any]]:
