@@ -77,6 +77,33 @@ def model_logits(model, configs: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# In one process: every registered component plans a head shard as the whole layer does
+
+
+def _components() -> list[tuple[str, str]]:
+    import pbs
+
+    pairs = [(permuter, "mean_pool") for permuter in pbs.list_permuters()]
+    return pairs + [("last_block", selector) for selector in pbs.list_selectors() if selector != "mean_pool"]
+
+
+@pytest.mark.parametrize("permuter, selector", _components())
+@pytest.mark.parametrize("gqa", ["shared", "per_head"])
+def test_head_shards_plan_as_the_whole_layer(permuter, selector, gqa):
+    """PBS on each of two head shards (inside `head_shard`) equals PBS on all heads, sliced."""
+    import pbs
+    from pbs.permuters._segments import head_shard
+
+    q, k, v = pbs.testing.make_qkv(seq_len=160, heads_q=4, heads_kv=2, head_dim=16)
+    config = {**SMALL, "permuter": permuter, "selector": selector, "gqa": gqa}
+    whole = pbs.attention(q, k, v, config)
+    for rank in range(WORLD):
+        with head_shard(rank, WORLD):
+            part = pbs.attention(q[:, 2 * rank : 2 * rank + 2], k[:, rank : rank + 1], v[:, rank : rank + 1], config)
+        assert float((part - whole[:, 2 * rank : 2 * rank + 2]).abs().max()) < 1e-5, (permuter, selector, gqa, rank)
+
+
+# --------------------------------------------------------------------------------------------
 # The worker: one rank
 
 

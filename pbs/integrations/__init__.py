@@ -2,6 +2,8 @@
 
 * `pbs.integrations.transformers`: ``attn_implementation="pbs"`` for Hugging Face
   transformers (``register()``), with the ``pbs generate`` command in `pbs.integrations.cli`.
+* `pbs.integrations.tensor_parallel`: PBS on one rank's share of the heads under tensor
+  parallelism (``tp_plan="auto"``), deciding as one process over all heads would.
 
 Nothing here is imported by ``import pbs``, and the library an integration serves is imported only
 when it is used, so ``pbs`` works without them installed.
