@@ -11,8 +11,8 @@ single-process result, with three exceptions that this module removes:
 * **decisions over all heads.** ``dense_fallback.max_density`` (``backend="auto"`` on CUDA) compares
   a density averaged over the heads (the pre-planning probe's and the plan's) with a limit. Each
   rank sees only its heads, so ranks could decide differently, and differently from one process.
-  `attention_on_shard` averages those densities over the ranks (one ``all_reduce`` of a few
-  numbers, where one process already syncs with the host) so every rank decides as one process
+  `attention_on_shard` averages those densities over the ranks (one ``all_reduce`` of one
+  number per rule, where one process already reads that number on the host) so every rank decides as one process
   would.
 * **seeded draws.** The ``random`` permuter and the ``budget`` selector draw one tensor over the
   head axis; inside `pbs.permuters._segments.head_shard` a rank takes its heads' slice of the draw
