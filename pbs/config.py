@@ -36,9 +36,11 @@ class DenseFallback(BaseModel):
         probe_blocks: query blocks the density probe samples (evenly spaced, the last included).
             The probe mean-pools them and the key blocks in their original order and counts the
             causal blocks needed to cover ``threshold`` of each row's pooled mass, sink and
-            diagonal blocks first (`pbs.dense.probe_density`). Flat attention (random q, k) gives
+            diagonal blocks first (`pbs.reference.density_probe.probe_density`). Flat attention (random q, k) gives
             about 0.9, structured attention 0.3-0.4; the probe is a screen for clearly dense
-            inputs, not the plan's density. 0 turns the probe off.
+            inputs, not the plan's density. It covers the selector's ``threshold`` (or
+            ``coverage``) and does not run for selectors without one (``budget``). 0 turns the
+            probe off.
         devices: device types the policy applies to (the crossover was measured on CUDA; on CPU
             the reference path is for study, not speed).
     """

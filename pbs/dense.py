@@ -125,9 +125,17 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     return None
 
 
-def _probe_threshold(config: PBSConfig) -> float:
-    threshold = getattr(config.selector, "threshold", None)
-    return float(threshold) if isinstance(threshold, (int, float)) else 0.9
+def probe_threshold(config: PBSConfig) -> float | None:
+    """The mass share the density probe covers: the selector's ``threshold`` (or ``coverage``).
+
+    None for a selector with neither, such as ``budget``, whose density is fixed by the config
+    rather than by the attention; the probe does not run for it.
+    """
+    for name in ("threshold", "coverage"):
+        value = getattr(config.selector, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def triton_not_supported_reasons_for_probe(q: torch.Tensor) -> list[str]:
@@ -144,22 +152,32 @@ def triton_not_supported_reasons_for_probe(q: torch.Tensor) -> list[str]:
     return reasons
 
 
-def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
-    """Why dense attention should run before planning (the density probe is above
-    ``dense_fallback.max_density``), or None. One host sync; skipped inside a CUDA graph capture."""
-    policy = config.dense_fallback
-    if policy.max_density is None or policy.probe_blocks == 0 or not policy_applies(config, q.device):
+def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
+    """The density probe's estimate for ``config`` (`pbs.reference.density_probe.probe_density`),
+    or None where it does not run (``probe_blocks == 0`` or no `probe_threshold`).
+
+    A float from the Triton kernel on CUDA (it reads its two counters on the host), else a 0-d
+    tensor that the caller reads (or first reduces, as tensor parallelism does over its ranks).
+    """
+    threshold = probe_threshold(config)
+    if config.dense_fallback.probe_blocks == 0 or threshold is None:
         return None
-    if _capturing(q.device, "max_density"):
-        return None
-    args = dict(block_size=config.block_size, num_blocks=policy.probe_blocks, threshold=_probe_threshold(config),
+    args = dict(block_size=config.block_size, num_blocks=config.dense_fallback.probe_blocks, threshold=threshold,
                 scale=scale, causal=config.causal)
     if q.is_cuda and not triton_not_supported_reasons_for_probe(q):
         from pbs.kernels.density_probe import probe_density_triton
 
-        estimate = probe_density_triton(q, k, **args)
-    else:
-        estimate = float(probe_density(q, k, **args))
-    if estimate > policy.max_density:
-        return f"the density probe estimates {estimate:.3f}, above dense_fallback.max_density = {policy.max_density}"
+        return probe_density_triton(q, k, **args)
+    return probe_density(q, k, **args)
+
+
+def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
+    """Why dense attention should run before planning (the density probe is above
+    ``dense_fallback.max_density``), or None. One host sync; skipped inside a CUDA graph capture."""
+    policy = config.dense_fallback
+    if policy.max_density is None or not policy_applies(config, q.device) or _capturing(q.device, "max_density"):
+        return None
+    estimate = probe_estimate(config, q, k, scale)
+    if estimate is not None and float(estimate) > policy.max_density:
+        return f"the density probe estimates {float(estimate):.3f}, above dense_fallback.max_density = {policy.max_density}"
     return None

@@ -73,6 +73,18 @@ def test_flat_attention_goes_dense_before_planning():
     assert plan is not None and plan.fallback is None
 
 
+def test_the_probe_leaves_fixed_density_selectors_alone():
+    # `budget` fixes the density in the config; flat attention must not send it to dense.
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 512, 32, generator=gen)
+    k, v = torch.randn(1, 2, 512, 32, generator=gen), torch.randn(1, 2, 512, 32, generator=gen)
+    config = {**SMALL, "selector": {"name": "budget", "density": 0.3}, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"]}}
+    _, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan is not None and plan.fallback is None and plan.density < 0.6
+    assert pbs.dense.probe_threshold(pbs.PBSConfig(**config)) is None
+    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector={"name": "oracle", "coverage": 0.95})) == 0.95
+
+
 def test_the_default_config_is_built_once():
     assert pbs.PBSConfig.coerce(None) is pbs.PBSConfig.coerce(None)
     assert pbs.PBSConfig.coerce(None) == pbs.PBSConfig()

@@ -277,26 +277,11 @@ def _density_rule_applies(config: Any, q: torch.Tensor, k: torch.Tensor) -> bool
 
 
 def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
-    """The pre-planning density probe on this rank's heads, or ``None`` where there is none.
+    """The pre-planning density probe on this rank's heads, or ``None`` where there is none
+    (`pbs.dense.probe_estimate`: a 0-d tensor off the Triton path, read only after the all_reduce)."""
+    from pbs.dense import probe_estimate
 
-    The same estimate `pbs.attention` makes (`pbs.dense.probe_fallback_reason`: the Triton kernel
-    on CUDA where it runs, else the eager twin), before it is compared with the limit.
-    """
-    import pbs.dense as dense
-
-    blocks = getattr(config.dense_fallback, "probe_blocks", 0)
-    probe = getattr(dense, "probe_density", None)
-    if not blocks or probe is None:
-        return None
-    args = dict(
-        block_size=config.block_size, num_blocks=blocks, threshold=dense._probe_threshold(config), scale=scale,
-        causal=config.causal,
-    )
-    if q.is_cuda and not dense.triton_not_supported_reasons_for_probe(q):
-        from pbs.kernels.density_probe import probe_density_triton
-
-        return float(probe_density_triton(q, k, **args))
-    return probe(q, k, **args)  # a 0-d tensor: read on the host only after the all_reduce
+    return probe_estimate(config, q, k, scale)
 
 
 def _dense_reason(config: Any, q: torch.Tensor, k: torch.Tensor, p: Any) -> str | None:
