@@ -24,9 +24,10 @@ from pbs.kernels.selection import antidiagonal_select, heads_per_chunk, mean_poo
 from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
 from pbs.layout import Layout
 from pbs.permuters._segments import mean_attention_over_queries, scoring_queries, sort_within_segments
-from pbs.permuters.avg_query import block_means as reference_block_means
-from pbs.planning import build_plan, finalize_selection, forced_blocks, make_layout
-from pbs.selectors._threshold import select_by_cumulative_threshold
+from pbs.reference.block_means import block_means as reference_block_means
+from pbs.planning import build_plan, finalize_selection, make_layout
+from pbs.reference.block_sets import forced_blocks
+from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.selectors.antidiagonal import antidiagonal_block_scores
 from pbs.selectors.mean_pool import mean_pool_block_scores
 from pbs.selectors.sampled_rows import sampled_block_mass

@@ -7,7 +7,8 @@ import torch
 
 import pbs
 from pbs.components import SelectionInputs
-from pbs.planning import build_plan, forced_blocks
+from pbs.planning import build_plan
+from pbs.reference.block_sets import forced_blocks
 from pbs.reference import block_attention_mass
 from pbs.selectors.sampled_rows import sampled_block_mass, sampled_row_slots
 from tests.helpers import random_qkv, small_config

@@ -11,7 +11,7 @@ import torch
 
 import pbs
 from pbs.components import SelectionInputs, selector_registry
-from pbs.planning import forced_blocks
+from pbs.reference.block_sets import forced_blocks
 from tests.helpers import random_qkv, small_config
 
 

@@ -92,7 +92,7 @@ def _components() -> list[tuple[str, str]]:
 def test_head_shards_plan_as_the_whole_layer(permuter, selector, gqa):
     """PBS on each of two head shards (inside `head_shard`) equals PBS on all heads, sliced."""
     import pbs
-    from pbs.permuters._segments import head_shard
+    from pbs.reference.seeded import head_shard
 
     q, k, v = pbs.testing.make_qkv(seq_len=160, heads_q=4, heads_kv=2, head_dim=16)
     config = {**SMALL, "permuter": permuter, "selector": selector, "gqa": gqa}

@@ -19,9 +19,10 @@ from pbs.analysis.progress import ProgressBar
 from pbs.components import PermuterConfig, permuter_registry
 from pbs.config import PBSConfig
 from pbs.layout import Layout
-from pbs.planning import build_plan, forced_blocks
+from pbs.planning import build_plan
+from pbs.reference.block_sets import forced_blocks
 from pbs.reference.block_mass import attention_coverage, block_attention_mass
-from pbs.selectors._threshold import select_by_cumulative_threshold
+from pbs.reference.threshold_select import select_by_cumulative_threshold
 
 PermuterLike = str | dict[str, Any] | PermuterConfig
 

@@ -15,7 +15,7 @@ single-process result, with three exceptions that this module removes:
   number per rule, where one process already reads that number on the host) so every rank decides as one process
   would.
 * **seeded draws.** The ``random`` permuter and the ``budget`` selector draw one tensor over the
-  head axis; inside `pbs.permuters._segments.head_shard` a rank takes its heads' slice of the draw
+  head axis; inside `pbs.reference.seeded.head_shard` a rank takes its heads' slice of the draw
   for all heads.
 * **DTensor inputs.** Styles that keep the projections' outputs as DTensors (not transformers'
   defaults, which hand attention local tensors) give DTensors: `local_heads` runs PBS on the
@@ -228,7 +228,7 @@ def attention_on_shard(
             out, p = attention(q, k, v, config, scale=scale, return_plan=True)
         return out, p, _dense_reason(config, q, k, p)
 
-    from pbs.permuters._segments import head_shard
+    from pbs.reference.seeded import head_shard
 
     with _device_guard(q), head_shard(shard.rank, shard.size):
         if not _density_rule_applies(config, q, k):

@@ -7,34 +7,13 @@ from typing import Literal
 import torch
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
-from pbs.layout import cdiv
+from pbs.reference.block_means import block_means
 from pbs.permuters._segments import (
     mean_attention_over_queries,
     scoring_queries,
     sort_within_segments,
     to_key_permutation,
 )
-
-
-def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean over blocks of ``block_size`` tokens along dim -2 (a partial last block averages what it has).
-
-    Args:
-        x: ``(B, H, N, D)``.
-
-    Returns:
-        ``(B, H, ceil(N / block_size), D)`` float32.
-    """
-    b, h, n, d = x.shape
-    nb = cdiv(n, block_size)
-    pad = nb * block_size - n
-    xf = x.float()
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-    sums = xf.view(b, h, nb, block_size, d).sum(3)
-    counts = torch.full((nb,), float(block_size), device=x.device)
-    counts[-1] = block_size - pad
-    return sums / counts[:, None]
 
 
 @register_permuter

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
 from pbs.permuters._segments import greedy_assign
-from pbs.permuters.avg_query import block_means
+from pbs.reference.block_means import block_means
 from pbs.types import Permutation
 
 

@@ -7,7 +7,8 @@ from typing import Literal
 import torch
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
-from pbs.permuters._segments import seeded_rand, sort_within_segments, to_key_permutation
+from pbs.permuters._segments import sort_within_segments, to_key_permutation
+from pbs.reference.seeded import seeded_rand
 
 
 @register_permuter

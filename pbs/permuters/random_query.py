@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
-from pbs.permuters._segments import seeded_generator
+from pbs.reference.seeded import seeded_generator
 from pbs.permuters.last_block import key_permutation_from_proxy_queries
 
 

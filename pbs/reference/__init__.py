@@ -1,4 +1,13 @@
-"""Pure-PyTorch reference path: the oracle and the kernels' eager twins."""
+"""Pure-PyTorch reference path: the oracle, the kernels' eager twins and the math components share.
+
+Eager twins of `pbs.kernels` (same stem): `block_means`, `threshold_select`, `block_sets`
+(forced blocks; the allowed/diagonal/candidate sets are `pbs.layout.Layout` methods),
+`density_probe`, and `block_sparse` for `block_sparse_attn`. The `last_block`, `antidiagonal`
+and `sampled_rows` kernels have their twins in the component files of the same name
+(`pbs.permuters.last_block`, `pbs.selectors.antidiagonal`, `pbs.selectors.sampled_rows`), which
+hold each component's config with its reference implementation. Shared by components:
+`logits.grouped_logits` (GQA logits without copying K) and `seeded` (seeded draws).
+"""
 
 from pbs.reference.block_mass import attention_coverage, block_attention_mass
 from pbs.reference.block_sparse import block_sparse_attention_reference

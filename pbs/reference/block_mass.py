@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pbs.layout import Layout
-from pbs.permuters._segments import grouped_logits
+from pbs.reference.logits import grouped_logits
 
 _CHUNK_ELEMENTS = 1 << 22
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pbs.permuters._segments import grouped_logits
+from pbs.reference.logits import grouped_logits
 from pbs.types import BlockMask
 
 _CHUNK_ELEMENTS = 1 << 25

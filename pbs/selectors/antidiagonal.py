@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.permuters._segments import grouped_logits
-from pbs.planning import forced_blocks
-from pbs.selectors._threshold import select_by_cumulative_threshold
+from pbs.reference.logits import grouped_logits
+from pbs.reference.block_sets import forced_blocks
+from pbs.reference.threshold_select import select_by_cumulative_threshold
 
 _CHUNK_ELEMENTS = 1 << 26
 

@@ -13,8 +13,8 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.permuters._segments import seeded_rand
-from pbs.planning import forced_blocks
+from pbs.reference.seeded import seeded_rand
+from pbs.reference.block_sets import forced_blocks
 
 
 @register_selector

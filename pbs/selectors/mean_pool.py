@@ -21,9 +21,9 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.permuters._segments import grouped_logits
-from pbs.permuters.avg_query import block_means
-from pbs.selectors._threshold import select_by_cumulative_threshold
+from pbs.reference.logits import grouped_logits
+from pbs.reference.block_means import block_means
+from pbs.reference.threshold_select import select_by_cumulative_threshold
 
 
 def mean_pool_block_scores(inputs: SelectionInputs) -> torch.Tensor:

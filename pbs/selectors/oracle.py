@@ -14,7 +14,7 @@ from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
 from pbs.reference.block_mass import block_attention_mass
-from pbs.selectors._threshold import select_by_cumulative_threshold
+from pbs.reference.threshold_select import select_by_cumulative_threshold
 
 
 @register_selector

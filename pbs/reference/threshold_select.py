@@ -1,4 +1,5 @@
-"""Cumulative-threshold selection shared by the score-based selectors (Algorithm 2, lines 8-13)."""
+"""Cumulative-threshold selection shared by the score-based selectors (Algorithm 2, lines 8-13):
+the eager twin of `pbs.kernels.threshold_select`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,46 @@
+"""Rules of the package layout that a newcomer relies on (issue 13, "a tidier house").
+
+A permuter or selector file holds its config and reference implementation; the math they share
+(grouped logits, block means, the cumulative threshold, forced blocks, seeded draws) lives in
+`pbs.reference`, so no component imports another component package or the planning module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pbs"
+COMPONENT_PACKAGES = {"permuters": "pbs.selectors", "selectors": "pbs.permuters"}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(COMPONENT_PACKAGES))
+def test_components_import_neither_the_other_package_nor_planning(package):
+    offenders = {}
+    for path in sorted((PACKAGE / package).glob("*.py")):
+        bad = {
+            name for name in _imports(path)
+            if name.startswith(COMPONENT_PACKAGES[package]) or name == "pbs.planning"
+        }
+        if bad:
+            offenders[path.name] = sorted(bad)
+    assert not offenders, f"move the shared code to pbs.reference: {offenders}"
+
+
+def test_kernels_with_an_eager_twin_in_reference_share_its_stem():
+    twins = {"block_means", "threshold_select", "density_probe", "block_sets"}
+    for stem in twins:
+        assert (PACKAGE / "kernels" / f"{stem}.py").exists()
+        assert (PACKAGE / "reference" / f"{stem}.py").exists(), f"pbs/reference/{stem}.py is missing"
