@@ -1,5 +1,5 @@
 """Block means of rows, optionally read through a permutation: the fast twin of
-`pbs.permuters.avg_query.block_means` applied to ``Permutation.apply(x)``.
+`pbs.reference.block_means.block_means` applied to ``Permutation.apply(x)``.
 
 Reading the rows through the permutation's indices means the selectors never need a permuted copy
 of K to pool it, which keeps `pbs.plan`'s memory small.

@@ -1,6 +1,6 @@
 """Cumulative-threshold block selection straight to a `BlockMask`, one row per program.
 
-The fast twin of `pbs.selectors._threshold.select_by_cumulative_threshold` followed by
+The fast twin of `pbs.reference.threshold_select.select_by_cumulative_threshold` followed by
 `pbs.planning.finalize_selection` and `BlockMask.from_dense`: softmax (for logits),
 sort, cumulative sum, threshold, forced blocks and the compaction to a sorted list all happen in
 registers, so no ``(B, Hq, Tq, Tk)`` bool or float mask is ever written.
