@@ -140,10 +140,16 @@ def attention(
     return (out, p) if return_plan else out
 
 
-@torch.compiler.assume_constant_result
 def _config_json(config: ConfigLike) -> str:
     # Validated once when the graph is traced; the custom op receives the JSON string.
     return PBSConfig.coerce(config).model_dump_json()
+
+
+# What `@torch.compiler.assume_constant_result` does (Dynamo calls a function so marked once,
+# while tracing, and keeps its result as a constant), done by hand: the decorator imports
+# torch._dynamo, which would cost `import pbs` about a second. tests/test_import.py checks that
+# the decorator still sets exactly this mark.
+_config_json._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _run_permuted(
