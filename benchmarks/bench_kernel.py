@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pbs
 from pbs.config import PBSConfig
 from pbs.kernels.block_sparse_attn import (
-    _TUNED, KernelConfig, _prepare, _sm_count, _tma_strides, _use_hopper_kernel, block_sparse_attention, select_config,
+    _TUNED, KernelConfig, _prepare, _sm_count, _use_hopper_kernel, block_sparse_attention, select_config,
 )
 from pbs.testing import benchmark_cuda
 
@@ -177,7 +177,7 @@ def run(args) -> dict:
             for stages in args.hopper_stages if kernel == "hopper" and n in args.variant_n else []:
                 from pbs.kernels.hopper_attn import launch_hopper
 
-                ms = time_ms(lambda s=stages: launch_hopper(call, _tma_strides, _sm_count(q.device), s))
+                ms = time_ms(lambda s=stages: launch_hopper(call, _sm_count(q.device), s))
                 result["variants"].append({"n": n, "density": plan.density, "config": f"hopper-stages{stages}", "ms": ms,
                                            "ratio_to_ideal": ms / point["ideal_ms"]})
                 print(f"  hopper, {stages} stages: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
@@ -233,7 +233,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
-    parser.add_argument("--variants", nargs="*", default=[], help="extra configs bm,bn,warps,stages[,headmajor]")
+    parser.add_argument("--variants", nargs="*", default=[], help="extra configs bm,bn,warps,stages")
     parser.add_argument("--variant-densities", type=float, nargs="*", default=[0.3, 1.0])
     parser.add_argument("--variant-n", type=int, nargs="*", default=[32768, 65536])
     parser.add_argument("--hopper-stages", type=int, nargs="*", default=[], help="also time the Hopper kernel with these K/V ring depths")

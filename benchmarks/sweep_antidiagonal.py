@@ -3,15 +3,14 @@
     python3 benchmarks/sweep_antidiagonal.py --json $OUT/antidiagonal_sweep.json
 
 Times ``antidiagonal_block_shares`` for all 32 heads (B=1, Hq=32, Hkv=8, D=128, bf16, block 128,
-stride 8) under each ``PBS_ANTIDIAGONAL_TILE`` variant, in a fresh process per variant so the tile
-choice is read at launch; prints ms and the fraction of cuDNN dense time (benchmarks/results).
+stride 8) with each ``gpu_tile`` variant (rows,keys,warps,stages), in a fresh process per variant so
+a variant that fails to compile or run cannot disturb the others; prints ms (benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
@@ -22,12 +21,13 @@ import json, sys, torch, pbs
 from pbs.kernels.antidiagonal import antidiagonal_block_shares
 from pbs.planning import make_layout
 from pbs.testing import benchmark_cuda
+tile = tuple(int(x) for x in sys.argv[1].split(","))
 out = {}
-for n in [int(x) for x in sys.argv[1:]]:
+for n in [int(x) for x in sys.argv[2:]]:
     q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
     layout = make_layout(q, k, pbs.PBSConfig())
-    fn = lambda: antidiagonal_block_shares(q, k, layout, 8, 128 ** -0.5)
+    fn = lambda: antidiagonal_block_shares(q, k, layout, 8, 128 ** -0.5, gpu_tile=tile)
     out[n] = benchmark_cuda(fn, warmup=2, iters=5)
 print(json.dumps(out))
 """
@@ -40,8 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for variant in VARIANTS:
-        env = {**os.environ, "PBS_ANTIDIAGONAL_TILE": variant}
-        proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, args.lengths)], env=env,
+        proc = subprocess.run([sys.executable, "-c", CHILD, variant, *map(str, args.lengths)],
                               capture_output=True, text=True, timeout=150)
         if proc.returncode:
             rows.append({"variant": variant, "error": proc.stderr[-400:]})

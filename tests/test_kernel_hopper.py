@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pbs.kernels.block_sparse_attn import _prepare, _tma_strides, block_sparse_attention
+from pbs.kernels.block_sparse_attn import _prepare, block_sparse_attention
 from pbs.testing import make_qkv
 from pbs.types import BlockMask
 from tests.sm90_compile import compile_in_subprocess
@@ -31,7 +31,7 @@ def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
     # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
     plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
     call = _prepare(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
-    grid, args, kwargs = hopper_attn.launch_arguments(call, _tma_strides, sm_count=132, stages=stages)
+    grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
     cubin = compiled.asm["cubin"]

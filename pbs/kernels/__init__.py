@@ -19,20 +19,16 @@ Triton is imported only when a kernel runs, so ``import pbs`` works without it.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from pbs.backends import AttentionBackend, AttentionCall, register_auto_candidate, register_backend
 from pbs.components import permuter_registry, selector_registry
+from pbs.kernels._common import interpreting
 
 __all__ = ["triton_not_supported_reasons", "flex_not_supported_reasons"]
 
 _MAX_HEAD_DIM = 256
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _head_dim_reasons(call: AttentionCall) -> list[str]:
@@ -54,7 +50,7 @@ def triton_not_supported_reasons(call: AttentionCall) -> list[str]:
         reasons.append("triton is not installed")
     q = call.q
     if q.device.type != "cuda":
-        if not _interpreting():
+        if not interpreting():
             reasons.append(f"inputs are on {q.device.type}, not CUDA (set TRITON_INTERPRET=1 to run the kernel in the interpreter)")
         elif q.dtype == torch.bfloat16:
             reasons.append("the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32")

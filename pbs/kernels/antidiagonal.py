@@ -33,15 +33,13 @@ Which strided keys a row sees follows the reference's layout rule (the selector 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from pbs.kernels._common import LOG2_E, interpreting
 from pbs.layout import Layout, cdiv
 
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -286,10 +284,6 @@ def _antidiagonal_shares_kernel(
         )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _walk_ranges(allowed: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """First and one-past-last allowed key block of each group of ``group`` query blocks.
 
@@ -312,19 +306,13 @@ def _walk_ranges(allowed: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
-def _gpu_tile() -> tuple[int, int, int, int]:
-    """``(strided rows, strided keys, warps, stages)`` per program on the GPU.
+GPU_TILE = (128, 128, 8, 3)
+"""``(strided rows, strided keys, warps, stages)`` per program on the GPU (``gpu_tile`` of
+`antidiagonal_block_shares` picks another; benchmarks/sweep_antidiagonal.py times the variants).
 
-    ``PBS_ANTIDIAGONAL_TILE="rows,keys,warps,stages"`` overrides it (benchmarks/sweep_antidiagonal.py).
-    The default, 128 x 128 with 8 warps and 3 stages, won the H200 sweep
-    (benchmarks/results/antidiagonal_sweep_h200.json): 81.6 ms at 128K against 118.6 ms for 64 x 128
-    with 4 warps; every K row a program loads serves twice the query rows, which halves the L2 traffic.
-    """
-    forced = os.environ.get("PBS_ANTIDIAGONAL_TILE")
-    if forced:
-        rows, cols, warps, stages = (int(x) for x in forced.split(","))
-        return rows, cols, warps, stages
-    return 128, 128, 8, 3
+128 x 128 with 8 warps and 3 stages won the H200 sweep (benchmarks/results/antidiagonal_sweep_h200.json):
+81.6 ms at 128K against 118.6 ms for 64 x 128 with 4 warps; every K row a program loads serves twice
+the query rows, which halves the L2 traffic."""
 
 
 def _blocks_per_program(per_block_pow2: int, rows: int, cols: int) -> tuple[int, int]:
@@ -347,6 +335,7 @@ def antidiagonal_block_shares(
     out: torch.Tensor | None = None,
     query_blocks_per_program: int | None = None,
     key_blocks_per_step: int | None = None,
+    gpu_tile: tuple[int, int, int, int] = GPU_TILE,
 ) -> torch.Tensor:
     """Strided antidiagonal block shares of attention, equal to ``antidiagonal_block_scores``.
 
@@ -372,7 +361,8 @@ def antidiagonal_block_shares(
         out: optional ``(B, head_stop - head_start, Tq, Tk)`` float32 buffer to write (every
             element is written); allocated when None.
         query_blocks_per_program, key_blocks_per_step: tuning overrides (powers of two); by default
-            about 64 strided rows x 128 strided keys per step on a GPU, 16 x 32 in the interpreter.
+            about ``gpu_tile``'s strided rows x strided keys per step on a GPU, 16 x 32 in the interpreter.
+        gpu_tile: ``(strided rows, strided keys, warps, stages)`` per program on a GPU (`GPU_TILE`).
 
     Returns:
         ``(B, head_stop - head_start, Tq, Tk)`` float32: per query block, the share of its strided
@@ -424,11 +414,10 @@ def antidiagonal_block_shares(
 
     per_block = bs // stride
     pb = triton.next_power_of_2(per_block)
-    on_gpu = q.is_cuda and not _interpreting()
-    # GPU: 64 rows x 128 keys makes each step one 128x64 wgmma per stride offset (M = keys, a full
-    # warpgroup tile) and reuses every K row for 64 query rows. The interpreter: small tiles, so
-    # the tests' short sequences still take several steps and groups.
-    rows, cols, num_warps, num_stages = _gpu_tile() if on_gpu else (16, 32, 4, 1)
+    on_gpu = q.is_cuda and not interpreting()
+    # GPU: `gpu_tile` (GPU_TILE). The interpreter: small tiles, so the tests' short sequences still
+    # take several steps and groups.
+    rows, cols, num_warps, num_stages = gpu_tile if on_gpu else (16, 32, 4, 1)
     qb_per, kb_per = _blocks_per_program(pb, rows, cols)
     if query_blocks_per_program is not None:
         qb_per = query_blocks_per_program

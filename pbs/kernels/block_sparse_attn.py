@@ -21,7 +21,6 @@ columns read as zero and are never stored, so any ``N`` and head dims such as 96
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +28,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, interpreting, tma_descriptor, tma_strides
 from pbs.layout import cdiv
 from pbs.types import BlockMask
 
-LOG2_E = 1.4426950408889634
-
-# Any position is < 2**30 (the layouts here are far shorter); padded key slots get this one so the
-# causal check drops them without a separate bounds test.
-_FAR_FUTURE = tl.constexpr(1 << 30)
+_FAR_FUTURE = tl.constexpr(FAR_FUTURE)  # the position of padded key slots (see pbs.kernels._common)
 
 
 @triton.jit
@@ -116,7 +112,6 @@ def _block_sparse_attn_fwd(
     KEYS_PERMUTED: tl.constexpr,
     QUERIES_PERMUTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    GQA_ORDER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
@@ -125,18 +120,12 @@ def _block_sparse_attn_fwd(
 
     # Program order (fastest first): query head within its GQA group, query tile (heaviest, i.e.
     # last, first), KV head, batch. Concurrent programs then share one KV head's K/V in L2, and
-    # the short tiles fill the tail of the launch. (GQA_ORDER=False: tiles of one query head first.)
+    # the short tiles fill the tail of the launch.
     i_pid = tl.program_id(0)
-    if GQA_ORDER:
-        i_g = i_pid % group
-        i_rest = i_pid // group
-        i_t = tiles_per_head - 1 - i_rest % tiles_per_head
-        i_rest = i_rest // tiles_per_head
-    else:
-        i_t = tiles_per_head - 1 - i_pid % tiles_per_head
-        i_rest = i_pid // tiles_per_head
-        i_g = i_rest % group
-        i_rest = i_rest // group
+    i_g = i_pid % group
+    i_rest = i_pid // group
+    i_t = tiles_per_head - 1 - i_rest % tiles_per_head
+    i_rest = i_rest // tiles_per_head
     i_hk = i_rest % heads_k
     i_b = i_rest // heads_k
     i_hq = i_hk * group + i_g
@@ -246,23 +235,18 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    gqa_order: bool = True  # run the query heads of one KV head side by side (False: head by head)
 
     def fitted(self, mask_block: int) -> "KernelConfig":
-        return KernelConfig(
-            min(self.block_m, mask_block), min(self.block_n, mask_block), self.num_warps, self.num_stages, self.gqa_order
-        )
+        return KernelConfig(min(self.block_m, mask_block), min(self.block_n, mask_block), self.num_warps, self.num_stages)
 
     def __str__(self) -> str:
-        order = "" if self.gqa_order else "-headmajor"
-        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{order}"
+        return f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """From ``"128,128,8,2"`` (block_m, block_n, num_warps, num_stages[, headmajor])."""
-        fields = text.split(",")
-        bm, bn, w, s = (int(x) for x in fields[:4])
-        return cls(bm, bn, w, s, gqa_order=not (len(fields) > 4 and fields[4] == "headmajor"))
+        """From ``"128,128,8,2"`` (block_m, block_n, num_warps, num_stages)."""
+        bm, bn, w, s = (int(x) for x in text.split(","))
+        return cls(bm, bn, w, s)
 
 
 def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> list[KernelConfig]:
@@ -288,10 +272,6 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _pow2_at_least(n: int, floor: int = 16) -> int:
     p = floor
     while p < n:
@@ -299,27 +279,13 @@ def _pow2_at_least(n: int, floor: int = 16) -> int:
     return p
 
 
-def _tma_strides(x: torch.Tensor) -> list[int]:
-    """Strides with those of size-1 dims made "contiguous": they never move the address, and TMA
-    wants every stride 16-byte aligned."""
-    strides = list(x.stride())
-    for i in range(x.dim() - 2, -1, -1):
-        if x.shape[i] == 1:
-            strides[i] = strides[i + 1] * x.shape[i + 1]
-    return strides
-
-
 def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself if TMA can address it (16-byte aligned base and strides, unit last stride), else a contiguous copy."""
     elem = x.element_size()
-    strides = _tma_strides(x)
+    strides = tma_strides(x)
     if strides[-1] == 1 and x.data_ptr() % 16 == 0 and all((s * elem) % 16 == 0 for s in strides[:-1]):
         return x
     return x.contiguous() if not x.is_contiguous() else x.clone()
-
-
-def _descriptor(x: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    return TensorDescriptor(x, list(x.shape), _tma_strides(x), [1, 1, rows, cols])
 
 
 def block_sparse_attention(
@@ -353,8 +319,7 @@ def block_sparse_attention(
         kernel: ``"auto"`` runs the warp-specialized Gluon kernel
             (`pbs.kernels.hopper_attn`) where it applies (Hopper, fp16/bf16, head dim 64 or
             128, mask block 128, no ``config``) and this Triton kernel elsewhere; ``"triton"``
-            always runs this one; ``"hopper"`` insists on the Gluon one. The environment variable
-            ``PBS_ATTENTION_KERNEL`` overrides ``"auto"``.
+            always runs this one; ``"hopper"`` insists on the Gluon one.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
@@ -364,7 +329,7 @@ def block_sparse_attention(
     if _use_hopper_kernel(call, kernel, config):
         from pbs.kernels.hopper_attn import launch_hopper
 
-        launch_hopper(call, _tma_strides, _sm_count(q.device))
+        launch_hopper(call, _sm_count(q.device))
         return call.out
     if config is None:
         config = _select(call)
@@ -376,11 +341,9 @@ KERNELS = ("auto", "triton", "hopper")
 
 
 def _use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) -> bool:
-    if kernel == "auto":
-        kernel = os.environ.get("PBS_ATTENTION_KERNEL", "auto")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "triton" or (kernel == "auto" and (config is not None or _interpreting())):
+    if kernel == "triton" or (kernel == "auto" and (config is not None or interpreting())):
         return False
     if call.q.device.type != "cuda":
         reasons = ["needs CUDA tensors"]
@@ -418,8 +381,8 @@ def select_config(
 ) -> KernelConfig:
     """The config `block_sparse_attention` uses for these arguments.
 
-    ``PBS_TRITON_CONFIG="bm,bn,warps,stages"`` forces one; the interpreter and single-candidate
-    cases take the first candidate; otherwise the candidates are timed once per shape class
+    The interpreter and single-candidate cases take the first candidate (pass ``config=`` to
+    `block_sparse_attention` to run another); otherwise the candidates are timed once per shape class
     (device, dtype, head dims, mask block, causality, GQA group, ``Nk`` rounded to a power of two)
     and the fastest is remembered.
     """
@@ -485,10 +448,10 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
     indices = call.indices.to(torch.int32)
     _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](
-        _descriptor(call.q, config.block_m, call.head_dim),
-        _descriptor(call.k, config.block_n, call.head_dim),
-        _descriptor(call.v, config.block_n, call.head_dim_v),
-        _descriptor(call.out, config.block_m, call.head_dim_v),
+        tma_descriptor(TensorDescriptor, call.q, config.block_m, call.head_dim),
+        tma_descriptor(TensorDescriptor, call.k, config.block_n, call.head_dim),
+        tma_descriptor(TensorDescriptor, call.v, config.block_n, call.head_dim_v),
+        tma_descriptor(TensorDescriptor, call.out, config.block_m, call.head_dim_v),
         call.counts, indices, call.qpos, call.kpos,
         *call.counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
@@ -508,18 +471,14 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         QUERIES_PERMUTED=call.queries_permuted,
         # fp32 inputs: three tf32 products per dot, close to fp32 accuracy at tensor-core speed.
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
-        GQA_ORDER=config.gqa_order,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
 def _select(call: _Call) -> KernelConfig:
-    forced = os.environ.get("PBS_TRITON_CONFIG")
-    if forced:
-        return KernelConfig.parse(forced)
-    candidates = candidate_configs(call.q.dtype, max(call.head_dim, call.head_dim_v), _interpreting())
+    candidates = candidate_configs(call.q.dtype, max(call.head_dim, call.head_dim_v), interpreting())
     if len(candidates) == 1 or call.q.device.type != "cuda":
         return candidates[0]
     mask_block = call.mask.layout.block_size

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pbs.kernels._common import LOG2_E
 from pbs.kernels.block_means import block_means
 
-LOG2_E = 1.4426950408889634
 _CHUNK = 128  # key blocks per step of the scans
 _SCORE_CHUNK = 32  # key blocks per step of the scoring pass (a 32 x D fp32 tile stays in registers)
 _BISECTION_STEPS = 24  # resolution 2^-24 of a probability

@@ -14,11 +14,10 @@ from collections.abc import Callable
 
 import torch
 
+from pbs.kernels._common import FAR_FUTURE
 from pbs.layout import Layout, cdiv
 from pbs.types import BlockMask
 
-# Padded key slots get a position no query reaches.
-_FAR_FUTURE = 1 << 62
 # FlexAttention's own tile; positions are padded to a multiple of it so mask_mod never reads past them.
 _FLEX_TILE = 128
 
@@ -80,7 +79,7 @@ def split_full_and_partial(mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor,
 
 def _padded_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
     pad = length - positions.shape[-1]
-    return torch.nn.functional.pad(positions.to(torch.int64), (0, pad), value=_FAR_FUTURE).contiguous()
+    return torch.nn.functional.pad(positions.to(torch.int64), (0, pad), value=FAR_FUTURE).contiguous()
 
 
 def to_flex_block_mask(

@@ -35,6 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, tma_descriptor
 from pbs.layout import cdiv
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
@@ -42,13 +43,12 @@ _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_
 if _tma_load is None or "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
     raise ImportError("pbs.kernels.hopper_attn is written for the Gluon API of Triton 3.6-3.9")
 
-LOG2_E = 1.4426950408889634
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
 HALF_ROWS = 64  # query rows per consumer warpgroup
 BLOCK = gl.constexpr(BLOCK_SIZE)
 HALF = gl.constexpr(HALF_ROWS)
 STAGES = 3  # K/V ring depth; 3 x (K + V) + Q = 224 KB of shared memory at head dim 128
-_FAR_FUTURE = gl.constexpr(1 << 30)
+_FAR_FUTURE = gl.constexpr(FAR_FUTURE)  # the position of padded key slots (see pbs.kernels._common)
 _PRODUCER_REGS = gl.constexpr(24)
 _CONSUMER_REGS = gl.constexpr(240)
 
@@ -403,13 +403,13 @@ def hopper_not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return reasons
 
 
-def _descriptor(x: torch.Tensor, strides: list[int], rows: int) -> TensorDescriptor:
+def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     block = [1, 1, rows, x.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor(x, list(x.shape), strides, block, layout)
+    return tma_descriptor(TensorDescriptor, x, rows, x.shape[-1], layout=layout)
 
 
-def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
+def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
     (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
     layout = call.mask.layout
@@ -425,9 +425,9 @@ def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> 
         tail *= 2
     out = call.out
     args = (
-        _descriptor(call.q, tma_strides(call.q), HALF_ROWS),
-        _descriptor(call.k, tma_strides(call.k), BLOCK_SIZE),
-        _descriptor(call.v, tma_strides(call.v), BLOCK_SIZE),
+        _nvmma_descriptor(call.q, HALF_ROWS),
+        _nvmma_descriptor(call.k, BLOCK_SIZE),
+        _nvmma_descriptor(call.v, BLOCK_SIZE),
         call.counts, call.indices, call.qpos, call.kpos, out,
         torch.zeros(1, dtype=torch.int32, device=out.device),  # the tile counter
         *call.counts.stride(), *call.indices.stride()[:3],
@@ -454,7 +454,7 @@ def launch_arguments(call, tma_strides, sm_count: int, stages: int = STAGES) -> 
     return (min(num_tiles, sm_count),), args, kwargs
 
 
-def launch_hopper(call, tma_strides, sm_count: int, stages: int = STAGES) -> None:
+def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
     """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
-    grid, args, kwargs = launch_arguments(call, tma_strides, sm_count, stages)
+    grid, args, kwargs = launch_arguments(call, sm_count, stages)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)

@@ -27,9 +27,8 @@ import triton
 import triton.language as tl
 
 from pbs.components import PermutationInputs, Permutations
+from pbs.kernels._common import LOG2_E
 from pbs.types import Permutation
-
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit

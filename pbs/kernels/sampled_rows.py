@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pbs.kernels._common import LOG2_E
 from pbs.layout import Layout
 
-LOG2_E = 1.4426950408889634
 ROWS_PER_TILE = 128
 SCRATCH_BYTES = 64 * 1024 * 1024
 

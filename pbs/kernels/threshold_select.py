@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pbs.kernels._common import LOG2_E
 from pbs.layout import Layout
 from pbs.types import block_index_dtype
-
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit

@@ -1,0 +1,54 @@
+"""Constants and small helpers that several kernels share, kept once.
+
+Nothing here imports Triton, so `pbs.kernels` can ask `interpreting` while deciding which backend
+runs, before any kernel (and Triton) is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+LOG2_E = 1.4426950408889634
+"""log2(e): the kernels compute ``exp(x)`` as ``exp2(x * LOG2_E)``, with the factor folded into the
+softmax scale they are passed."""
+
+FAR_FUTURE = 1 << 30
+"""The position given to padded key (and query) slots: later than every real token, so the causal
+check ``key_position <= query_position`` drops them without a bounds test of its own.
+
+The Triton and Gluon kernels cast the positions they load to int32, so the value must survive that
+cast; ``1 << 30`` does, and is above every real position (a sequence of 2**30 tokens is far beyond
+any input these kernels run, whose positions must fit int32 anyway). The
+FlexAttention lowering once used ``1 << 62``: harmless in its int64 ``mask_mod``, but the same
+value in a Triton kernel would wrap to 0 on the cast and make padded slots the *first* token,
+visible to every query. One value, valid in both, is used everywhere. Triton reads module globals
+inside ``@jit`` functions only as constexprs, so a kernel module wraps it:
+``_FAR_FUTURE = tl.constexpr(FAR_FUTURE)``.
+"""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (Triton's own ``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tma_strides(x: torch.Tensor) -> list[int]:
+    """Strides with those of size-1 dims made "contiguous": they never move the address, and TMA
+    wants every stride 16-byte aligned."""
+    strides = list(x.stride())
+    for i in range(x.dim() - 2, -1, -1):
+        if x.shape[i] == 1:
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+    return strides
+
+
+def tma_descriptor(descriptor_type: type, x: torch.Tensor, rows: int, cols: int, **extra: Any) -> Any:
+    """A host tensor descriptor of ``x`` ``(B, H, N, D)`` that moves ``[1, 1, rows, cols]`` tiles.
+
+    ``descriptor_type`` is Triton's ``triton.tools.tensor_descriptor.TensorDescriptor`` or Gluon's
+    Hopper one (which also takes ``layout=``, the shared-memory layout, in ``extra``).
+    """
+    return descriptor_type(x, list(x.shape), tma_strides(x), [1, 1, rows, cols], **extra)
