@@ -29,3 +29,109 @@ def layout_of(q, k, config) -> Layout:
     from pbs.planning import make_layout
 
     return make_layout(q, k, config)
+
+
+def attention_in_dtype(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dtype: torch.dtype,
+    mask=None,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Masked softmax attention computed wholly in ``dtype``: logits, softmax and ``P @ V``.
+
+    In float64 it is the truth the kernel tests measure against; in the test's dtype it is
+    PyTorch's own result at that dtype (flash-attention's ``attention_ref(upcast=False)``).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)``, ``Hq % Hk == 0``.
+        mask: a `BlockMask` of the selected key blocks, or None for every key.
+        query_positions: ``(B, Hq, Nq)`` original positions, None: ``Nk - Nq + t``.
+        key_positions: ``(B, Hk, Nk)`` original positions, None: ``t``.
+        causal: drop keys whose position is after the query's.
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``dtype``; a query that sees no key gets 0.
+    """
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    group = hq // hk
+    device = q.device
+    scale = d**-0.5 if scale is None else scale
+    if query_positions is None:
+        query_positions = torch.arange(nk - nq, nk, device=device).expand(b, hq, nq)
+    if key_positions is None:
+        key_positions = torch.arange(nk, device=device).expand(b, hk, nk)
+    qpos = query_positions.expand(b, hq, nq).reshape(b, hk, group, nq, 1)
+    kpos = key_positions.expand(b, hk, nk).reshape(b, hk, 1, 1, nk)
+    q_, k_, v_ = q.to(dtype).reshape(b, hk, group, nq, d), k.to(dtype), v.to(dtype)
+    blocks = None if mask is None else mask.to_dense().reshape(b, hk, group, -1, mask.layout.num_key_blocks)
+    out = torch.empty(b, hk, group, nq, v.shape[-1], dtype=dtype, device=device)
+    # Query rows per step: 32M scores on a CPU, at least 128 rows on a GPU (the long GPU tests).
+    rows = max(128 if q.is_cuda else 1, (1 << 25) // max(1, b * hq * nk))
+    for r0 in range(0, nq, rows):
+        r1 = min(nq, r0 + rows)
+        logits = torch.einsum("bhgmd,bhnd->bhgmn", q_[:, :, :, r0:r1], k_) * scale
+        keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
+        if blocks is not None:
+            bs = mask.layout.block_size
+            row_blocks = blocks[:, :, :, torch.arange(r0, r1, device=device) // bs]
+            keep &= row_blocks.repeat_interleave(bs, -1)[..., :nk]
+        if causal:
+            keep &= kpos <= qpos[:, :, :, r0:r1]
+        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
+        out[:, :, :, r0:r1] = torch.einsum("bhgmn,bhnd->bhgmd", probs, v_)
+    return out.reshape(b, hq, nq, -1)
+
+
+def assert_max_abs_error_within_torch(
+    actual: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    factor: float = 2.0,
+    floor: float = 1e-5,
+) -> tuple[float, float]:
+    """Flash-attention's rule on the worst element: ``max|actual - truth| <= factor * max|torch -
+    truth| + floor``, with the truth computed in float64 and ``torch`` PyTorch's own matmul-softmax
+    in ``actual``'s dtype, both from the inputs ``q, k, v`` the kernel was given (arguments as in
+    `attention_in_dtype`).
+
+    The relative Frobenius check (`pbs.testing.assert_close_to_reference`) averages a few bad
+    elements away (an unmasked padded key, one wrong row); this one does not.
+
+    Returns:
+        ``(kernel max-abs error, torch's max-abs error)``.
+    """
+    args = dict(mask=mask, query_positions=query_positions, key_positions=key_positions, causal=causal, scale=scale)
+    truth = attention_in_dtype(q, k, v, torch.float64, **args)
+    at_dtype = attention_in_dtype(q, k, v, actual.dtype, **args)
+    err = float((actual.double() - truth).abs().max())
+    torch_err = float((at_dtype.double() - truth).abs().max())
+    bound = factor * torch_err + floor
+    if not err <= bound:  # also catches NaN
+        raise AssertionError(
+            f"max-abs error {err:.3e} exceeds {factor} x torch's {torch_err:.3e} at {actual.dtype} + {floor:g} = {bound:.3e}"
+        )
+    return err, torch_err
+
+
+def assert_plan_output_within_torch(out: torch.Tensor, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
+    """`assert_max_abs_error_within_torch` for the output of ``pbs.attention(q, k, v, ...)`` (in the
+    original query order) and the `Plan` it ran: truth and torch's result use the plan's mask and
+    permutations, on the same ``q, k, v`` (in ``out``'s dtype)."""
+    q, k, v = (x.to(out.dtype) for x in (q, k, v))
+    perm_q, perm_k = plan.query_permutation, plan.key_permutation
+    return assert_max_abs_error_within_torch(
+        perm_q.apply(out), perm_q.apply(q), perm_k.apply(k), perm_k.apply(v), plan.mask,
+        plan.query_positions(), plan.key_positions(), plan.layout.causal, **kwargs,
+    )

@@ -8,7 +8,7 @@ import torch
 import pbs
 from pbs.reference import dense_attention
 from pbs.testing import relative_error
-from tests.helpers import random_qkv, small_config
+from tests.helpers import assert_max_abs_error_within_torch, random_qkv, small_config
 
 ALL_BLOCKS = {"name": "budget", "density": 1.0}
 
@@ -22,6 +22,7 @@ def test_full_selection_equals_dense_causal(permuter, gqa):
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan.density == pytest.approx(1.0)
     assert relative_error(out, dense_attention(q, k, v)) < 1e-5
+    assert_max_abs_error_within_torch(out, q, k, v)  # against dense causal attention in float64
 
 
 @pytest.mark.parametrize("permuter", pbs.list_permuters())
@@ -32,13 +33,16 @@ def test_full_selection_equals_dense_for_a_cached_prefix(permuter, nq):
     out = pbs.attention(q, k, v, config)
     assert out.shape == q.shape
     assert relative_error(out, dense_attention(q, k, v)) < 1e-5
+    assert_max_abs_error_within_torch(out, q, k, v)
 
 
 @pytest.mark.parametrize("permuter", ["last_block", "key_aware_query", "random"])
 def test_full_selection_equals_dense_non_causal(permuter):
     q, k, v = random_qkv(batch=1, heads_q=2, heads_kv=2, seq_len=200, seed=2)
     config = small_config(permuter=permuter, selector=ALL_BLOCKS, causal=False)
-    assert relative_error(pbs.attention(q, k, v, config), dense_attention(q, k, v, causal=False)) < 1e-5
+    out = pbs.attention(q, k, v, config)
+    assert relative_error(out, dense_attention(q, k, v, causal=False)) < 1e-5
+    assert_max_abs_error_within_torch(out, q, k, v, causal=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

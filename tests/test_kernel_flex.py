@@ -17,6 +17,7 @@ from pbs.reference import block_sparse_attention_reference
 from pbs.testing import assert_close_to_reference, make_qkv, relative_error
 
 from test_kernel_triton import make_plan
+from tests.helpers import assert_max_abs_error_within_torch, assert_plan_output_within_torch
 
 
 def _token_mask(counts: torch.Tensor, indices: torch.Tensor, block: int, nq: int, nk: int) -> torch.Tensor:
@@ -65,7 +66,9 @@ def test_lowered_mask_means_the_same_attention(permuter, gqa, causal, seq_len, s
         None if plan.key_permutation.is_identity else kpos,
         causal,
     )
-    assert relative_error(_emulate_flex(block_mask, qp, kp, vp), expected) < 1e-5
+    emulated = _emulate_flex(block_mask, qp, kp, vp)
+    assert relative_error(emulated, expected) < 1e-5
+    assert_max_abs_error_within_torch(emulated, qp, kp, vp, plan.mask, qpos, kpos, causal)
 
 
 def test_split_keeps_every_selected_block_once():
@@ -113,6 +116,7 @@ def test_gpu_flex_matches_reference(gqa, permuter, causal, block, head_dim):
     )
     assert not out.isnan().any()
     assert_close_to_reference(out, torch_at_dtype, truth)
+    assert_max_abs_error_within_torch(out, *(x.bfloat16() for x in (qp, kp, vp)), plan.mask, qpos, kpos, causal)
 
 
 @pytest.mark.gpu
@@ -121,5 +125,6 @@ def test_gpu_flex_backend_end_to_end():
     q, k, v = (torch.randn(1, 8 if i == 0 else 2, 2048, 64, device="cuda", generator=gen).bfloat16() for i in range(3))
     config = {"selector": {"name": "budget", "density": 0.5}}
     expected = pbs.attention(q, k, v, {**config, "backend": "reference"})
-    actual = pbs.attention(q, k, v, {**config, "backend": "flex"})
+    actual, plan = pbs.attention(q, k, v, {**config, "backend": "flex"}, return_plan=True)
     assert relative_error(actual, expected) < 1e-2
+    assert_plan_output_within_torch(actual, plan, q, k, v)

@@ -1,9 +1,12 @@
 """Differential tests: the Triton block-sparse kernel against its eager twin.
 
 The kernel gets the reference's own mask and positions, so only attention arithmetic is compared.
-Error is judged against PyTorch's error at the same dtype: truth is the reference on fp32 inputs,
-``torch_at_dtype`` the reference on inputs rounded to the test dtype, its output rounded too, and
-the kernel may be off by at most twice that (plus a small floor).
+Error is judged against PyTorch's error at the same dtype, twice: the relative (Frobenius) error
+against the reference on fp32 inputs, where ``torch_at_dtype`` is the reference on inputs rounded
+to the test dtype, its output rounded too; and the max-abs error against the truth in float64,
+where torch's is that of PyTorch's own matmul-softmax computed in the test dtype
+(`tests.helpers.assert_max_abs_error_within_torch`, as flash-attention's tests). Either way the
+kernel may be off by at most twice torch's error (plus a small floor).
 
 On CPU the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so
 shapes are tiny and dtypes are fp16/fp32 (the interpreter's bf16 dot products are wrong). The
@@ -24,6 +27,7 @@ from pbs.planning import finalize_selection
 from pbs.reference import block_sparse_attention_reference
 from pbs.testing import assert_close_to_reference, make_qkv
 from pbs.types import BlockMask, Plan
+from tests.helpers import assert_max_abs_error_within_torch, assert_plan_output_within_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,7 +97,26 @@ def check_kernel(
     )
     assert not out.isnan().any(), "some output element was never written (or is NaN)"
     assert_close_to_reference(out, torch_at_dtype, truth)
+    inputs = [x.to(dtype) for x in (qp, kp, vp)]
+    assert_max_abs_error_within_torch(out, *inputs, mask, qpos, kpos, causal)
     return out
+
+
+def test_max_abs_rule_catches_one_wrong_element_that_the_frobenius_rule_misses():
+    q, k, v = make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32, seed=1)
+    plan = make_plan(q, k, density=0.6)
+    exact = [plan.query_permutation.apply(q), plan.key_permutation.apply(k), plan.key_permutation.apply(v)]
+    qp, kp, vp = (x.half() for x in exact)
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    truth = block_sparse_attention_reference(*exact, plan.mask, qpos, kpos)
+    # fp32 arithmetic on the fp16 inputs, rounded once: as good as a kernel can be.
+    good = block_sparse_attention_reference(qp.float(), kp.float(), vp.float(), plan.mask, qpos, kpos).half()
+    assert_max_abs_error_within_torch(good, qp, kp, vp, plan.mask, qpos, kpos)
+    bad = good.clone()
+    bad[0, 1, 100, 5] += 0.05  # one element off, e.g. one padded key let through in one row
+    assert_close_to_reference(bad, good, truth)  # lost in the norm of 32768 elements
+    with pytest.raises(AssertionError, match="max-abs error"):
+        assert_max_abs_error_within_torch(bad, qp, kp, vp, plan.mask, qpos, kpos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -181,10 +204,11 @@ def test_end_to_end_matches_reference_backend(dtype):
     q, k, v = make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32, seed=10, dtype=dtype, device=DEVICE)
     config = {"block_size": 32, "segment_size": 64, "selector": {"name": "budget", "density": 0.5}}
     expected = pbs.attention(q, k, v, {**config, "backend": "reference"})
-    actual = pbs.attention(q, k, v, {**config, "backend": "triton"})
+    actual, plan = pbs.attention(q, k, v, {**config, "backend": "triton"}, return_plan=True)
     assert actual.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert pbs.testing.relative_error(actual, expected) < tol
+    assert_plan_output_within_torch(actual, plan, q, k, v)
 
 
 def _call(q, k, v) -> AttentionCall:
@@ -278,8 +302,9 @@ def test_gpu_fp32_and_end_to_end():
     }
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     expected = pbs.attention(qb, kb, vb, {**config, "backend": "reference"})
-    actual = pbs.attention(qb, kb, vb, {**config, "backend": "auto"})
+    actual, plan = pbs.attention(qb, kb, vb, {**config, "backend": "auto"}, return_plan=True)
     assert pbs.testing.relative_error(actual, expected) < 1e-2
+    assert_plan_output_within_torch(actual, plan, qb, kb, vb)
 
 
 @pytest.mark.parametrize("heads, gqa", [(2, "shared"), (4, "per_head")])
