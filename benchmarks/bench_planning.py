@@ -7,7 +7,7 @@ Per length N and method it measures
 
     permutation_ms   run_permuter + the K/V gather (permute_keys_and_values)
     selection_ms     run_selector on the already-permuted tensors
-    attention_ms     the block-sparse kernel alone (backend "triton") on the precomputed plan
+    attention_ms     the block-sparse kernel alone (backend "auto": the Gluon kernel on Hopper) on the precomputed plan
     density          selected / causally allowed blocks of that plan
     sparse_total_ms  pbs.attention end to end with the dense fallback off (always sparse)
     auto_total_ms    pbs.attention with the default dense fallback (what a user gets), and the
@@ -228,7 +228,7 @@ def run_length(n: int, args, configs: dict, device: torch.device, timer) -> list
             row["dense_ms"], row["dense_kernel"] = dense
     if dense is not None:
         print(f"N={n}: dense {dense[0]:.3f} ms ({dense[1]})", flush=True)
-    attention_backend = "triton" if device.type == "cuda" else "reference"
+    attention_backend = "auto" if device.type == "cuda" else "reference"
     for row in rows:
         config, config_sparse = configs[row["method"]]
         measure_method(row, q, k, v, config, config_sparse, timer, attention_backend)
@@ -364,7 +364,7 @@ def main() -> None:
         "timing": (f"median of {args.repeats} medians of CUDA-event times (5-50 runs each, budget {args.budget_ms:g} ms), "
                    "after warm-up, L2 flushed before each run" if device.type == "cuda" else
                    f"CPU dry run: median wall-clock time of {args.cpu_reps} runs (logic check only, not a benchmark)"),
-        "attention_backend": "triton" if device.type == "cuda" else "reference",
+        "attention_backend": "auto" if device.type == "cuda" else "reference",
         "methods": list(configs),
         "configs": {name: auto.model_dump(mode="json") for name, (auto, _) in configs.items()},
         "sparse_total_dense_fallback": FALLBACK_OFF,

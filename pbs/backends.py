@@ -1,7 +1,9 @@
 """Attention backends: each declares what it supports and runs a plan on permuted tensors.
 
-``auto`` picks the first backend with no reasons against it; when an explicitly requested backend
-cannot run, the error lists that backend's reasons (and, for ``auto``, every backend's).
+One registry answers "what runs this": ``auto`` picks, by ``auto_priority``, the first backend
+with no reasons against it; a named backend that cannot run a call raises with its reasons (and
+``auto`` with every backend's). Built in: ``reference`` (here), ``hopper``, ``triton`` and
+``flex`` (`pbs.kernels`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class AttentionCall:
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """A way to run block-sparse attention.
+    """A way to run block-sparse attention: the one registry that ``PBSConfig.backend``, ``auto``,
+    ``pbs list``, the demo's choices and planning all read.
 
     Attributes:
         name: the ``PBSConfig.backend`` value that selects it.
@@ -36,26 +39,55 @@ class AttentionBackend:
         run: returns ``(B, Hq, Nq, Dv)`` in permuted query order, in any float dtype.
         not_chosen_by_auto_reasons: further reasons for ``auto`` to pass it over although it can
             run a call when asked by name (e.g. the Triton interpreter on CPU: right but slow).
+        auto_priority: ``auto`` tries backends by increasing priority; None: never by ``auto``.
+        plans_with: the permuter/selector implementations (`PermuterRegistry.register_impl`
+            names) used to plan for it on CUDA; planning off CUDA always uses the reference.
     """
 
     name: str
     not_supported_reasons: Callable[[AttentionCall], list[str]]
     run: Callable[[AttentionCall], torch.Tensor]
     not_chosen_by_auto_reasons: Callable[[AttentionCall], list[str]] | None = None
+    auto_priority: int | None = None
+    plans_with: str = "reference"
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
 
 
 def register_backend(backend: AttentionBackend) -> AttentionBackend:
-    """Adds (or replaces) an attention backend."""
+    """Adds (or replaces, by name) an attention backend; ``auto`` is reserved."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is not a backend name: it chooses among the registered backends")
     _BACKENDS[backend.name] = backend
     return backend
 
 
 def list_backends() -> list[str]:
-    """Names of the registered attention backends (``auto`` tries `_AUTO_ORDER`'s, in order)."""
-    return list(_BACKENDS)
+    """Names of the registered attention backends, in the order ``auto`` tries them (then the
+    ones ``auto`` never chooses)."""
+    ranked = sorted((b for b in _BACKENDS.values() if b.auto_priority is not None), key=lambda b: b.auto_priority)
+    return [b.name for b in ranked] + [name for name, b in _BACKENDS.items() if b.auto_priority is None]
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered as ``name``; the error names the registered ones."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; available: auto, {', '.join(list_backends())}") from None
+
+
+def planning_implementation(backend: str, device: torch.device) -> str:
+    """Which permuter/selector implementations plan for ``backend`` on ``device``: ``"reference"``
+    off CUDA or without Triton, else the named backend's ``plans_with`` (``auto``: ``"triton"``)."""
+    import importlib.util
+
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return "reference"
+    if backend == "auto":
+        return "triton" if "triton" in _BACKENDS else "reference"
+    return get_backend(backend).plans_with
 
 
 def _reference_reasons(call: AttentionCall) -> list[str]:
@@ -75,37 +107,24 @@ def _run_reference(call: AttentionCall) -> torch.Tensor:
     )
 
 
-REFERENCE = AttentionBackend("reference", _reference_reasons, _run_reference)
-
-# Order matters for ``auto``: the fastest backend that supports a call wins. Faster backends are
-# registered in front of the reference by their own modules (see pbs.kernels).
-_AUTO_ORDER: list[str] = []
-
-
-def register_auto_candidate(name: str, position: int = 0) -> None:
-    """Makes ``auto`` consider backend ``name`` (at ``position`` in its preference order)."""
-    if name in _AUTO_ORDER:
-        _AUTO_ORDER.remove(name)
-    _AUTO_ORDER.insert(position, name)
-
-
+# The reference is auto's last resort; faster backends register lower priorities (see pbs.kernels).
+REFERENCE = AttentionBackend("reference", _reference_reasons, _run_reference, auto_priority=100)
 register_backend(REFERENCE)
-register_auto_candidate("reference", position=0)
 
 
 def choose_backend(requested: str, call: AttentionCall) -> AttentionBackend:
     """Resolves ``requested`` (a backend name or ``auto``) to a backend that supports ``call``."""
     if requested != "auto":
-        backend = _BACKENDS.get(requested)
-        if backend is None:
-            raise ValueError(f"unknown backend {requested!r}; available: auto, {', '.join(_BACKENDS)}")
+        backend = get_backend(requested)
         reasons = backend.not_supported_reasons(call)
         if reasons:
             raise ValueError(f"backend {requested!r} cannot run this call: " + "; ".join(reasons))
         return backend
     all_reasons = []
-    for name in _AUTO_ORDER:
+    for name in list_backends():
         backend = _BACKENDS[name]
+        if backend.auto_priority is None:
+            continue
         reasons = backend.not_supported_reasons(call)
         if not reasons and backend.not_chosen_by_auto_reasons is not None:
             reasons = backend.not_chosen_by_auto_reasons(call)
@@ -113,3 +132,4 @@ def choose_backend(requested: str, call: AttentionCall) -> AttentionBackend:
             return backend
         all_reasons.append(f"{name}: {'; '.join(reasons)}")
     raise ValueError("no backend can run this call: " + " | ".join(all_reasons))
+

@@ -14,7 +14,6 @@ from pbs.components import PermuterConfig, SelectorConfig, name_valid_fields, pe
 
 CONFIG_VERSION = 1
 
-Backend = Literal["auto", "reference", "triton", "flex"]
 GQAMode = Literal["per_head", "shared"]
 
 
@@ -83,8 +82,10 @@ class PBSConfig(BaseModel):
             never copies K/V; ``"per_head"`` gives each query head its own order (the paper's
             default), which materialises ``Hq`` permuted copies of K and V.
         causal: causal (decoder) attention.
-        backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"reference"``,
-            ``"triton"`` or ``"flex"`` (FlexAttention with the same mask).
+        backend: ``"auto"`` (the first registered backend that can run the call: the Gluon
+            kernel on Hopper, the Triton kernel on other CUDA GPUs, the reference elsewhere) or
+            the name of a registered backend (`pbs.list_backends`: ``"hopper"``, ``"triton"``,
+            ``"reference"``, ``"flex"``, and any a plugin registers).
         force_sink_block: always compute the key block that holds position 0 (the attention sink).
         check_finite: reject NaN/inf inputs with a ``ValueError``. ``None`` (default): checked off
             CUDA (the reference path, where it costs little), not checked on CUDA, where it would
@@ -104,7 +105,7 @@ class PBSConfig(BaseModel):
     selector: SerializeAsAny[SelectorConfig] = Field(default_factory=_default_selector)
     gqa: GQAMode = "shared"
     causal: bool = True
-    backend: Backend = "auto"
+    backend: str = "auto"
     force_sink_block: bool = True
     check_finite: bool | None = None
     dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
@@ -123,6 +124,15 @@ class PBSConfig(BaseModel):
     @classmethod
     def _parse_selector(cls, value: Any) -> SelectorConfig:
         return selector_registry.parse(value)
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        from pbs.backends import list_backends
+
+        if value != "auto" and value not in list_backends():
+            raise ValueError(f"unknown backend {value!r}; available: auto, {', '.join(list_backends())}")
+        return value
 
     @field_validator("block_size")
     @classmethod

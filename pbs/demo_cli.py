@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pbs.backends import list_backends
 from pbs.cli import DTYPES, check_device, config_error_message, default_device, positive_int, unit_interval
 
 
@@ -41,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="skip the equal-density view (its threshold search and extra runs)")
     demo.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    demo.add_argument("--backend", choices=["auto", "reference", "triton", "flex"], default="auto")
+    demo.add_argument("--backend", choices=["auto", *list_backends()], default="auto",
+                      help="attention backend (default auto: the fastest that can run the call)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -6,6 +6,7 @@ import importlib.util
 
 import torch
 
+from pbs.backends import planning_implementation
 from pbs.components import PermutationInputs, Permutations, SelectionInputs, permuter_registry, selector_registry
 from pbs.config import PBSConfig
 from pbs.layout import Layout
@@ -55,13 +56,6 @@ def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
     )
 
 
-def resolve_component_backend(config: PBSConfig, device: torch.device) -> str:
-    """Backend whose permuter/selector implementations to use ("reference" unless a faster one exists)."""
-    if config.backend == "reference" or device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return "reference"
-    return "triton"
-
-
 def permute_keys_and_values(
     perm: Permutation, k: torch.Tensor, v: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,7 +83,7 @@ def run_permuter(q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSCo
         Key permutation ``(B, Hk, Nk)`` (``Hk`` is ``Hq`` in per-head mode, else ``Hkv``; identity
         permutations use ``Hkv`` heads so K/V are never copied) and query permutation ``(B, Hq, Nq)``.
     """
-    backend = resolve_component_backend(config, q.device)
+    backend = planning_implementation(config.backend, q.device)
     perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
     permute = permuter_registry.implementation(config.permuter, backend)
     perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
@@ -128,7 +122,7 @@ def run_selector(
         k_perm: the permuted keys when they already exist; otherwise a selector that needs them
             gathers them (GPU selectors read ``k`` through the permutation instead).
     """
-    backend = resolve_component_backend(config, q_perm.device)
+    backend = planning_implementation(config.backend, q_perm.device)
     sel_inputs = SelectionInputs(
         q=q_perm,
         k=k_perm,

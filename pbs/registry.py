@@ -93,7 +93,18 @@ class Registry(Generic[C]):
             del self._impls[key]
 
     def register_impl(self, name: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator: registers ``fn(config, inputs)`` as the ``backend`` implementation of ``name``."""
+        """Decorator: registers ``fn(config, inputs)`` as the ``backend`` implementation of ``name``.
+
+        ``backend`` must be a registered attention backend (`pbs.list_backends`) whose
+        ``plans_with`` can name it, so that a misspelt name fails here rather than never running.
+        """
+        from pbs.backends import list_backends
+
+        if backend not in list_backends():
+            raise ValueError(
+                f"unknown backend {backend!r} for the implementation of {self.kind} {name!r}; "
+                f"registered backends: {', '.join(list_backends())}"
+            )
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             self._impls[(name, backend)] = fn

@@ -439,7 +439,7 @@ def test_plan_uses_the_triton_implementations_when_asked(monkeypatch, permuter, 
         if impl is not None:
             spy = lambda c, i, impl=impl, n=component.name: calls.append(n) or impl(c, i)  # noqa: E731
             monkeypatch.setitem(registry._impls, (component.name, "triton"), spy)
-    monkeypatch.setattr("pbs.planning.resolve_component_backend", lambda config, device: "triton")
+    monkeypatch.setattr("pbs.planning.planning_implementation", lambda backend, device: "triton")
     fast = pbs.plan(q, k, config)
     assert selector in calls
     assert (config.permuter.name in calls) == (config.permuter.name == "last_block")

@@ -64,7 +64,7 @@ def test_unknown_backend_lists_the_available_ones():
 
     plan = pbs.plan(q, k)
     call = AttentionCall(q, k, v, plan, 0.25)
-    with pytest.raises(ValueError, match="unknown backend 'nope'; available: auto, reference"):
+    with pytest.raises(ValueError, match="unknown backend 'nope'; available: auto, hopper, triton, reference, flex"):
         choose_backend("nope", call)
 
 

@@ -1,14 +1,17 @@
 """Triton kernels and their launchers (each with an eager twin in `pbs.reference`).
 
-Registers two attention backends:
+Registers three attention backends (`pbs.backends`), in the order ``backend="auto"`` tries them:
 
-* ``"triton"``: `pbs.kernels.block_sparse_attn.block_sparse_attention`, the first choice of
-  ``backend="auto"`` on CUDA; on Hopper it runs the warp-specialized Gluon kernel of
-  `pbs.kernels.hopper_attn` where that applies; on CPU tensors it runs in the Triton
+* ``"hopper"``: the warp-specialized, persistent Gluon kernel of `pbs.kernels.hopper_attn` on
+  Hopper GPUs (fp16/bf16, head dim 64 or 128, mask block 128);
+* ``"triton"``: `pbs.kernels.block_sparse_attn.block_sparse_attention`'s software-pipelined Triton
+  kernel on any CUDA GPU of compute capability 8.0 or newer; on CPU tensors it runs in the Triton
   interpreter when ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never
   through ``auto``;
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
+
+All three plan with the ``triton`` implementations of the permuters and selectors on CUDA.
 
 `pbs.kernels.gather.gather_kv` applies a key permutation to K and V in one launch (3x faster
 than ``Permutation.apply``'s ``torch.gather`` on an H200; see docs/benchmarks.md).
@@ -22,7 +25,7 @@ import importlib.util
 
 import torch
 
-from pbs.backends import AttentionBackend, AttentionCall, register_auto_candidate, register_backend
+from pbs.backends import AttentionBackend, AttentionCall, register_backend
 from pbs.components import permuter_registry, selector_registry
 from pbs.kernels._common import interpreting
 
@@ -76,7 +79,26 @@ def _kernel_arguments(call: AttentionCall) -> dict:
 def _run_triton(call: AttentionCall) -> torch.Tensor:
     from pbs.kernels.block_sparse_attn import block_sparse_attention
 
-    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, kernel="triton", **_kernel_arguments(call))
+
+
+def hopper_not_supported_reasons_for_call(call: AttentionCall) -> list[str]:
+    """Why the warp-specialized Gluon kernel (`pbs.kernels.hopper_attn`) cannot run ``call``."""
+    if importlib.util.find_spec("triton") is None:
+        return ["triton is not installed"]
+    if call.q.device.type != "cuda":
+        return [f"inputs are on {call.q.device.type}, not CUDA (the Gluon kernel has no interpreter)"]
+    try:
+        from pbs.kernels.hopper_attn import hopper_not_supported_reasons
+    except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
+        return [f"this Triton has no usable Gluon ({exc})"]
+    return hopper_not_supported_reasons(call.q, call.k, call.v, call.plan.layout.block_size)
+
+
+def _run_hopper(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.block_sparse_attn import block_sparse_attention
+
+    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, kernel="hopper", **_kernel_arguments(call))
 
 
 def flex_not_supported_reasons(call: AttentionCall) -> list[str]:
@@ -129,8 +151,18 @@ def _sampled_rows_select(config, inputs):
     return sampled_rows_select(config, inputs)
 
 
-# Planning on the GPU: the `triton` implementations of the default permuter and both
-# score-based selectors (pbs.planning uses them for CUDA inputs unless backend="reference").
+# The attention backends, in auto's order: the Gluon kernel on Hopper, the Triton kernel on any
+# CUDA GPU (and, named, in the interpreter), then the reference (pbs.backends). flex is never auto.
+register_backend(AttentionBackend(
+    "hopper", hopper_not_supported_reasons_for_call, _run_hopper, auto_priority=0, plans_with="triton",
+))
+register_backend(AttentionBackend(
+    "triton", triton_not_supported_reasons, _run_triton, _triton_auto_reasons, auto_priority=1, plans_with="triton",
+))
+register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex, plans_with="triton"))
+
+# Planning on the GPU: the `triton` implementations of the default permuter and the score-based
+# selectors (pbs.planning uses them for CUDA inputs unless backend="reference").
 # They follow the reference semantics (Eq. 3 scoring unless `causal_scoring`, candidate blocks,
 # XAttention's estimator for unsegmented layouts). A permuter without one (`none`, `identity`,
 # ...) runs its reference `permute` on the GPU tensors, and the selectors still run here.
@@ -138,7 +170,3 @@ permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
 selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
 selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
 selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
-
-register_backend(AttentionBackend("triton", triton_not_supported_reasons, _run_triton, _triton_auto_reasons))
-register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex))
-register_auto_candidate("triton", position=0)
