@@ -26,7 +26,8 @@ class DenseFallback(BaseModel):
 
     Attributes:
         min_seq_len: run dense when ``Nk`` is below this (decided from shapes: no planning, no sync).
-            0 turns the length rule off.
+            0 turns the length rule off. The transformers integration reads the same field (its
+            ``min_seq_len`` sets it) and applies it on every device and backend.
         max_density: run dense when the density is above this. Checked twice: first by a cheap
             probe before planning (`probe_blocks`), so flat attention goes dense without paying
             for the key permutation and the full selection; then on the planned density. Each check

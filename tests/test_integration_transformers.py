@@ -446,26 +446,63 @@ def test_pbs_generate_cli_rejects_bad_input(tmp_path, capsys):
     assert "invalid --config" in capsys.readouterr().err
 
 
+def test_one_length_knob_decides(model):
+    # The integration's min_seq_len is dense_fallback.min_seq_len of the configs it builds: before,
+    # dense_fallback's own default (16384) overrode min_seq_len=32 inside pbs.attention, silently.
+    on_cpu = {**EXACT, "backend": "auto", "dense_fallback": {"devices": ["cpu"], "max_density": None}}
+    config = pbs_hf.register(on_cpu, min_seq_len=32, min_query_len=2, layer_overrides={1: EXACT})
+    assert config.pbs.dense_fallback.min_seq_len == 32 and config.layer_overrides[1].dense_fallback.min_seq_len == 32
+    with pbs_hf.trace_dispatch() as calls:
+        forward(model, "pbs", input_ids=prompt())
+    assert [(c.path, c.reason) for c in calls] == [("pbs", None)] * 2
+
+    # Without the keyword the config's own value decides, in the integration too, on every device
+    # and backend (EXACT runs the reference backend, which pbs.attention never falls back from).
+    pbs_hf.register({**EXACT, "dense_fallback": {"min_seq_len": 10_000}}, min_query_len=2)
+    ids = prompt()
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert [(c.path, c.reason, c.detail) for c in calls] == [("sdpa", "short_sequence", "100 < min_seq_len=10000")] * 2
+    assert max_diff(got, expected) < TOL
+
+    # Both given: the same value is fine, another is an error that names both.
+    assert pbs_hf.register({**EXACT, "dense_fallback": {"min_seq_len": 64}}, min_seq_len=64).pbs.dense_fallback.min_seq_len == 64
+    with pytest.raises(ValueError, match=r"min_seq_len=32 disagrees with pbs.dense_fallback.min_seq_len=64"):
+        pbs_hf.register({**EXACT, "dense_fallback": {"min_seq_len": 64}}, min_seq_len=32)
+    with pytest.raises(ValueError, match=r"disagrees with layer_overrides\[3\].dense_fallback.min_seq_len=0"):
+        PBSIntegrationConfig(min_seq_len=32, layer_overrides={3: {"dense_fallback": {"min_seq_len": 0}}})
+    # A keyword replaces the value an earlier min_seq_len wrote (it was not the config's own).
+    again = pbs_hf.register(PBSIntegrationConfig(pbs=EXACT, min_seq_len=64), min_seq_len=128)
+    assert again.pbs.dense_fallback.min_seq_len == 128
+    assert PBSIntegrationConfig.model_validate_json(again.model_dump_json()) == again
+
+
 def test_trace_records_the_dense_fallback_of_pbs_attention(model):
-    # PBSConfig.dense_fallback (here applied on CPU) makes pbs.attention run SDPA itself: the trace
-    # says so instead of failing on a missing plan, and the logits are SDPA's.
-    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": {"min_seq_len": 10_000, "devices": ["cpu"]}},
-                    min_seq_len=32, min_query_len=2)
+    # PBSConfig.dense_fallback (here applied on CPU) makes pbs.attention run SDPA itself, here by
+    # the density probe before planning: the trace says so instead of failing on a missing plan,
+    # and the logits are SDPA's.
+    # (the probe covers a selector's threshold: budget selectors, such as EXACT's, are not probed)
+    policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": 16}
+    probed = {**EXACT, "selector": {"name": "mean_pool", "threshold": 0.99}}
+    pbs_hf.register({**probed, "backend": "auto", "dense_fallback": policy}, min_query_len=2)
     ids = prompt()
     expected = forward(model, "sdpa", input_ids=ids).logits
     with pbs_hf.trace_dispatch() as calls:
         got = forward(model, "pbs", input_ids=ids).logits
     assert [(c.path, c.reason) for c in calls] == [("sdpa", "dense_fallback")] * 2
-    assert calls[0].detail == "Nk = 100 is below dense_fallback.min_seq_len = 10000"
+    assert "density probe" in calls[0].detail
     assert max_diff(got, expected) < TOL
 
 
 @pytest.mark.parametrize("probe_blocks", [0, 16])
 def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog, probe_blocks):
     # by density this time: every block selected (density 1) is above max_density 0.5; with the
-    # probe on, the probe (about 0.9 on a random model) says so before planning
+    # probe on, the probe (about 0.9 on a random model) says so before planning (it covers a
+    # selector's threshold, so that case selects by one: budget selectors are not probed)
     policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": probe_blocks}
-    pbs_hf.register({**EXACT, "backend": "auto", "dense_fallback": policy}, min_seq_len=32, min_query_len=2)
+    selector = {"name": "mean_pool", "threshold": 0.99} if probe_blocks else EXACT["selector"]
+    pbs_hf.register({**EXACT, "selector": selector, "backend": "auto", "dense_fallback": policy}, min_query_len=2)
     with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
         forward(model, "pbs", input_ids=prompt())  # no trace_dispatch: the log alone must tell
     (record,) = [r for r in caplog.records if r.name == "pbs.integrations.transformers"]

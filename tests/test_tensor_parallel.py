@@ -155,7 +155,7 @@ def density_rule_cases(rank: int) -> dict:
     module = LAYER_MODULE
     cases = {}
     for name, config in configs.items():
-        pbs_hf.register(config, min_seq_len=32)
+        pbs_hf.register(config)  # its dense_fallback.min_seq_len (0) is the integration's too
         with pbs_hf.trace_dispatch() as calls, torch.no_grad():
             out, _ = pbs_hf.pbs_attention_forward(module, q[mine], k[mine_kv], v[mine_kv], None)
         single, plan = pbs.attention(q, k, v, config, return_plan=True)

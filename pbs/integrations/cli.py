@@ -49,7 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="PBSConfig or PBSIntegrationConfig as JSON text or a path to a JSON file (default: the PBS defaults)",
     )
     gen.add_argument("--skip-first-layers", type=int, help="run the first N layers dense")
-    gen.add_argument("--min-seq-len", type=positive_int, help="sequences shorter than this run dense")
+    gen.add_argument("--min-seq-len", type=positive_int,
+                     help="sequences shorter than this run dense (sets dense_fallback.min_seq_len of every "
+                          "layer's config; default: the config's, 16384)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     gen.add_argument(

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pbs.config import PBSConfig
+from pbs.config import DenseFallback, PBSConfig
 
 # Why a call fell back to dense attention. The keys are stable (tests and logs use them); the
 # explanations are written once per key to the log.
@@ -35,8 +35,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "short_sequence": "the sequence is shorter than min_seq_len",
     "short_chunk": "the query chunk after a cached prefix is shorter than min_query_len",
     "dense_fallback": (
-        "PBSConfig.dense_fallback chose dense attention (backend='auto' on CUDA: fewer keys than "
-        "dense_fallback.min_seq_len, or a planned density above dense_fallback.max_density)"
+        "PBSConfig.dense_fallback chose dense attention (backend='auto' on its devices, CUDA by default: "
+        "the density probe before planning, or the planned density, was above dense_fallback.max_density)"
     ),
 }
 
@@ -48,8 +48,15 @@ class PBSIntegrationConfig(BaseModel):
         pbs: the PBS config of every layer without an override.
         skip_first_layers: the first layers run dense attention (early layers attend broadly, so
             sparsity costs them more accuracy than it saves time).
-        min_seq_len: calls whose key length (prompt plus cached prefix) is below this run dense;
-            short sequences are faster dense than planned.
+        min_seq_len: a shorthand for ``dense_fallback.min_seq_len`` of ``pbs`` and of every
+            ``layer_overrides`` config, the one knob for length: calls whose key length (prompt
+            plus cached prefix) is below a layer's ``dense_fallback.min_seq_len`` run dense, as
+            short sequences are faster dense than planned. ``None`` (default) keeps each config's
+            own value (`DenseFallback`'s default, 16384). A config that sets
+            ``dense_fallback.min_seq_len`` itself to another value is an error. In the
+            integration the length rule holds on every device and backend (the fallback is
+            transformers' SDPA), not only where ``dense_fallback.devices`` lets `pbs.attention`
+            fall back.
         min_query_len: chunks of fewer queries after a cached prefix run dense (e.g. speculative
             decoding drafts); planning a whole cache for a handful of queries does not pay.
         layer_overrides: ``{layer_idx: PBSConfig or None}``; ``None`` makes that layer dense. An
@@ -59,8 +66,9 @@ class PBSIntegrationConfig(BaseModel):
         ```python
         from pbs.integrations.dispatch import PBSIntegrationConfig
 
-        cfg = PBSIntegrationConfig(skip_first_layers=2, layer_overrides={5: None})
+        cfg = PBSIntegrationConfig(skip_first_layers=2, layer_overrides={5: None}, min_seq_len=4096)
         assert [cfg.config_for_layer(i) is None for i in (0, 1, 2, 5)] == [True, True, False, True]
+        assert cfg.config_for_layer(2).dense_fallback.min_seq_len == 4096
         ```
     """
 
@@ -68,7 +76,7 @@ class PBSIntegrationConfig(BaseModel):
 
     pbs: PBSConfig = Field(default_factory=PBSConfig)
     skip_first_layers: int = Field(0, ge=0)
-    min_seq_len: int = Field(1024, ge=1)
+    min_seq_len: int | None = Field(None, ge=0)
     min_query_len: int = Field(16, ge=2)
     layer_overrides: dict[int, PBSConfig | None] = Field(default_factory=dict)
 
@@ -84,6 +92,34 @@ class PBSIntegrationConfig(BaseModel):
         if negative:
             raise ValueError(f"layer_overrides keys must be layer indices >= 0, got {negative}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_length_knob(cls, data: Any) -> Any:
+        """Writes ``min_seq_len`` into ``dense_fallback.min_seq_len`` of every config given."""
+        n = data.get("min_seq_len") if isinstance(data, dict) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return data  # None, or a value the field itself rejects (or coerces: see _length_knob_agrees)
+        data = dict(data)
+        data["pbs"] = _with_min_seq_len(data.get("pbs"), n, "pbs")
+        overrides = data.get("layer_overrides")
+        if isinstance(overrides, dict):
+            data["layer_overrides"] = {
+                i: None if c is None else _with_min_seq_len(c, n, f"layer_overrides[{i}]") for i, c in overrides.items()
+            }
+        return data
+
+    @model_validator(mode="after")
+    def _length_knob_agrees(self) -> "PBSIntegrationConfig":
+        if self.min_seq_len is not None:
+            configs = {"pbs": self.pbs, **{f"layer_overrides[{i}]": c for i, c in self.layer_overrides.items()}}
+            for where, config in configs.items():
+                if config is not None and config.dense_fallback.min_seq_len != self.min_seq_len:
+                    raise ValueError(
+                        f"min_seq_len={self.min_seq_len} disagrees with {where}.dense_fallback.min_seq_len="
+                        f"{config.dense_fallback.min_seq_len}; give min_seq_len as a whole number"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _causal_only(self) -> "PBSIntegrationConfig":
@@ -102,6 +138,29 @@ class PBSIntegrationConfig(BaseModel):
         if layer_idx < self.skip_first_layers:
             return None
         return self.pbs
+
+
+def _with_min_seq_len(config: Any, min_seq_len: int, where: str) -> Any:
+    """``config`` (anything `PBSConfig.coerce` takes) with ``dense_fallback.min_seq_len =
+    min_seq_len``; an error if ``config`` set it itself to another value. The value written is not
+    marked as set by the user, so a later ``min_seq_len`` (``register(config, min_seq_len=...)``)
+    may replace it. An invalid ``config`` is returned as it is, for the field to report."""
+    try:
+        config = PBSConfig.coerce(config)
+    except Exception:  # noqa: BLE001 - the field validator reports it, with its location
+        return config
+    policy = config.dense_fallback
+    if "min_seq_len" in policy.model_fields_set and policy.min_seq_len != min_seq_len:
+        raise ValueError(
+            f"min_seq_len={min_seq_len} disagrees with {where}.dense_fallback.min_seq_len={policy.min_seq_len}: "
+            "they are one knob (the integration's min_seq_len sets dense_fallback.min_seq_len of every "
+            "layer's config); give one of them"
+        )
+    if policy.min_seq_len == min_seq_len:
+        return config
+    fields_set = set(policy.model_fields_set) - {"min_seq_len"}
+    updated = DenseFallback.model_construct(_fields_set=fields_set, **{**dict(policy), "min_seq_len": min_seq_len})
+    return config.model_copy(update={"dense_fallback": updated})
 
 
 def choose_attention(
@@ -156,7 +215,9 @@ def choose_attention(
     pbs_config = config.config_for_layer(layer_idx)
     if pbs_config is None:
         return None, "skipped_layer"
-    if kv_len < config.min_seq_len:
+    # The layer's dense_fallback.min_seq_len, on every device and backend: `pbs.attention` would
+    # apply it only where dense_fallback.devices says, and the integration always has SDPA.
+    if kv_len < pbs_config.dense_fallback.min_seq_len:
         return None, "short_sequence"
     if q_len < kv_len and q_len < config.min_query_len:
         return None, "short_chunk"

@@ -76,7 +76,7 @@ class Dispatch:
         reason: for ``"sdpa"``, a key of `FALLBACK_REASONS`.
         density: for ``"pbs"``, the share of causally allowed blocks that were computed.
         detail: for ``"sdpa"``, the numbers behind the reason where there are some, e.g.
-            ``"90 < min_seq_len=1024"`` or the ``dense_fallback`` rule that fired.
+            ``"90 < min_seq_len=16384"`` or the ``dense_fallback`` rule that fired.
         tp_rank: under tensor parallelism, this rank's index among the ranks that split the
             layer's heads (``None`` when the call holds every head). ``density`` is then that of
             this rank's heads; each rank records its own calls.
@@ -177,7 +177,8 @@ def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
         config: a `PBSIntegrationConfig`, a `PBSConfig` (used for every layer), a
             dict or JSON string of either, or ``None`` for the defaults.
         **fields: `PBSIntegrationConfig` fields that override ``config``'s, e.g.
-            ``skip_first_layers=2, min_seq_len=4096``.
+            ``skip_first_layers=2, min_seq_len=4096`` (``min_seq_len`` sets
+            ``dense_fallback.min_seq_len`` of every layer's `PBSConfig`).
 
     Returns:
         The integration config now in effect.
@@ -303,10 +304,15 @@ def _fallback_detail(
     reason: str, layer_idx: int | None, q_len: int, kv_len: int, config: PBSIntegrationConfig
 ) -> str | None:
     return {
-        "short_sequence": f"{kv_len} < min_seq_len={config.min_seq_len}",
+        "short_sequence": f"{kv_len} < min_seq_len={_min_seq_len(config, layer_idx)}",
         "short_chunk": f"{q_len} < min_query_len={config.min_query_len}",
         "skipped_layer": f"layer {layer_idx}",
     }.get(reason)
+
+
+def _min_seq_len(config: PBSIntegrationConfig, layer_idx: int | None) -> int | None:
+    layer_config = config.config_for_layer(layer_idx)
+    return None if layer_config is None else layer_config.dense_fallback.min_seq_len
 
 
 def _log_fallback_once(
