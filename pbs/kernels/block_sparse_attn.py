@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, interpreting, tma_descriptor, tma_strides
+from pbs.kernels._common import (
+    FAR_FUTURE, LOG2_E, interpreting, masked_tail, pow2_at_least, tma_descriptor, tma_strides,
+)
 from pbs.layout import cdiv
 from pbs.types import BlockMask
 
@@ -272,13 +274,6 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    p = floor
-    while p < n:
-        p *= 2
-    return p
-
-
 def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself if TMA can address it (16-byte aligned base and strides, unit last stride), else a contiguous copy."""
     elem = x.element_size()
@@ -428,8 +423,8 @@ def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) 
         keys_permuted=keys_permuted,
         scale=d**-0.5 if scale is None else float(scale),
         causal=causal,
-        head_dim=_pow2_at_least(d),
-        head_dim_v=_pow2_at_least(dv),
+        head_dim=pow2_at_least(d),
+        head_dim_v=pow2_at_least(dv),
     )
 
 
@@ -441,8 +436,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     tiles_per_head = cdiv(nq, config.block_m)
     perm_q_lo, perm_q_hi = layout.permutable_query_range
     segment = layout.segment_size
-    # Masked entries per list: the on-diagonal segment(s); more only with unusual masks.
-    tail = _pow2_at_least(min(layout.num_key_blocks, 2 * segment // mask_block + 2), floor=2)
+    tail = masked_tail(layout, mask_block)
     # This kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
     # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
     # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.

@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, tma_descriptor
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, masked_tail, tma_descriptor
 from pbs.layout import cdiv
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
@@ -419,10 +419,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, 
     num_tiles = b * hq * tiles_per_head
     perm_q_lo, perm_q_hi = layout.permutable_query_range
     segment = layout.segment_size
-    # Masked entries per list: the on-diagonal segment(s); more only with unusual masks.
-    tail = 2
-    while tail < min(layout.num_key_blocks, 2 * segment // BLOCK_SIZE + 2):
-        tail *= 2
+    tail = masked_tail(layout, BLOCK_SIZE)
     out = call.out
     args = (
         _nvmma_descriptor(call.q, HALF_ROWS),
