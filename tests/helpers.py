@@ -75,15 +75,18 @@ def attention_in_dtype(
     rows = max(128 if q.is_cuda else 1, (1 << 25) // max(1, b * hq * nk))
     for r0 in range(0, nq, rows):
         r1 = min(nq, r0 + rows)
-        logits = torch.einsum("bhgmd,bhnd->bhgmn", q_[:, :, :, r0:r1], k_) * scale
-        keep = torch.ones(logits.shape, dtype=torch.bool, device=device)
+        logits = torch.einsum("bhgmd,bhnd->bhgmn", q_[:, :, :, r0:r1], k_).mul_(scale)
+        keep = None
         if blocks is not None:
             bs = mask.layout.block_size
             row_blocks = blocks[:, :, :, torch.arange(r0, r1, device=device) // bs]
-            keep &= row_blocks.repeat_interleave(bs, -1)[..., :nk]
+            keep = row_blocks.repeat_interleave(bs, -1)[..., :nk]
         if causal:
-            keep &= kpos <= qpos[:, :, :, r0:r1]
-        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0)
+            visible = kpos <= qpos[:, :, :, r0:r1]
+            keep = visible if keep is None else keep & visible
+        if keep is not None:
+            logits.masked_fill_(~keep, float("-inf"))
+        probs = logits.softmax(-1).nan_to_num_(0.0)
         out[:, :, :, r0:r1] = torch.einsum("bhgmn,bhnd->bhgmd", probs, v_)
     return out.reshape(b, hq, nq, -1)
 
