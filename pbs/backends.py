@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pbs.reference.block_sparse import block_sparse_attention_reference
+from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 from pbs.types import Plan
 
 

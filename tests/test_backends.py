@@ -9,7 +9,7 @@ import torch
 import pbs
 from pbs.backends import AttentionBackend, _BACKENDS, choose_backend, planning_implementation, register_backend
 from pbs.components import selector_registry
-from pbs.reference.block_sparse import block_sparse_attention_reference
+from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 
 SMALL = {"block_size": 32, "segment_size": 64}
 

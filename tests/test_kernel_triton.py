@@ -318,3 +318,7 @@ def test_gather_kv_matches_permutation_apply(heads, gqa):
     k_perm, v_perm = gather_kv(plan.key_permutation.indices, k, v)
     assert torch.equal(k_perm, plan.key_permutation.apply(k))
     assert torch.equal(v_perm, plan.key_permutation.apply(v))
+    from pbs.reference.gather import gather_kv as eager_twin
+
+    k_ref, v_ref = eager_twin(plan.key_permutation.indices, k, v)
+    assert torch.equal(k_perm, k_ref) and torch.equal(v_perm, v_ref)

@@ -2,7 +2,7 @@
 
 Eager twins of `pbs.kernels` (same stem): `block_means`, `threshold_select`, `block_sets`
 (forced blocks; the allowed/diagonal/candidate sets are `pbs.layout.Layout` methods),
-`density_probe`, and `block_sparse` for `block_sparse_attn`. The `last_block`, `antidiagonal`
+`density_probe`, `block_sparse_attn` and `gather` (the key permutation applied to K and V). The `last_block`, `antidiagonal`
 and `sampled_rows` kernels have their twins in the component files of the same name
 (`pbs.permuters.last_block`, `pbs.selectors.antidiagonal`, `pbs.selectors.sampled_rows`), which
 hold each component's config with its reference implementation. Shared by components:
@@ -10,7 +10,7 @@ hold each component's config with its reference implementation. Shared by compon
 """
 
 from pbs.reference.block_mass import attention_coverage, block_attention_mass
-from pbs.reference.block_sparse import block_sparse_attention_reference
+from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 from pbs.reference.dense import dense_attention
 
 __all__ = [
