@@ -4,6 +4,8 @@ from pbs.selectors.antidiagonal import AntidiagonalSelector
 from pbs.selectors.budget import BudgetSelector
 from pbs.selectors.mean_pool import MeanPoolSelector
 from pbs.selectors.oracle import OracleSelector
+from pbs.selectors.pooled_query import PooledQuerySelector
 from pbs.selectors.sampled_rows import SampledRowsSelector
 
-__all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector", "SampledRowsSelector"]
+__all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector", "PooledQuerySelector",
+           "SampledRowsSelector"]
