@@ -31,6 +31,19 @@ _BISECTION_STEPS = 24  # resolution 2^-24 of a probability
 
 
 @triton.jit
+def _free_block_probabilities(p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE: tl.constexpr,
+                              CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Probabilities of key blocks ``j0 .. j0 + CHUNK`` from the scratch row's base-2 logits, and
+    which of them are free to keep or drop: visible, not the sink, not on the diagonal."""
+    o_j = j0 + tl.arange(0, CHUNK)
+    s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
+    free = (s > -float("inf")) & (o_j != 0)
+    if CAUSAL:
+        free = free & ((o_j + 1) * BLOCK_SIZE <= first_q)
+    return tl.exp2(s - m_i) / l_i, free
+
+
+@triton.jit
 def _probe_kernel(
     q_ptr, kmean_ptr, scratch_ptr, counter_ptr,
     stride_qb, stride_qh, stride_qn,
@@ -111,13 +124,9 @@ def _probe_kernel(
         mid = (lo + hi) * 0.5
         total = 0.0
         for j0 in range(0, num_key_blocks, CHUNK):
-            o_j = j0 + tl.arange(0, CHUNK)
-            s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
-            if CAUSAL:
-                free = (s > -float("inf")) & (o_j != 0) & ((o_j + 1) * BLOCK_SIZE <= first_q)
-            else:
-                free = (s > -float("inf")) & (o_j != 0)
-            p = tl.exp2(s - m_i) / l_i
+            p, free = _free_block_probabilities(
+                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+            )
             total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
         if total >= need:
             lo = mid
@@ -126,13 +135,9 @@ def _probe_kernel(
     n_kept = 0
     if need > 0:
         for j0 in range(0, num_key_blocks, CHUNK):
-            o_j = j0 + tl.arange(0, CHUNK)
-            s = tl.load(p_s + o_j, mask=o_j < num_key_blocks, other=-float("inf"))
-            if CAUSAL:
-                free = (s > -float("inf")) & (o_j != 0) & ((o_j + 1) * BLOCK_SIZE <= first_q)
-            else:
-                free = (s > -float("inf")) & (o_j != 0)
-            p = tl.exp2(s - m_i) / l_i
+            p, free = _free_block_probabilities(
+                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+            )
             n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
     tl.atomic_add(counter_ptr, n_forced + n_kept)
     tl.atomic_add(counter_ptr + 1, n_visible)

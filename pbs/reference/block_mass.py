@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pbs.layout import Layout
+from pbs.reference.block_means import sum_per_key_block
 from pbs.reference.logits import grouped_logits
 
 _CHUNK_ELEMENTS = 1 << 22
@@ -50,7 +50,7 @@ def block_attention_mass(
             future = kpos[:, :, None, :] > query_positions[:, :, r0:r1, None]
             logits = logits.masked_fill(future, float("-inf"))
         probs = logits.softmax(-1)
-        probs = F.pad(probs, (0, tk * bs - nk)).view(b, hq, r1 - r0, tk, bs).sum(-1)
+        probs = sum_per_key_block(probs, bs)
         block_of_row = torch.arange(r0, r1, device=q.device) // bs
         out.index_add_(2, block_of_row, probs)
     rows_per_block = torch.full((tq,), float(bs), device=q.device)

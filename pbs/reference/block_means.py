@@ -26,3 +26,12 @@ def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     counts = torch.full((nb,), float(block_size), device=x.device)
     counts[-1] = block_size - pad
     return sums / counts[:, None]
+
+
+def sum_per_key_block(probs: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Sums the last axis (keys) over blocks of ``block_size`` keys (a partial last block sums what
+    it has): ``(..., Nk)`` to ``(..., ceil(Nk / block_size))``."""
+    nk = probs.shape[-1]
+    tk = cdiv(nk, block_size)
+    padded = torch.nn.functional.pad(probs, (0, tk * block_size - nk))
+    return padded.view(*probs.shape[:-1], tk, block_size).sum(-1)

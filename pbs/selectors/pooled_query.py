@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.reference.block_means import block_means
+from pbs.reference.block_means import block_means, sum_per_key_block
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.logits import grouped_logits
 from pbs.reference.threshold_select import select_by_cumulative_threshold
@@ -57,8 +57,7 @@ def pooled_query_block_mass(inputs: SelectionInputs) -> torch.Tensor:
             visible_to = last_position[:, :, i0:i1, None]
             logits = logits.masked_fill(key_pos[:, :, None, :] > visible_to, float("-inf"))
         probs = logits.softmax(-1)
-        probs = torch.nn.functional.pad(probs, (0, tk * bs - nk)).view(b, hq, i1 - i0, tk, bs)
-        out[:, :, i0:i1] = probs.sum(-1)
+        out[:, :, i0:i1] = sum_per_key_block(probs, bs)
     return out
 
 

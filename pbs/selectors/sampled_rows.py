@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
+from pbs.reference.block_means import sum_per_key_block
 from pbs.reference.logits import grouped_logits
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.threshold_select import select_by_cumulative_threshold
@@ -62,8 +63,8 @@ def sampled_block_mass(inputs: SelectionInputs, rows_per_block: int) -> torch.Te
             q_pos = inputs.query_positions[:, :, rows]
             logits = logits.masked_fill(key_pos[:, :, None, :] > q_pos[..., None], float("-inf"))
         probs = logits.softmax(-1)
-        probs = torch.nn.functional.pad(probs, (0, tk * bs - nk)).view(b, hq, i1 - i0, rows_per_block, tk, bs)
-        out[:, :, i0:i1] = probs.sum(-1).mean(3)
+        per_block = sum_per_key_block(probs, bs)  # (B, Hq, m * R, Tk)
+        out[:, :, i0:i1] = per_block.view(b, hq, i1 - i0, rows_per_block, tk).mean(3)
     return out
 
 
