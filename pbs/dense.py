@@ -7,6 +7,7 @@ high selected densities cuDNN's dense kernel wins (docs/benchmarks.md has the me
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -140,16 +141,22 @@ def probe_threshold(config: PBSConfig) -> float | None:
 
 def triton_not_supported_reasons_for_probe(q: torch.Tensor) -> list[str]:
     """Why the probe's Triton kernel cannot run on ``q`` (then the eager twin runs)."""
-    import importlib.util
-
-    reasons = []
-    if importlib.util.find_spec("triton") is None:
-        reasons.append("triton is not installed")
-    elif torch.cuda.get_device_capability(q.device) < (8, 0):
-        reasons.append("compute capability below 8.0")
+    reasons = list(_probe_device_reasons(q.device.index if q.device.index is not None else torch.cuda.current_device()))
     if q.shape[-1] > 256:
         reasons.append("head dim above 256")
     return reasons
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_device_reasons(device_index: int) -> tuple[str, ...]:
+    # Cached per device: the probe runs in every layer of every call.
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return ("triton is not installed",)
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return ("compute capability below 8.0",)
+    return ()
 
 
 def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
