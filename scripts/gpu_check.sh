@@ -29,7 +29,7 @@ if [[ $mode == all || $mode == tests || $mode == selection ]]; then
   status=${PIPESTATUS[0]}
 fi
 if [[ $mode == hopper ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_kernel_hopper.py -m gpu -q -p no:cacheprovider -x \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_hopper_attn.py -m gpu -q -p no:cacheprovider -x \
     2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 40
   status=${PIPESTATUS[0]}
   [[ $status == 0 ]] || exit $status

@@ -16,7 +16,7 @@ from pbs.kernels.flex import flex_block_sparse_attention, split_full_and_partial
 from pbs.reference import block_sparse_attention_reference
 from pbs.testing import assert_close_to_reference, make_qkv, relative_error
 
-from test_kernel_triton import make_plan
+from tests.test_block_sparse_attn import make_plan
 from tests.helpers import assert_max_abs_error_within_torch, assert_plan_output_within_torch
 
 

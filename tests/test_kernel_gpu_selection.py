@@ -4,7 +4,7 @@
 * :func:`test_gpu_plan_matches_reference`: fp32 and bf16, a few thousand tokens, batch 2, GQA; the
   key order must be the reference's (up to near-tied scores), and the mask must be the reference
   selector's on the same (bf16) inputs and permutation, identical as sets up to float near-ties
-  at the cut (:func:`tests.test_kernel_planning.assert_same_selection`);
+  at the cut (:func:`tests.planning_helpers.assert_same_selection`);
 * :func:`test_gpu_planning_and_attention_follow_the_paper`: fp32, ``Nq == Nk``; the plan against the
   independent transcriptions of Eq. 3, Algorithm 2 and XAttention's estimator in
   tests/test_paper_algorithms.py, and ``pbs.attention``'s output within 1e-3 of a float64 masked
@@ -24,7 +24,7 @@ import pbs
 from pbs.components import PermutationInputs, SelectionInputs
 from pbs.planning import make_layout
 from pbs.selectors.antidiagonal import antidiagonal_block_scores
-from tests.test_kernel_planning import (
+from tests.planning_helpers import (
     assert_same_key_order,
     assert_same_selection,
     reference_key_scores,

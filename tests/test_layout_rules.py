@@ -44,3 +44,14 @@ def test_kernels_with_an_eager_twin_in_reference_share_its_stem():
     for stem in twins:
         assert (PACKAGE / "kernels" / f"{stem}.py").exists()
         assert (PACKAGE / "reference" / f"{stem}.py").exists(), f"pbs/reference/{stem}.py is missing"
+
+
+def test_every_kernel_module_has_its_test_file():
+    tests = Path(__file__).resolve().parent
+    missing = [
+        path.name for path in sorted((PACKAGE / "kernels").glob("*.py"))
+        if path.stem != "__init__"
+        and not (tests / f"test_{path.stem}.py").exists()
+        and not (tests / f"test_kernel_{path.stem.lstrip('_')}.py").exists()
+    ]
+    assert not missing, f"kernels without a test file of their own: {missing}"

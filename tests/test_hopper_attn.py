@@ -16,7 +16,7 @@ from pbs.kernels.block_sparse_attn import _prepare, block_sparse_attention
 from pbs.testing import make_qkv
 from pbs.types import BlockMask
 from tests.sm90_compile import compile_in_subprocess
-from tests.test_kernel_triton import _gpu_inputs, check_kernel, make_plan
+from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
