@@ -47,7 +47,7 @@ def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
     "head_dim, causal, stages", [(128, True, 2), (128, True, 3), (64, False, 2)], ids=["d128-causal", "d128-3stages", "d64-noncausal"]
 )
 def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages):
-    report = compile_in_subprocess("tests.test_kernel_hopper:compile_report", head_dim=head_dim, causal=causal, stages=stages)
+    report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal, stages=stages)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
