@@ -138,3 +138,24 @@ def assert_plan_output_within_torch(out: torch.Tensor, plan, q: torch.Tensor, k:
         perm_q.apply(out), perm_q.apply(q), perm_k.apply(k), perm_k.apply(v), plan.mask,
         plan.query_positions(), plan.key_positions(), plan.layout.causal, **kwargs,
     )
+
+
+def tiny_model_config(kind: str = "llama", **overrides):
+    """A 2-layer random ``transformers`` config (GQA 4:2, hidden 64): ``"llama"`` or ``"qwen2"``.
+    Shared by the integration and tensor-parallel tests; transformers is imported only here."""
+    import transformers
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    fields.update(overrides)
+    return transformers.LlamaConfig(**fields) if kind == "llama" else transformers.Qwen2Config(**fields)

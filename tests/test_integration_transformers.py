@@ -20,6 +20,7 @@ import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from pbs.cli import main  # noqa: E402
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig  # noqa: E402
+from tests.helpers import tiny_model_config  # noqa: E402
 
 EXACT = {"selector": {"name": "budget", "density": 1.0}, "block_size": 16, "segment_size": 32, "backend": "reference"}
 PROMPT_LEN = 100  # not a multiple of the block size
@@ -27,28 +28,9 @@ TOL = 1e-4
 MODEL_KINDS = ["llama", "qwen2"]
 
 
-def tiny_config(kind: str, **overrides):
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    common.update(overrides)
-    if kind == "llama":
-        return transformers.LlamaConfig(**common)
-    return transformers.Qwen2Config(**common)
-
-
 def tiny_model(kind: str, **overrides):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config(kind, **overrides), attn_implementation="sdpa")
     return model.float().eval()
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import tiny_model_config
+
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 SEQ_LEN = 256  # 16 blocks of 16, 8 segments of 32
@@ -37,23 +39,6 @@ MODEL_CONFIGS = {
     "sparse": {**SMALL, "permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.5}},
     "seeded": {**SMALL, "permuter": "random", "selector": {"name": "budget", "density": 0.5}},
 }
-
-
-def tiny_llama_config():
-    import transformers
-
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
 
 
 def prompt() -> torch.Tensor:
@@ -275,7 +260,7 @@ def tp_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
     pbs_hf.register()
-    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(), attn_implementation="pbs").float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("llama"), attn_implementation="pbs").float().eval()
     model.save_pretrained(workdir / "model")
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
