@@ -16,9 +16,13 @@ share. It knows nothing about values, only about positions:
 From those effective ranges follow, with no knowledge of the actual permutation, the block sets that
 the rest of the library uses: *allowed* blocks (not wholly in the future), *diagonal* blocks (the
 blocks of the query block's own segment(s), the partial last segment included: they may hold a
-future token, so they get a per-token causal check and are always computed) and the *candidates*
-a selector scores (the paper's Algorithm 2 leaves the on-diagonal segments out of the pooled
-softmax and the threshold, since they are computed anyway).
+future token, so they are always computed) and the *candidates* a selector scores (the paper's
+Algorithm 2 leaves the on-diagonal segments out of the pooled softmax and the threshold, since they
+are computed anyway). One more rule says which selected blocks need the per-token causal check:
+`Layout.first_masked_blocks`, the first key block per query block that may hold a future (or
+padded) key; a `pbs.types.BlockMask` stores the resulting split of each list (``full_counts``)
+and every attention backend reads it from there. The blocks it masks are diagonal ones, plus the
+partial last key block.
 
 ``segmented=False`` describes attention with no segmented permutation at all (the paper's
 unpermuted MeanPooling and XAttention baselines): the geometry is that of one-block segments, so
@@ -155,9 +159,11 @@ class Layout:
     def diagonal_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Allowed key blocks of the query block's own segment(s): ``(Tq, Tk)`` bool.
 
-        These are the on-diagonal segment blocks of the paper: they may hold a future token, so
-        they get a per-token causal check, and selection always computes them. The partial last
-        segment (the last ``Nk mod S`` keys) counts as a segment, as in the paper's code.
+        These are the on-diagonal segment blocks of the paper: they may hold a future token, and
+        selection always computes them. The partial last segment (the last ``Nk mod S`` keys)
+        counts as a segment, as in the paper's code. Which of them get the per-token causal check
+        is `first_masked_blocks`' rule (in the partial last segment, only the blocks from the
+        query block's own on).
         """
         s, bs = self.segment_size, self.block_size
         key_segment = torch.arange(self.num_key_blocks, device=device) * bs // s
@@ -167,6 +173,30 @@ class Layout:
         q_last = (last_slot + self.query_offset) // s
         same = (key_segment[None, :] >= q_first[:, None]) & (key_segment[None, :] <= q_last[:, None])
         return same & self.allowed_blocks(device)
+
+    def first_masked_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Per query block, the first key block that needs a per-token check: ``(Tq,)`` int64.
+
+        The one masking rule of the library. Key blocks below it are *full*: their effective
+        position ranges end before the query block's begins, so every key is in the past of every
+        query the block can hold, whatever the permutation. From it on a block may hold a future
+        key (the on-diagonal segment) or, for the partial last key block (``Nk`` not a multiple of
+        the block size), padded slots past ``Nk``, which the per-token check drops. Without
+        causality only that partial block needs it. `pbs.types.full_block_counts` turns it into
+        `BlockMask.full_counts`, which every attention backend reads instead of working the split
+        out again. All on ``device``, no host sync.
+        """
+        tk = self.num_key_blocks
+        if self.causal:
+            _, k_hi = self.key_block_ranges(device)
+            q_lo, _ = self.query_block_ranges(device)
+            # k_hi grows with the block index, so the full blocks are a prefix of 0 .. Tk-1.
+            first = (k_hi[None, :] < q_lo[:, None]).sum(-1)
+        else:
+            first = torch.full((self.num_query_blocks,), tk, dtype=torch.int64, device=device)
+        if self.seq_len_k % self.block_size:
+            first = first.clamp(max=tk - 1)
+        return first
 
     def candidate_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Blocks a score-based selector ranks: ``(Tq, Tk)`` bool (Algorithm 2's causal mask ``C``).

@@ -105,6 +105,20 @@ def block_index_dtype(num_key_blocks: int) -> torch.dtype:
     return torch.int16 if num_key_blocks < 2**15 else torch.int32
 
 
+def full_block_counts(counts: torch.Tensor, indices: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """`BlockMask.full_counts` of selected-block lists: ``(B, Hq, Tq)`` int32.
+
+    The number of leading entries of each ascending list ``indices[..., :counts]`` that lie below
+    the query block's `Layout.first_masked_blocks`, i.e. need no per-token check. Computed on
+    ``indices``' device with no host sync (CUDA-graph safe).
+    """
+    first = layout.first_masked_blocks(indices.device).to(indices.dtype)  # (Tq,), <= Tk fits the dtype
+    # The -1 padding past each count is below every ``first`` too: one pass over the lists counts
+    # it along, and the padding (Tk - count entries) is taken off again.
+    below = (indices < first[:, None]).sum(-1, dtype=torch.int32)
+    return below - (indices.shape[-1] - counts.to(torch.int32))
+
+
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """Selected key blocks per (batch, query head, query block), as counts plus sorted indices.
@@ -112,17 +126,40 @@ class BlockMask:
     The kernel walks ``indices[b, h, i, :counts[b, h, i]]`` and nothing else. Entries past the count
     are ``-1``. Block indices refer to the *permuted* key order.
 
+    Each list is split, as FlexAttention splits its full and partial blocks, into a *full* head
+    that needs no per-token check (key blocks wholly in the past of every query of the query
+    block) and a *masked* tail (the on-diagonal segment, and the partial last key block when
+    ``Nk`` is not a multiple of the block size), which is compared on original positions. The
+    split is stored here, worked out once by `full_block_counts` from
+    `Layout.first_masked_blocks`, and every backend (the Triton and Gluon kernels, the
+    FlexAttention lowering) reads it. It is derived in ``__post_init__`` when not given, so no
+    builder can leave it out.
+
     Attributes:
         counts: ``(B, Hq, Tq)`` int32, number of selected key blocks.
         indices: ``(B, Hq, Tq, Tk)`` selected key blocks in ascending order, then ``-1``; int16
             while ``Tk < 2**15`` (up to 4M tokens at block 128: half the memory of int32, which
             matters at 512K where the list alone is ``Hq * Tq * Tk`` entries), int32 beyond.
         layout: the geometry the mask was built for.
+        full_counts: ``(B, Hq, Tq)`` int32, how many leading entries of each list need no
+            per-token check (``<= counts``); the rest get one. Leave it out to have it derived
+            (`full_block_counts`); pass it only to carry one along (`to`) or, in tests, to
+            check that a backend really reads it.
     """
 
     counts: torch.Tensor
     indices: torch.Tensor
     layout: Layout
+    full_counts: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_counts is None:
+            object.__setattr__(self, "full_counts", full_block_counts(self.counts, self.indices, self.layout))
+        elif tuple(self.full_counts.shape) != tuple(self.counts.shape):
+            raise ValueError(
+                f"full_counts must have the shape of counts {tuple(self.counts.shape)}, "
+                f"got {tuple(self.full_counts.shape)}"
+            )
 
     @classmethod
     def from_dense(cls, dense: torch.Tensor, layout: Layout) -> "BlockMask":
@@ -169,7 +206,7 @@ class BlockMask:
         return float(self.density_per_head().mean())
 
     def to(self, device: torch.device | str) -> "BlockMask":
-        return BlockMask(self.counts.to(device), self.indices.to(device), self.layout)
+        return BlockMask(self.counts.to(device), self.indices.to(device), self.layout, self.full_counts.to(device))
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,6 +15,8 @@ shapes are tiny and dtypes are fp16/fp32 (the interpreter's bf16 dot products ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,6 +172,44 @@ def test_random_dense_masks(causal):
     mask = BlockMask.from_dense(dense.to(q.device), layout)
     out = check_kernel(plan, q, k, v, torch.float16, mask=mask)
     assert out[:, 0, 3 * 16 : 4 * 16].abs().max() == 0
+
+
+@pytest.mark.parametrize("permuter", ["random", "key_aware_query"])
+def test_kernel_reads_the_masks_split(permuter):
+    """The kernel takes the unmasked/masked split from ``mask.full_counts`` and works out nothing
+    itself: claiming every block is full drops the per-token check (the result is then attention
+    over the selected blocks with no causality at all), claiming none is full costs only time."""
+    # Nk a multiple of the block: no padded key slots, so "no check" is exactly non-causal.
+    q, k, v = make_qkv(heads_q=2, heads_kv=1, seq_len=256, head_dim=32, seed=11, device=DEVICE)
+    plan = make_plan(q, k, permuter=permuter, density=1.0)
+    mask = plan.mask
+    assert (mask.full_counts < mask.counts).all()  # every query block has an on-diagonal tail
+    qp, kp, vp = plan.query_permutation.apply(q), plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    positions = dict(
+        query_positions=None if plan.query_permutation.is_identity else qpos,
+        key_positions=None if plan.key_permutation.is_identity else kpos,
+    )
+
+    def run(m):
+        return block_sparse_attention(qp.half(), kp.half(), vp.half(), m, **positions).float()
+
+    causal = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=True)
+    unchecked = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=False)
+    assert pbs.testing.relative_error(run(mask), causal) < 5e-3
+    all_full = dataclasses.replace(mask, full_counts=mask.counts.clone())
+    out = run(all_full)
+    assert pbs.testing.relative_error(out, unchecked) < 5e-3
+    assert pbs.testing.relative_error(out, causal) > 0.05
+    none_full = dataclasses.replace(mask, full_counts=torch.zeros_like(mask.counts))
+    assert pbs.testing.relative_error(run(none_full), causal) < 5e-3
+
+
+def test_causal_run_of_a_non_causal_mask_is_refused():
+    q, k, v = make_qkv(heads_q=2, heads_kv=1, seq_len=128, head_dim=16, seed=12, device=DEVICE)
+    plan = make_plan(q, k, block=16, segment=32, causal=False)
+    with pytest.raises(ValueError, match="causal=True needs a mask built for causal attention"):
+        block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, causal=True)
 
 
 def test_finalized_random_selection_batch_two():

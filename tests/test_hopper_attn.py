@@ -127,9 +127,36 @@ def test_gpu_hopper_arbitrary_masks_and_empty_rows(causal):
     gen = torch.Generator().manual_seed(0)
     dense = torch.rand(layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks, generator=gen) < 0.6
     dense[:, 0, 3] = False  # a query block that selects nothing
-    dense[:, 1, :] = True  # every block, future ones included: the whole list is scanned for the tail
+    dense[:, 1, :] = True  # every block, future ones included: a long masked tail (full_counts)
     out = check_kernel(plan, q, k, v, torch.bfloat16, mask=BlockMask.from_dense(dense.cuda(), layout), kernel="hopper")
     assert out[:, 0, 3 * 128 : 4 * 128].abs().max() == 0
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_hopper_reads_the_masks_split():
+    """As the Triton kernel's test: the unmasked/masked split comes from ``mask.full_counts``;
+    claiming every block full drops the per-token check, claiming none full changes nothing."""
+    import dataclasses
+
+    from pbs.reference import block_sparse_attention_reference
+    from pbs.testing import relative_error
+
+    q, k, v = _gpu_inputs(1, 4, 2, 2048, 128, seed=5)
+    plan = make_plan(q, k, block=128, segment=256, permuter="random", density=1.0)
+    mask = plan.mask
+    qp, kp, vp = q, plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+
+    def run(m):
+        return block_sparse_attention(qp.bfloat16(), kp.bfloat16(), vp.bfloat16(), m, None, kpos, kernel="hopper").float()
+
+    causal = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=True)
+    unchecked = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=False)
+    assert relative_error(run(mask), causal) < 2e-2
+    out = run(dataclasses.replace(mask, full_counts=mask.counts.clone()))
+    assert relative_error(out, unchecked) < 2e-2 and relative_error(out, causal) > 0.05
+    assert relative_error(run(dataclasses.replace(mask, full_counts=torch.zeros_like(mask.counts))), causal) < 2e-2
 
 
 @pytest.mark.gpu

@@ -19,7 +19,6 @@ SHARED = {
     "tma_strides": r"^def _?tma_strides\(",
     "tma_descriptor": r"^def _?(tma_)?descriptor\(",
     "pow2_at_least": r"^def _?pow2_at_least\(",
-    "masked_tail": r"^def _?masked_tail\(",
 }
 
 
@@ -56,15 +55,6 @@ def test_flex_pads_positions_with_the_shared_far_future():
 
     padded = _padded_positions(torch.arange(5).view(1, 1, 5), 8)
     assert padded.tolist() == [[[0, 1, 2, 3, 4] + [_common.FAR_FUTURE] * 3]]
-
-
-def test_masked_tail_covers_the_on_diagonal_segments():
-    from pbs.layout import Layout
-
-    layout = Layout(batch=1, heads_q=1, heads_kv=1, seq_len_q=4096, seq_len_k=4096, block_size=128, segment_size=256)
-    assert _common.masked_tail(layout, 128) == 8  # 2 segments of 2 blocks + 2 -> 6 -> 8
-    short = Layout(batch=1, heads_q=1, heads_kv=1, seq_len_q=300, seq_len_k=300, block_size=128, segment_size=256)
-    assert _common.masked_tail(short, 128) == 4  # at most every key block (3), as a power of two
 
 
 def test_tma_strides_make_size_one_dims_contiguous():

@@ -8,6 +8,8 @@ compiled FlexAttention against the reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,6 +84,10 @@ def test_split_keeps_every_selected_block_once():
     assert torch.equal(rebuilt, plan.mask.to_dense())
     # Every partial block is on the diagonal (or later), every full block before it.
     assert (partial_counts <= layout.diagonal_blocks().sum(-1)).all()
+    # The split is the mask's own (one rule for every backend), not worked out again here.
+    assert torch.equal(full_counts, plan.mask.full_counts)
+    claimed = dataclasses.replace(plan.mask, full_counts=torch.zeros_like(plan.mask.counts))
+    assert torch.equal(split_full_and_partial(claimed)[0], plan.mask.counts)
 
 
 @pytest.mark.gpu

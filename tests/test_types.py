@@ -97,6 +97,129 @@ def test_layout_block_sets_match_brute_force(nq, nk, block, segment, causal):
     assert layout.total_allowed_blocks == int(allowed.sum())
 
 
+def _brute_force_full_blocks(layout: Layout) -> torch.Tensor:
+    """``(Tq, Tk)`` bool: key block ``j`` needs no per-token check for query block ``i``.
+
+    From per-token effective positions: every key slot's latest possible position is before the
+    earliest possible position of every query slot (causal), and no slot of the key block lies past
+    ``Nk`` (a padded slot always needs the check)."""
+    s, bs = layout.segment_size, layout.block_size
+    permutable_keys = layout.permutable_key_len
+    lo_q, hi_q = layout.permutable_query_range
+    tq, tk = layout.num_query_blocks, layout.num_key_blocks
+    full = torch.zeros(tq, tk, dtype=torch.bool)
+    for i in range(tq):
+        q_lo = min(
+            (t + layout.query_offset) // s * s if lo_q <= t < hi_q else t + layout.query_offset
+            for t in range(i * bs, min((i + 1) * bs, layout.seq_len_q))
+        )
+        for j in range(tk):
+            slots = range(j * bs, (j + 1) * bs)
+            if any(t >= layout.seq_len_k for t in slots):
+                continue
+            k_hi = max(t // s * s + s - 1 if t < permutable_keys else t for t in slots)
+            full[i, j] = (not layout.causal) or k_hi < q_lo
+    return full
+
+
+FULL_COUNT_LAYOUTS = [
+    # nq, nk, block, segment, causal, segmented
+    (300, 300, 32, 64, True, True),  # Nk not a multiple of the block: partial last key block
+    (256, 256, 32, 64, True, True),
+    (100, 300, 32, 64, True, True),  # cached prefix, Nk - Nq not a multiple of the block
+    (37, 250, 16, 64, True, True),
+    (128, 128, 32, 128, True, True),
+    (5, 40, 16, 32, True, True),
+    (300, 300, 32, 32, True, False),  # unpermuted (the `none` permuter's one-block segments)
+    (100, 300, 32, 32, True, False),
+    (200, 300, 32, 64, False, True),  # non-causal: every block full but the partial last one
+    (256, 256, 32, 64, False, True),
+    (200, 300, 32, 32, False, False),
+]
+
+
+@pytest.mark.parametrize("nq, nk, block, segment, causal, segmented", FULL_COUNT_LAYOUTS)
+def test_full_counts_match_brute_force(nq, nk, block, segment, causal, segmented):
+    layout = Layout(batch=2, heads_q=3, heads_kv=1, seq_len_q=nq, seq_len_k=nk, block_size=block,
+                    segment_size=segment, causal=causal, segmented=segmented)
+    full = _brute_force_full_blocks(layout)
+    # The full blocks of a query block are a prefix of the key blocks, which is what lets an
+    # ascending list be split by one count.
+    first = layout.first_masked_blocks()
+    assert torch.equal(full, torch.arange(layout.num_key_blocks)[None, :] < first[:, None])
+    if not causal:
+        assert torch.equal(first, torch.full_like(first, layout.num_key_blocks - (nk % block != 0)))
+    # What needs the check is on the diagonal (always computed), or the partial last key block.
+    partial = torch.zeros(layout.num_key_blocks, dtype=torch.bool)
+    partial[-1] = nk % block != 0
+    assert not (layout.allowed_blocks() & ~full & ~layout.diagonal_blocks() & ~partial).any()
+
+    gen = torch.Generator().manual_seed(nq + nk)
+    for p in (0.3, 1.0):  # random lists (future blocks included) and every block
+        dense = torch.rand(2, 3, layout.num_query_blocks, layout.num_key_blocks, generator=gen) < p
+        mask = BlockMask.from_dense(dense, layout)
+        assert mask.full_counts.dtype == torch.int32
+        assert torch.equal(mask.full_counts, (dense & full).sum(-1).int())
+        # The full entries are the head of each list: the first full_counts entries, all full.
+        for b, h, i in itertools.product(range(2), range(3), range(layout.num_query_blocks)):
+            listed = mask.indices[b, h, i, : int(mask.counts[b, h, i])].long()
+            n_full = int(mask.full_counts[b, h, i])
+            assert full[i, listed[:n_full]].all() and not full[i, listed[n_full:]].any()
+
+
+@pytest.mark.parametrize("permuter", ["random", "key_aware_query", "last_block", "none"])
+@pytest.mark.parametrize("seq_len, seq_len_q", [(300, None), (256, 150)])
+def test_full_blocks_hold_only_past_keys_for_real_permutations(permuter, seq_len, seq_len_q):
+    """Checked on the plan's actual positions: every key of a full block is at or before every
+    query of its query block and inside ``Nk``; a per-token check there would change nothing."""
+    import pbs
+    from pbs.testing import make_qkv
+
+    q, k, _ = make_qkv(heads_q=2, heads_kv=1, seq_len=seq_len, seq_len_q=seq_len_q, head_dim=16, seed=4)
+    config = pbs.PBSConfig(block_size=16, segment_size=64, permuter=permuter, gqa="per_head",
+                           selector={"name": "budget", "density": 1.0}, backend="reference")
+    plan = pbs.plan(q, k, config)
+    mask, layout, bs = plan.mask, plan.layout, plan.layout.block_size
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    for h, i in itertools.product(range(2), range(layout.num_query_blocks)):
+        listed = mask.indices[0, h, i, : int(mask.counts[0, h, i])].long()
+        n_full = int(mask.full_counts[0, h, i])
+        earliest_query = int(qpos[0, h, i * bs : (i + 1) * bs].min())
+        for j in listed[:n_full].tolist():
+            assert (j + 1) * bs <= layout.seq_len_k
+            hk = h * kpos.shape[1] // 2  # the query head's key head (an identity permutation has one)
+            assert int(kpos[0, hk, j * bs : (j + 1) * bs].max()) <= earliest_query
+    # The permutations here move keys inside segments: some lists have a masked tail to keep.
+    assert (mask.full_counts < mask.counts).any()
+
+
+def test_full_counts_travel_with_the_mask():
+    layout = _layout()
+    dense = layout.allowed_blocks().expand(2, 3, -1, -1).clone()
+    mask = BlockMask.from_dense(dense, layout)
+    assert torch.equal(mask.to("cpu").full_counts, mask.full_counts)
+    # A given split is kept (so a test can check that a backend reads it), a wrong shape is not.
+    claimed = BlockMask(mask.counts, mask.indices, layout, full_counts=mask.counts.clone())
+    assert torch.equal(claimed.full_counts, mask.counts)
+    assert torch.equal(claimed.to("cpu").full_counts, mask.counts)
+    with pytest.raises(ValueError, match="full_counts must have the shape of counts"):
+        BlockMask(mask.counts, mask.indices, layout, full_counts=mask.counts[:, :1])
+
+
+def test_the_masking_rule_is_written_once():
+    """`Layout.first_masked_blocks` is the only place that works out where the per-token check
+    starts; the kernels and the FlexAttention lowering read ``BlockMask.full_counts``."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "pbs"
+    where = [
+        str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+        if re.search(r"^\s*def \w*(first_masked|count_masked)\w*\(", path.read_text(), re.MULTILINE)
+    ]
+    assert where == ["layout.py"]
+
+
 def test_on_diagonal_segment_is_allowed_whole():
     # Prefill, block 128, segment 256: query block 0 may see key block 1 of its own segment.
     layout = _layout(nq=1024, nk=1024, block=128, segment=256)

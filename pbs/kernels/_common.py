@@ -43,13 +43,6 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return p
 
 
-def masked_tail(layout: Any, mask_block: int) -> int:
-    """``TAIL`` of the attention kernels: how many last entries of a selected-block list they look
-    at first for blocks that need the per-token causal check. Those are the on-diagonal segment's
-    (two segments' worth plus two, for unusual masks), at most every key block, as a power of two."""
-    return pow2_at_least(min(layout.num_key_blocks, 2 * layout.segment_size // mask_block + 2), floor=2)
-
-
 def tma_strides(x: torch.Tensor) -> list[int]:
     """Strides with those of size-1 dims made "contiguous": they never move the address, and TMA
     wants every stride 16-byte aligned."""

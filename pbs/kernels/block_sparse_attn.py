@@ -4,9 +4,10 @@
 One program computes one tile of ``BLOCK_M`` query slots of one (batch, query head) and walks only
 the key blocks its query block selected (``mask.indices[b, h, i, :mask.counts[b, h, i]]``). The
 list is ascending and the per-token causal check is only needed for key blocks whose effective
-position range reaches the query tile's (the on-diagonal segment), so those come last: the program
-splits the list once, runs an unmasked loop over the off-diagonal blocks and a masked loop over the
-short tail. Causality is checked on *original* positions (permuted slots carry their positions),
+position range reaches the query block's (the on-diagonal segment, and a partial last key block),
+so those come last. The mask stores where they start (``mask.full_counts``, one rule for every
+backend: `pbs.layout.Layout.first_masked_blocks`); the program reads it next to the count and
+runs an unmasked loop over the list's head and a masked loop over its short tail. Causality is checked on *original* positions (permuted slots carry their positions),
 so permuted keys and queries stay exact.
 
 GQA is native: query head ``h`` reads key/value head ``h // (Hq // Hk)`` of ``k``/``v``
@@ -29,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pbs.kernels._common import (
-    FAR_FUTURE, LOG2_E, interpreting, masked_tail, pow2_at_least, tma_descriptor, tma_strides,
+    FAR_FUTURE, LOG2_E, interpreting, pow2_at_least, tma_descriptor, tma_strides,
 )
 from pbs.layout import cdiv
 from pbs.types import BlockMask
@@ -76,12 +77,16 @@ def _block_sparse_attn_fwd(
     v_desc,
     o_desc,
     counts_ptr,
+    full_ptr,
     indices_ptr,
     qpos_ptr,
     kpos_ptr,
     stride_cb,
     stride_ch,
     stride_ci,
+    stride_fb,
+    stride_fh,
+    stride_fi,
     stride_ib,
     stride_ih,
     stride_ii,
@@ -97,18 +102,12 @@ def _block_sparse_attn_fwd(
     seq_len_k,
     tiles_per_head,
     query_offset,
-    permutable_key_len,
-    permutable_q_lo,
-    permutable_q_hi,
-    segment_size,
-    num_key_blocks,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TAIL: tl.constexpr,
     CAUSAL: tl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: tl.constexpr,
     KEYS_PERMUTED: tl.constexpr,
@@ -140,37 +139,15 @@ def _block_sparse_attn_fwd(
     count = tl.load(counts_ptr + i_b.to(tl.int64) * stride_cb + i_hq * stride_ch + i_qb * stride_ci)
     p_list = indices_ptr + i_b.to(tl.int64) * stride_ib + i_hq.to(tl.int64) * stride_ih + i_qb.to(tl.int64) * stride_ii
 
-    # Key blocks from `first_masked` on may hold a key later than some query of this tile (or a
-    # padded slot past Nk); every block before it is wholly in the past of every query here.
-    # Closed form of Layout.key_block_ranges / query_block_ranges: a permutable slot's effective
-    # range is its whole segment, and the lowest position of the tile is that of its first row.
-    first_masked = num_key_blocks
-    if CAUSAL:
-        q_first_pos = row0 + query_offset
-        q_permutable = (row0 >= permutable_q_lo) & (row0 < permutable_q_hi)
-        q_lo = tl.where(q_permutable, (q_first_pos // segment_size) * segment_size, q_first_pos)
-        first_masked = tl.where(
-            q_lo < permutable_key_len, (q_lo // segment_size) * (segment_size // MASK_BLOCK), q_lo // MASK_BLOCK
-        )
-    if PARTIAL_LAST_KEY_BLOCK:
-        first_masked = tl.minimum(first_masked, num_key_blocks - 1)
-
-    # The list is ascending, so the masked blocks are its last entries; there are few of them (the
-    # on-diagonal segment), so look at the last TAIL entries and scan the whole list only if all
-    # of those need the mask.
-    n_masked = count * 0
+    # The list is ascending and its first `n_unmasked` entries are wholly in the past of every
+    # query of the query block (BlockMask.full_counts, worked out once where the mask was built);
+    # the rest (the on-diagonal segment, a partial last key block) get the per-token check. The
+    # split belongs to the query block, so the SPLIT_M tiles of one block share it; a later tile's
+    # own split could start a block later (when Nk - Nq is not a multiple of the block), but the
+    # check on a block wholly in the past keeps every score, so the result is the same.
+    n_unmasked = count
     if NEEDS_SPLIT:
-        o_tail = tl.arange(0, TAIL)
-        o_last = count - TAIL + o_tail
-        b_last = tl.load(p_list + o_last, mask=o_last >= 0, other=-1)
-        n_masked = tl.sum((b_last >= first_masked).to(tl.int32), 0)
-        if n_masked == TAIL:
-            n_masked = count * 0
-            for c in range(0, count, TAIL):
-                o_chunk = c + o_tail
-                b_chunk = tl.load(p_list + o_chunk, mask=o_chunk < count, other=-1)
-                n_masked += tl.sum((b_chunk >= first_masked).to(tl.int32), 0)
-    n_unmasked = count - n_masked
+        n_unmasked = tl.load(full_ptr + i_b.to(tl.int64) * stride_fb + i_hq * stride_fh + i_qb * stride_fi)
 
     b_q = q_desc.load([i_b, i_hq, row0, 0]).reshape(BLOCK_M, HEAD_DIM)
     if CAUSAL:
@@ -392,6 +369,7 @@ class _Call:
     out: torch.Tensor
     mask: BlockMask
     counts: torch.Tensor
+    full_counts: torch.Tensor
     indices: torch.Tensor
     qpos: torch.Tensor
     kpos: torch.Tensor
@@ -411,12 +389,17 @@ def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) 
         out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
     elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
+    if causal and not mask.layout.causal:
+        # The mask's split (full_counts) was made without causality: its on-diagonal blocks are
+        # counted as full, and a causal run would skip their per-token check.
+        raise ValueError("causal=True needs a mask built for causal attention (mask.layout.causal is False)")
     counts = mask.counts.to(torch.int32)
+    full_counts = mask.full_counts.to(torch.int32)
     indices = mask.indices if mask.indices.stride(-1) == 1 else mask.indices.contiguous()
     queries_permuted = causal and query_positions is not None
     keys_permuted = causal and key_positions is not None
     return _Call(
-        q, k, v, out, mask, counts, indices,
+        q, k, v, out, mask, counts, full_counts, indices,
         qpos=query_positions if queries_permuted else counts,  # any pointer will do when unused
         kpos=key_positions if keys_permuted else counts,
         queries_permuted=queries_permuted,
@@ -434,9 +417,6 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     hk, nk = call.k.shape[1], call.k.shape[2]
     mask_block = layout.block_size
     tiles_per_head = cdiv(nq, config.block_m)
-    perm_q_lo, perm_q_hi = layout.permutable_query_range
-    segment = layout.segment_size
-    tail = masked_tail(layout, mask_block)
     # This kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
     # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
     # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
@@ -446,19 +426,18 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         tma_descriptor(TensorDescriptor, call.k, config.block_n, call.head_dim),
         tma_descriptor(TensorDescriptor, call.v, config.block_n, call.head_dim_v),
         tma_descriptor(TensorDescriptor, call.out, config.block_m, call.head_dim_v),
-        call.counts, indices, call.qpos, call.kpos,
-        *call.counts.stride(), *indices.stride()[:3],
+        call.counts, call.full_counts, indices, call.qpos, call.kpos,
+        *call.counts.stride(), *call.full_counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
         hk, hq // hk, nq, nk, tiles_per_head,
-        nk - nq, layout.permutable_key_len, perm_q_lo, perm_q_hi, segment, layout.num_key_blocks,
+        nk - nq,
         call.scale * LOG2_E,
         HEAD_DIM=call.head_dim,
         HEAD_DIM_V=call.head_dim_v,
         MASK_BLOCK=mask_block,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        TAIL=tail,
         CAUSAL=call.causal,
         PARTIAL_LAST_KEY_BLOCK=nk % mask_block != 0,
         KEYS_PERMUTED=call.keys_permuted,

@@ -1,8 +1,9 @@
 """The PBS block mask lowered to ``torch.nn.attention.flex_attention``: a second implementation.
 
 The `BlockMask` maps one to one onto FlexAttention's: ``counts``/``indices``
-become its ``kv_num_blocks``/``kv_indices``. Blocks that lie wholly in the past of their query block
-go in as *full* blocks (no ``mask_mod`` call); the on-diagonal ones as partial blocks whose
+become its ``kv_num_blocks``/``kv_indices``. The mask already stores which leading entries of each
+list lie wholly in the past of their query block (``full_counts``, the rule every backend reads):
+those go in as *full* blocks (no ``mask_mod`` call), the rest (on-diagonal) as partial blocks whose
 ``mask_mod`` compares *original* positions, read from the permutation, so permuted attention stays
 exact. CUDA only (FlexAttention runs as a compiled Triton kernel); never picked by ``auto``.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from pbs.kernels._common import FAR_FUTURE
-from pbs.layout import Layout, cdiv
+from pbs.layout import cdiv
 from pbs.types import BlockMask
 
 # FlexAttention's own tile; positions are padded to a multiple of it so mask_mod never reads past them.
@@ -33,41 +34,24 @@ def _flex_attention() -> Callable:
     return _compiled_flex
 
 
-def first_masked_blocks(layout: Layout, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per query block, the first key block that needs a per-token check: ``(Tq,)`` int64.
-
-    Key blocks below it are wholly in the past of every query of the block (their effective
-    position ranges end before the query block's begins); the partial last key block (``Nk`` not a
-    multiple of the block size) always needs the check for its padded slots.
-    """
-    tk = layout.num_key_blocks
-    if layout.causal:
-        _, k_hi = layout.key_block_ranges(device)
-        q_lo, _ = layout.query_block_ranges(device)
-        first = (k_hi[None, :] < q_lo[:, None]).sum(-1)
-    else:
-        first = torch.full((layout.num_query_blocks,), tk, dtype=torch.int64, device=device)
-    if layout.seq_len_k % layout.block_size:
-        first = first.clamp(max=tk - 1)
-    return first
-
-
 def split_full_and_partial(mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Splits every selected list into its unmasked head and its masked (on-diagonal) tail.
+
+    The split is the mask's own (``mask.full_counts``, see `pbs.types.BlockMask`): the first
+    ``full_counts`` entries of each ascending list are FlexAttention's full blocks, the rest its
+    partial blocks.
 
     Returns:
         ``(partial_counts, partial_indices, full_counts, full_indices)``; counts ``(B, H, Tq)``
         int32, indices ``(B, H, Tq, Tk)`` int32 with each list first and 0 after it.
     """
-    first = first_masked_blocks(mask.layout, mask.indices.device)
     indices = mask.indices.long()
     counts = mask.counts.long()
+    full_counts = mask.full_counts.long()
     tk = indices.shape[-1]
     arange = torch.arange(tk, device=indices.device)
-    selected = arange < counts[..., None]
-    full = selected & (indices < first[None, None, :, None])
-    full_counts = full.sum(-1)
-    # Lists are ascending, so the full blocks are each list's first entries; shift the rest left.
+    full = arange < full_counts[..., None]
+    # The full blocks are each list's first entries; shift the rest left.
     shifted = (arange + full_counts[..., None]).clamp(max=tk - 1)
     partial_indices = indices.gather(-1, shifted)
     partial_counts = counts - full_counts
@@ -103,6 +87,8 @@ def to_flex_block_mask(
     device = mask.indices.device
     hq = mask.counts.shape[1]
     if causal:
+        if not layout.causal:
+            raise ValueError("causal=True needs a mask built for causal attention (mask.layout.causal is False)")
         partial_counts, partial_indices, full_counts, full_indices = split_full_and_partial(mask)
         pad_to = max(_FLEX_TILE, bs)
         offset = layout.query_offset

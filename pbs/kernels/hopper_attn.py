@@ -2,7 +2,7 @@
 
 The Triton kernel (`pbs.kernels.block_sparse_attn`) is software-pipelined by the compiler:
 every loop step ends in CTA-wide barriers, so its two warpgroups do their softmax at the same time
-while the tensor cores wait, and each program pays its prologue (list scan, Q load, pipeline
+while the tensor cores wait, and each program pays its prologue (list lookup, Q load, pipeline
 fill) with nothing to overlap it. This kernel splits a CTA into three partitions that talk only
 through mbarriers:
 
@@ -22,7 +22,8 @@ loads the next tile's Q and first K/V blocks while the consumers finish the curr
 It covers the common case only, and `hopper_not_supported_reasons` says when it does not
 apply: fp16/bf16, head dims 64 or 128 (same for values), mask blocks of 128. Causality is checked
 on original positions in the masked tail of each list exactly as in the Triton kernel, which is
-this kernel's differential twin (``tests/test_hopper_kernel.py``).
+this kernel's differential twin (``tests/test_hopper_attn.py``); where that tail starts is read
+from the mask (``BlockMask.full_counts``, one rule for every backend), not worked out here.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, masked_tail, tma_descriptor
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, tma_descriptor
 from pbs.layout import cdiv
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
@@ -85,6 +86,15 @@ def _tile_list(rank, ptrs, strides, dims):
 
 
 @gluon.jit
+def _full_count(i_b, i_hq, i_t, ptrs, strides):
+    """How many leading entries of the tile's list need no per-token check
+    (``BlockMask.full_counts``: a tile is one query block here)."""
+    full_ptr = ptrs[6]
+    stride_fb, stride_fh, stride_fi = strides[15], strides[16], strides[17]
+    return gl.load(full_ptr + i_b.to(gl.int64) * stride_fb + i_hq * stride_fh + i_t * stride_fi)
+
+
+@gluon.jit
 def _publish_tile(rank, t, tile_ids, tile_ready, tile_empty):
     """Producer: hand tile ``rank`` (or the end mark, any rank >= the tile count) to the consumers."""
     slot = t % 2
@@ -106,42 +116,6 @@ def _next_tile(t, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _first_masked_block(row0, dims, CAUSAL: gl.constexpr, PARTIAL_LAST_KEY_BLOCK: gl.constexpr):
-    """Key blocks from this one on may hold a key later than some query of the tile (or a padded
-    slot past Nk); the closed form of Layout.key_block_ranges, as in the Triton kernel."""
-    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
-     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
-    first_masked = num_key_blocks
-    if CAUSAL:
-        q_first_pos = row0 + query_offset
-        q_permutable = (row0 >= permutable_q_lo) & (row0 < permutable_q_hi)
-        q_lo = gl.where(q_permutable, (q_first_pos // segment_size) * segment_size, q_first_pos)
-        first_masked = gl.where(q_lo < permutable_key_len, (q_lo // segment_size) * (segment_size // BLOCK),
-                                q_lo // BLOCK)
-    if PARTIAL_LAST_KEY_BLOCK:
-        first_masked = gl.minimum(first_masked, num_key_blocks - 1)
-    return first_masked
-
-
-@gluon.jit
-def _count_masked(p_list, count, first_masked, TAIL: gl.constexpr):
-    """How many of the list's (ascending) entries are >= ``first_masked``: the last TAIL entries
-    decide unless all of them are masked, then the whole list is scanned."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    o_tail = gl.arange(0, TAIL, layout=layout)
-    o_last = count - TAIL + o_tail
-    b_last = gl.load(p_list + o_last, mask=o_last >= 0, other=-1)
-    n_masked = gl.sum((b_last >= first_masked).to(gl.int32), 0)
-    if n_masked == TAIL:
-        n_masked = count * 0
-        for c in range(0, count, TAIL):
-            o_chunk = c + o_tail
-            b_chunk = gl.load(p_list + o_chunk, mask=o_chunk < count, other=-1)
-            n_masked += gl.sum((b_chunk >= first_masked).to(gl.int32), 0)
-    return n_masked
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online-softmax update from raw scores (scale folded into the exponent's FMA)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -156,11 +130,10 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr = ptrs
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr = ptrs
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
-    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
-     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
+     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi) = strides
+    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale) = dims
 
     kv_i = 0
     t = 0
@@ -196,17 +169,16 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
               QUERIES_PERMUTED: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr = ptrs
+    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr = ptrs
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on) = strides
-    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
-     permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale) = dims
+     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi) = strides
+    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale) = dims
     NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
     dtype: gl.constexpr = q_desc.dtype
 
@@ -227,8 +199,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         row0 = i_t * BLOCK
         n_unmasked = count
         if NEEDS_SPLIT:
-            first_masked = _first_masked_block(row0, dims, CAUSAL, PARTIAL_LAST_KEY_BLOCK)
-            n_unmasked = count - _count_masked(p_list, count, first_masked, TAIL)
+            n_unmasked = _full_count(i_b, i_hq, i_t, ptrs, strides)
 
         o_m = row0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
         q_pos = o_m + query_offset
@@ -322,25 +293,24 @@ def _mask_scores(s, start_n, q_pos, p_kpos, stride_kpn, seq_len_k, s_cols: gl.co
 
 @gluon.jit
 def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
         _producer(descs, bufs, bars, ptrs, strides, dims, STAGES)
     else:
-        _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+        _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                   PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
-    q_desc, k_desc, v_desc, counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr,
-    stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-    stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
-    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
-    permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, CAUSAL: gl.constexpr,
+    q_desc, k_desc, v_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr,
+    stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
+    stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
+    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -370,18 +340,17 @@ def _hopper_block_sparse_attn_fwd(
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
-    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-               stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on)
-    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, permutable_key_len,
-            permutable_q_lo, permutable_q_hi, segment_size, num_key_blocks, qk_scale)
+               stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi)
+    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale)
     gl.warp_specialize(
         [
-            (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+            (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
-            (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+            (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
-            (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, TAIL, CAUSAL,
+            (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
         ],
         [4, 1],
@@ -412,33 +381,27 @@ def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
 def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
     (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
-    layout = call.mask.layout
     b, hq, nq, d = call.q.shape
     hk, nk = call.k.shape[1], call.k.shape[2]
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
-    perm_q_lo, perm_q_hi = layout.permutable_query_range
-    segment = layout.segment_size
-    tail = masked_tail(layout, BLOCK_SIZE)
     out = call.out
     args = (
         _nvmma_descriptor(call.q, HALF_ROWS),
         _nvmma_descriptor(call.k, BLOCK_SIZE),
         _nvmma_descriptor(call.v, BLOCK_SIZE),
-        call.counts, call.indices, call.qpos, call.kpos, out,
+        call.counts, call.full_counts, call.indices, call.qpos, call.kpos, out,
         torch.zeros(1, dtype=torch.int32, device=out.device),  # the tile counter
-        *call.counts.stride(), *call.indices.stride()[:3],
+        *call.counts.stride(), *call.full_counts.stride(), *call.indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
         out.stride(0), out.stride(1), out.stride(2),
-        hk, hq // hk, nq, nk, tiles_per_head, num_tiles,
-        nk - nq, layout.permutable_key_len, perm_q_lo, perm_q_hi, segment, layout.num_key_blocks,
+        hk, hq // hk, nq, nk, tiles_per_head, num_tiles, nk - nq,
         call.scale * LOG2_E,
     )
     kwargs = dict(
         HEAD_DIM=d,
         STAGES=stages,
-        TAIL=tail,
         CAUSAL=call.causal,
         PARTIAL_LAST_KEY_BLOCK=nk % BLOCK_SIZE != 0,
         KEYS_PERMUTED=call.keys_permuted,
