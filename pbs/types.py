@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,7 +113,7 @@ def full_block_counts(counts: torch.Tensor, indices: torch.Tensor, layout: Layou
     the query block's `Layout.first_masked_blocks`, i.e. need no per-token check. Computed on
     ``indices``' device with no host sync (CUDA-graph safe).
     """
-    first = layout.first_masked_blocks(indices.device).to(indices.dtype)  # (Tq,), <= Tk fits the dtype
+    first = layout.first_masked_blocks_cached(indices.device).to(indices.dtype)  # (Tq,), <= Tk fits the dtype
     # The -1 padding past each count is below every ``first`` too: one pass over the lists counts
     # it along, and the padding (Tk - count entries) is taken off again.
     below = (indices < first[:, None]).sum(-1, dtype=torch.int32)

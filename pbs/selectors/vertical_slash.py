@@ -1,0 +1,180 @@
+"""``vertical_slash``: key blocks from the vertical and slash lines of the last queries' attention.
+
+Pooled estimators (``mean_pool``, ``antidiagonal``) score a block by what its *average* query sees.
+A query that copies from far back (an induction head reading a repeated passage) attends to one
+key at a fixed distance, a different key for every query: averaged over a block that looks like
+nothing, yet summed over queries it is a straight line of constant offset (a *slash*). Keys that
+every query reads (the sink, a retrieved fact) are *vertical* lines. MInference and FlexPrefill
+found that these two shapes hold most of the attention of long prompts, and that the last queries
+of the prompt show both: this selector computes the exact softmax of the last ``last_rows``
+queries (the same rows the ``last_block`` permuter scores), sums it per key (vertical score) and per
+query-key offset (slash score), keeps the fewest keys and the fewest offsets whose shares reach
+``threshold`` each, and selects every key block that holds a kept key or that a kept offset
+crosses, plus the forced blocks (sink and on-diagonal segment).
+
+Cost: ``last_rows`` rows of the query-key product (the ``last_block`` permuter's own cost), two
+sorts of ``Nk`` scores per head and a pass over the ``(Tq, Tk)`` blocks; no per-block scoring.
+
+Offsets and keys are in *original* positions. A block crossed by a kept offset is found from the
+smallest and largest position its query and key slots hold: exact for unpermuted layouts,
+conservative for permuted ones (a permuted block's positions are not contiguous).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from pbs.components import SelectionInputs, SelectorConfig, register_selector
+from pbs.reference.block_sets import forced_blocks
+from pbs.reference.logits import grouped_logits
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax of the last ``last_rows`` queries (by original position) over every key, in
+    original key order.
+
+    Returns:
+        ``(probs, query_pos)``: ``(B, h, R, Nk)`` float32 with keys at their original positions, and
+        ``(B, h, R)`` int64 original positions of the rows, for the query heads ``heads``.
+    """
+    q, k = inputs.q[:, heads], inputs.k
+    layout = inputs.layout
+    b, hs = q.shape[:2]
+    hk = k.shape[1]
+    group = layout.heads_q // hk
+    rows = min(last_rows, q.shape[2])
+    query_pos, slots = inputs.query_positions[:, heads].topk(rows, dim=-1, sorted=True)
+    query_pos, slots = query_pos.flip(-1), slots.flip(-1)
+    q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1]))
+    # The KV heads these query heads read: grouped_logits needs whole groups, so take the KV heads
+    # of the chunk (chunks are whole groups) in order.
+    kv_heads = slice(heads.start // group, (heads.stop + group - 1) // group)
+    logits = grouped_logits(q_last, k[:, kv_heads]) * inputs.scale  # (B, h, R, Nk), slot order
+    key_pos = inputs.key_positions[:, kv_heads]
+    if group > 1:
+        key_pos = key_pos.repeat_interleave(group, dim=1)
+    if layout.causal:
+        logits = logits.masked_fill(key_pos[:, :, None, :] > query_pos[..., None], float("-inf"))
+    probs = logits.softmax(-1)
+    # Back to original key order, where offsets are simple differences.
+    original = torch.zeros_like(probs)
+    original.scatter_(-1, key_pos[:, :, None, :].expand_as(probs), probs)
+    return original, query_pos
+
+
+def vertical_and_slash_scores(probs: torch.Tensor, query_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-key and per-offset shares of the rows' attention.
+
+    Args:
+        probs: ``(B, h, R, Nk)`` softmax rows, keys at their original positions.
+        query_pos: ``(B, h, R)`` original positions of the rows.
+
+    Returns:
+        ``(vertical, slash)``, each ``(B, h, Nk)`` float32 summing to 1: ``vertical[c]`` is the mean
+        over rows of the attention to key ``c``; ``slash[o]`` that to the key ``o`` positions before
+        the row.
+    """
+    rows, nk = probs.shape[-2:]
+    vertical = probs.mean(-2)
+    offsets = torch.arange(nk, device=probs.device)
+    key_index = query_pos[..., None] - offsets  # (B, h, R, Nk): the key at offset o of row r
+    valid = (key_index >= 0) & (key_index < nk)
+    along = probs.gather(-1, key_index.clamp(0, nk - 1)) * valid
+    return vertical, along.mean(-2)
+
+
+def smallest_set_reaching(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The fewest highest entries of each row whose sum reaches ``threshold``: ``(..., N)`` bool."""
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    needed = (ranked.cumsum(-1) < threshold).sum(-1, keepdim=True) + 1
+    keep = torch.arange(scores.shape[-1], device=scores.device) < needed
+    selected = torch.zeros_like(keep)
+    selected.scatter_(-1, order, keep)
+    return selected & (scores > 0)
+
+
+def blocks_of_lines(
+    keys: torch.Tensor, offsets: torch.Tensor, inputs: SelectionInputs, heads: slice
+) -> torch.Tensor:
+    """Key blocks that hold a kept key or that a kept offset crosses.
+
+    Args:
+        keys: ``(B, h, Nk)`` bool, kept keys by original position.
+        offsets: ``(B, h, Nk)`` bool, kept query-key offsets.
+
+    Returns:
+        ``(B, h, Tq, Tk)`` bool (not yet restricted to the allowed blocks).
+    """
+    layout = inputs.layout
+    bs, tq, tk, nk = layout.block_size, layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k
+    device = keys.device
+    key_pos = inputs.key_positions
+    group = layout.heads_q // key_pos.shape[1]
+    if group > 1:
+        key_pos = key_pos.repeat_interleave(group, dim=1)
+    key_pos = key_pos[:, heads]
+    kept_slot = keys.gather(-1, key_pos)  # (B, h, Nk) in slot order
+    pad = tk * bs - nk
+    vertical = torch.nn.functional.pad(kept_slot, (0, pad)).view(*kept_slot.shape[:2], tk, bs).any(-1)
+
+    # Offsets o with query block i and key block j: o in [q_lo(i) - k_hi(j), q_hi(i) - k_lo(j)],
+    # from the positions the blocks really hold (exact for contiguous blocks).
+    q_lo, q_hi = _block_position_ranges(inputs.query_positions[:, heads], bs)
+    k_lo, k_hi = _block_position_ranges(key_pos, bs)
+    lo = (q_lo[..., :, None] - k_hi[..., None, :]).clamp(min=0, max=nk)
+    hi = (q_hi[..., :, None] - k_lo[..., None, :] + 1).clamp(min=0, max=nk)
+    prefix = torch.nn.functional.pad(offsets.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))  # (B, h, Nk+1)
+    flat = prefix.shape[:2] + (tq * tk,)
+    count = prefix.gather(-1, hi.reshape(flat)) - prefix.gather(-1, lo.reshape(flat))
+    slash = (count > 0).view(*prefix.shape[:2], tq, tk)
+    return slash | vertical[:, :, None, :]
+
+
+def _block_position_ranges(positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest and largest original position in each block of slots: ``(B, h, T)`` each."""
+    n = positions.shape[-1]
+    blocks = -(-n // block_size)
+    pad = blocks * block_size - n
+    shape = positions.shape[:-1] + (blocks, block_size)
+    # Padding slots repeat the last real slot, which changes neither extreme.
+    padded = torch.cat([positions, positions[..., -1:].expand(*positions.shape[:-1], pad)], dim=-1)
+    return padded.view(shape).amin(-1), padded.view(shape).amax(-1)
+
+
+@register_selector
+class VerticalSlashSelector(SelectorConfig):
+    """Blocks on the vertical and slash lines of the last queries' exact attention.
+
+    Attributes:
+        threshold: share of the last rows' attention the kept keys must reach, and separately the
+            share the kept offsets must reach, in ``(0, 1]``.
+        last_rows: how many of the last queries (by original position) are scored.
+    """
+
+    name: Literal["vertical_slash"] = "vertical_slash"
+    threshold: float = Field(0.9, gt=0.0, le=1.0)
+    last_rows: int = Field(64, ge=1)
+
+    def select(self, inputs: SelectionInputs) -> torch.Tensor:
+        layout = inputs.layout
+        b, hq = layout.batch, layout.heads_q
+        group = hq // inputs.k.shape[1]
+        per_head = max(1, b * min(self.last_rows, layout.seq_len_q) * layout.seq_len_k)
+        heads_per_chunk = max(group, (_CHUNK_ELEMENTS // per_head) // group * group)
+        selected = torch.empty(b, hq, layout.num_query_blocks, layout.num_key_blocks, dtype=torch.bool,
+                               device=inputs.q.device)
+        for h0 in range(0, hq, heads_per_chunk):
+            heads = slice(h0, min(hq, h0 + heads_per_chunk))
+            probs, query_pos = last_rows_attention(inputs, self.last_rows, heads)
+            vertical, slash = vertical_and_slash_scores(probs, query_pos)
+            del probs
+            keys = smallest_set_reaching(vertical, self.threshold)
+            offsets = smallest_set_reaching(slash, self.threshold)
+            selected[:, heads] = blocks_of_lines(keys, offsets, inputs, heads)
+        forced = forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
+        return (selected | forced) & inputs.allowed_blocks()
