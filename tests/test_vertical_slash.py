@@ -22,13 +22,23 @@ def test_scores_split_a_fixed_key_from_a_fixed_offset():
     for r, p in enumerate(query_pos[0, 0].tolist()):
         probs[0, 0, r, 0] = 0.5  # every row reads key 0: a vertical line
         probs[0, 0, r, p - 50] = 0.5  # and the key 50 before it: a slash
-    vertical, slash = vertical_and_slash_scores(probs, query_pos)
+    vertical, slash = vertical_and_slash_scores(probs, nk - 1)
     assert vertical.sum().item() == pytest.approx(1.0) and slash.sum().item() == pytest.approx(1.0)
     assert vertical[0, 0, 0].item() == pytest.approx(0.5)
     assert torch.allclose(vertical[0, 0, 46:50], torch.full((4,), 0.125))
     assert slash[0, 0, 50].item() == pytest.approx(0.5)
     assert torch.allclose(slash[0, 0, 96:100], torch.full((4,), 0.125))
     assert smallest_set_reaching(slash, 0.5)[0, 0].nonzero().flatten().tolist() == [50]
+
+
+def test_scores_with_queries_that_end_before_the_keys():
+    # Rows at positions 10..12 of 16 keys (a cross-chunk case): offsets count from each row.
+    probs = torch.zeros(1, 1, 3, 16)
+    probs[0, 0, :, 0] = 1.0  # rows at 10, 11, 12 all read key 0: offsets 10, 11, 12
+    _, slash = vertical_and_slash_scores(probs, 12)
+    assert torch.allclose(slash[0, 0, 10:13], torch.full((3,), 1 / 3)) and slash.sum().item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="last_position"):
+        vertical_and_slash_scores(probs, 16)
 
 
 def test_smallest_set_reaching_keeps_the_fewest_top_entries():

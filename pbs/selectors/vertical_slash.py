@@ -39,8 +39,8 @@ def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -
     original key order.
 
     Returns:
-        ``(probs, query_pos)``: ``(B, h, R, Nk)`` float32 with keys at their original positions, and
-        ``(B, h, R)`` int64 original positions of the rows, for the query heads ``heads``.
+        ``(probs, last_position)``: ``(B, h, R, Nk)`` float32 for the query heads ``heads``, keys at
+        their original positions and rows in position order, and the last row's position.
     """
     q, k = inputs.q[:, heads], inputs.k
     layout = inputs.layout
@@ -48,8 +48,11 @@ def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -
     hk = k.shape[1]
     group = layout.heads_q // hk
     rows = min(last_rows, q.shape[2])
+    # Query positions are a permutation of query_offset .. query_offset + Nq - 1, so the R largest
+    # are the last R positions, consecutive.
     query_pos, slots = inputs.query_positions[:, heads].topk(rows, dim=-1, sorted=True)
     query_pos, slots = query_pos.flip(-1), slots.flip(-1)
+    last_position = layout.query_offset + layout.seq_len_q - 1
     q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1]))
     # The KV heads these query heads read: grouped_logits needs whole groups, so take the KV heads
     # of the chunk (chunks are whole groups) in order.
@@ -64,27 +67,37 @@ def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -
     # Back to original key order, where offsets are simple differences.
     original = torch.zeros_like(probs)
     original.scatter_(-1, key_pos[:, :, None, :].expand_as(probs), probs)
-    return original, query_pos
+    return original, last_position
 
 
-def vertical_and_slash_scores(probs: torch.Tensor, query_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def vertical_and_slash_scores(probs: torch.Tensor, last_position: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-key and per-offset shares of the rows' attention.
 
     Args:
-        probs: ``(B, h, R, Nk)`` softmax rows, keys at their original positions.
-        query_pos: ``(B, h, R)`` original positions of the rows.
+        probs: ``(B, h, R, Nk)`` softmax rows, keys at their original positions; row ``r`` is the
+            query at position ``last_position - (R - 1 - r)`` (the last ``R`` queries, in order).
+        last_position: original position of the last row, at most ``Nk - 1``.
 
     Returns:
         ``(vertical, slash)``, each ``(B, h, Nk)`` float32 summing to 1: ``vertical[c]`` is the mean
         over rows of the attention to key ``c``; ``slash[o]`` that to the key ``o`` positions before
         the row.
     """
-    rows, nk = probs.shape[-2:]
+    b, h, rows, nk = probs.shape
+    if not 0 <= nk - 1 - last_position:
+        raise ValueError(f"last_position ({last_position}) must be below the key count ({nk})")
     vertical = probs.mean(-2)
-    offsets = torch.arange(nk, device=probs.device)
-    key_index = query_pos[..., None] - offsets  # (B, h, R, Nk): the key at offset o of row r
-    valid = (key_index >= 0) & (key_index < nk)
-    along = probs.gather(-1, key_index.clamp(0, nk - 1)) * valid
+    # Reading along offsets is a skewed view: with keys reversed (x = Nk - 1 - key), the key at
+    # offset o of row r sits at x = lag + (R - 1 - r) + o, so a row stride of (L - 1) over rows of
+    # length L walks the offsets of every row in step, with no index tensor. The zero padding is
+    # what a row reads past its first key.
+    lag = nk - 1 - last_position
+    length = nk + rows + lag
+    reversed_rows = probs.new_zeros(b, h, rows, length)
+    reversed_rows[..., :nk] = probs.flip(-1)
+    along = reversed_rows.as_strided(
+        (b, h, rows, nk), (h * rows * length, rows * length, length - 1, 1), rows - 1 + lag
+    )
     return vertical, along.mean(-2)
 
 
@@ -151,13 +164,15 @@ class VerticalSlashSelector(SelectorConfig):
     """Blocks on the vertical and slash lines of the last queries' exact attention.
 
     Attributes:
-        threshold: share of the last rows' attention the kept keys must reach, and separately the
-            share the kept offsets must reach, in ``(0, 1]``.
+        threshold: share of the last rows' attention the kept offsets (slash lines) must reach, in
+            ``(0, 1]``; also the kept keys' share unless ``vertical_threshold`` is given.
+        vertical_threshold: share the kept keys (vertical lines) must reach; None: ``threshold``.
         last_rows: how many of the last queries (by original position) are scored.
     """
 
     name: Literal["vertical_slash"] = "vertical_slash"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
+    vertical_threshold: float | None = Field(None, gt=0.0, le=1.0)
     last_rows: int = Field(64, ge=1)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
@@ -170,10 +185,10 @@ class VerticalSlashSelector(SelectorConfig):
                                device=inputs.q.device)
         for h0 in range(0, hq, heads_per_chunk):
             heads = slice(h0, min(hq, h0 + heads_per_chunk))
-            probs, query_pos = last_rows_attention(inputs, self.last_rows, heads)
-            vertical, slash = vertical_and_slash_scores(probs, query_pos)
+            probs, last_position = last_rows_attention(inputs, self.last_rows, heads)
+            vertical, slash = vertical_and_slash_scores(probs, last_position)
             del probs
-            keys = smallest_set_reaching(vertical, self.threshold)
+            keys = smallest_set_reaching(vertical, self.vertical_threshold or self.threshold)
             offsets = smallest_set_reaching(slash, self.threshold)
             selected[:, heads] = blocks_of_lines(keys, offsets, inputs, heads)
         forced = forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
