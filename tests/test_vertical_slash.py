@@ -130,3 +130,26 @@ def test_a_copy_line_is_selected_and_the_output_stays_exact():
         assert selected[i, (i * block - period) // block], f"query block {i} misses its copy source"
     assert plan.density < 0.4
     assert (out - dense).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("permuter,gqa", [("last_block", "shared"), ("last_block", "per_head"), ("none", "shared")])
+def test_original_order_keys_and_permuted_keys_select_the_same(permuter, gqa):
+    q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=16)
+    from pbs.planning import build_plan
+
+    config = small_config(permuter=permuter, gqa=gqa, selector={"name": "vertical_slash", "threshold": 0.7})
+    plan, q_perm, _, _ = build_plan(q, k, config, 16**-0.5)
+    common = dict(q=q_perm, layout=plan.layout, query_positions=plan.query_positions(),
+                  key_positions=plan.key_positions(), scale=16**-0.5)
+    from_permuted = SelectionInputs(k=plan.key_permutation.apply(k), **common)
+    from_source = SelectionInputs(k=None, source_k=k, key_permutation=plan.key_permutation, **common)
+    assert torch.equal(config.selector.select(from_permuted), config.selector.select(from_source))
+
+
+def test_a_separate_vertical_threshold_keeps_more_keys():
+    inputs = _inputs("none", seq_len=300)
+    low = pbs.config.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.5}).selector.select(inputs)
+    high = pbs.config.PBSConfig(
+        selector={"name": "vertical_slash", "threshold": 0.5, "vertical_threshold": 0.99}
+    ).selector.select(inputs)
+    assert (high | ~low).all() and high.sum() > low.sum()

@@ -34,19 +34,19 @@ from pbs.reference.logits import grouped_logits
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -> tuple[torch.Tensor, int]:
     """Exact softmax of the last ``last_rows`` queries (by original position) over every key, in
     original key order.
+
+    ``heads`` must cover whole GQA groups of ``layout.heads_kv``. Reads the keys in original order
+    (``inputs.source_k``) when given, so neither a permuted copy of K nor a scatter back is needed.
 
     Returns:
         ``(probs, last_position)``: ``(B, h, R, Nk)`` float32 for the query heads ``heads``, keys at
         their original positions and rows in position order, and the last row's position.
     """
-    q, k = inputs.q[:, heads], inputs.k
     layout = inputs.layout
-    b, hs = q.shape[:2]
-    hk = k.shape[1]
-    group = layout.heads_q // hk
+    q = inputs.q[:, heads]
     rows = min(last_rows, q.shape[2])
     # Query positions are a permutation of query_offset .. query_offset + Nq - 1, so the R largest
     # are the last R positions, consecutive.
@@ -54,17 +54,24 @@ def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -
     query_pos, slots = query_pos.flip(-1), slots.flip(-1)
     last_position = layout.query_offset + layout.seq_len_q - 1
     q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1]))
-    # The KV heads these query heads read: grouped_logits needs whole groups, so take the KV heads
-    # of the chunk (chunks are whole groups) in order.
-    kv_heads = slice(heads.start // group, (heads.stop + group - 1) // group)
-    logits = grouped_logits(q_last, k[:, kv_heads]) * inputs.scale  # (B, h, R, Nk), slot order
-    key_pos = inputs.key_positions[:, kv_heads]
-    if group > 1:
-        key_pos = key_pos.repeat_interleave(group, dim=1)
+    if inputs.source_k is not None:
+        keys, key_pos = inputs.source_k, None
+    else:
+        keys, key_pos = inputs.k, inputs.key_positions
+    group = layout.heads_q // keys.shape[1]
+    kv_heads = slice(heads.start // group, heads.stop // group)
+    logits = grouped_logits(q_last, keys[:, kv_heads]) * inputs.scale  # (B, h, R, Nk)
+    if key_pos is not None:
+        key_pos = key_pos[:, kv_heads]
+        if group > 1:
+            key_pos = key_pos.repeat_interleave(group, dim=1)
     if layout.causal:
-        logits = logits.masked_fill(key_pos[:, :, None, :] > query_pos[..., None], float("-inf"))
+        positions = torch.arange(layout.seq_len_k, device=q.device) if key_pos is None else key_pos[:, :, None, :]
+        logits = logits.masked_fill(positions > query_pos[..., None], float("-inf"))
     probs = logits.softmax(-1)
-    # Back to original key order, where offsets are simple differences.
+    if key_pos is None:
+        return probs, last_position
+    # Permuted keys: back to original key order, where offsets are simple differences.
     original = torch.zeros_like(probs)
     original.scatter_(-1, key_pos[:, :, None, :].expand_as(probs), probs)
     return original, last_position
@@ -178,7 +185,7 @@ class VerticalSlashSelector(SelectorConfig):
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         layout = inputs.layout
         b, hq = layout.batch, layout.heads_q
-        group = hq // inputs.k.shape[1]
+        group = hq // layout.heads_kv
         per_head = max(1, b * min(self.last_rows, layout.seq_len_q) * layout.seq_len_k)
         heads_per_chunk = max(group, (_CHUNK_ELEMENTS // per_head) // group * group)
         selected = torch.empty(b, hq, layout.num_query_blocks, layout.num_key_blocks, dtype=torch.bool,
