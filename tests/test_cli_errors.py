@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pbs.cli import check_device, config_error_message, main
+from pbs.cli import main
+from pbs.cli.common import check_device, config_error_message
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ONLY = not torch.cuda.is_available()

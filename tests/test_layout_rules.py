@@ -55,3 +55,17 @@ def test_every_kernel_module_has_its_test_file():
         and not (tests / f"test_kernel_{path.stem.lstrip('_')}.py").exists()
     ]
     assert not missing, f"kernels without a test file of their own: {missing}"
+
+
+def test_the_command_line_is_one_package_with_a_module_per_subcommand():
+    import pbs.cli
+
+    cli = PACKAGE / "cli"
+    assert (cli / "__init__.py").exists()
+    modules = {path.stem for path in cli.glob("*.py")} - {"__init__", "common"}
+    assert modules == set(pbs.cli.SUBCOMMANDS), "each subcommand's module is named after the command"
+    strays = [
+        str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*cli*.py")
+        if cli not in path.parents
+    ]
+    assert not strays, f"command-line code outside pbs/cli/: {strays}"

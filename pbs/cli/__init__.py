@@ -1,94 +1,27 @@
-"""The ``pbs`` command line: ``pbs demo``, ``pbs list`` and the subcommands features add."""
+"""The ``pbs`` command line: the dispatcher.
+
+Each subcommand lives in its own module of this package, named after the command
+(``pbs.cli.demo``, ``pbs.cli.list``, ``pbs.cli.generate``, ``pbs.cli.analyze``,
+``pbs.cli.quality``), exposing ``add_parser(subparsers)`` and ``run(args) -> int``; what they share
+(dtype names, argparse value checks) is in `pbs.cli.common`. A module imports what its command needs
+when the command runs, so ``pbs --help`` and ``import pbs`` stay light.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
-import torch
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def default_device() -> str:
-    """``"cuda"`` when torch sees a CUDA device, else ``"cpu"``: the default of every ``--device``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(text: str) -> str:
-    """``--device`` value check (an argparse ``type``): a device torch can name and this machine has.
-
-    Returns the device as torch writes it (``"cpu"``, ``"cuda"``, ``"cuda:1"``). Raises
-    ``argparse.ArgumentTypeError`` with one line that says what is wrong and what to use instead:
-    an unknown name (``gpu``), CUDA on a torch built without it or on a machine without a GPU, a
-    CUDA index past the last device, or a device type that is not available here.
-    """
-    try:
-        device = torch.device(text.strip())
-    except (RuntimeError, ValueError):
-        hint = " (for the GPU, use cuda)" if text.strip().lower() in ("gpu", "nvidia", "cuda0") else ""
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}{hint}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of "
-                "torch to run on the GPU, or use --device cpu"
-            )
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: torch sees no CUDA device on this machine; use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: there is no CUDA device {device.index}; this machine has {count} (cuda:0 to cuda:{count - 1})"
-            )
-    elif device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        available = getattr(backend, "is_available", None)
-        if not (callable(available) and available()):
-            raise argparse.ArgumentTypeError(f"device {text!r} is not available here; use cpu or cuda")
-    return str(device)
-
-
-def config_error_message(exc: BaseException) -> str:
-    """One line for an invalid config: pydantic's errors as ``field: message; ...``, without its
-    ``[type=...]`` details and documentation URL; other exceptions as their text."""
-    from pydantic import ValidationError
-
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where and str(error["loc"][-1]) not in message else message)
-    return "; ".join(parts)
-
-
-# Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``,
-# so a feature adds its command without touching the others.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("pbs.demo_cli", "pbs.list_cli", "pbs.integrations.cli", "pbs.analysis.cli", "pbs.analysis.quality_cli")
+# In the order ``pbs --help`` lists them. (Importing ``pbs.cli.list`` binds the name ``list`` in
+# this module to it, so this module never calls the builtin ``list``.)
+SUBCOMMANDS: tuple[str, ...] = ("demo", "list", "generate", "analyze", "quality")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = argparse.ArgumentParser(prog="pbs", description="Permuted Block-Sparse Attention")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module_name in SUBCOMMAND_MODULES:
-        module = importlib.import_module(module_name)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"{__name__}.{name}")
         module.add_parser(sub).set_defaults(_run=module.run)
     return parser
 

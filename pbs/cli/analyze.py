@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pbs.cli import check_device, config_error_message, positive_int, unit_interval
+from pbs.cli.common import check_device, config_error_message, positive_int, unit_interval
 
 DEFAULT_OUT = "pbs-analysis"
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pbs.backends import list_backends
-from pbs.cli import DTYPES, check_device, config_error_message, default_device, positive_int, unit_interval
+from pbs.cli.common import DTYPES, check_device, config_error_message, default_device, positive_int, unit_interval
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
-from pbs.cli import DTYPES, check_device, config_error_message, default_device, positive_int
+from pbs.cli.common import DTYPES, check_device, config_error_message, default_device, positive_int
 
 DEFAULT_REPEATS = 5
 LONG_PREFILL_S = 10.0  # a prefill at least this long times 3 repeats by default instead of 5

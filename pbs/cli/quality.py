@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pbs.cli import check_device, positive_int, unit_interval
+from pbs.cli.common import check_device, positive_int, unit_interval
 
 DEFAULT_OUT = "pbs-quality"
 

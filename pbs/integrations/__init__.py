@@ -1,7 +1,7 @@
 """Integrations of PBS-Attn with model libraries.
 
 * `pbs.integrations.transformers`: ``attn_implementation="pbs"`` for Hugging Face
-  transformers (``register()``), with the ``pbs generate`` command in `pbs.integrations.cli`.
+  transformers (``register()``), with the ``pbs generate`` command in `pbs.cli.generate`.
 * `pbs.integrations.tensor_parallel`: PBS on one rank's share of the heads under tensor
   parallelism (``tp_plan="auto"``), deciding as one process over all heads would.
 
