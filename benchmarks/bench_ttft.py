@@ -6,10 +6,12 @@ The model has Llama-3.1-8B's shapes (32 layers, hidden 4096, 32 query heads, 8 K
 attention is nearly flat, so the densities the default selector reaches here say nothing about a
 trained model's, and the forced-density ``budget`` rows are the speed numbers to read.
 
-TTFT is one prefill of ``N`` random tokens with a KV cache (``model.model(...)``) plus the last
-position's logits and the greedy first token; the ``(N, vocab)`` logits are never materialised.
-Each row's time is the median of CUDA-event timings over ``--repeats`` runs after one untimed
-warm-up (which also compiles Triton kernels and, for PBS, records the density).
+TTFT is one prefill of ``N`` random tokens with a KV cache plus the last position's logits and
+the greedy first token; the ``(N, vocab)`` logits are never materialised. It is measured by
+`pbs.integrations.ttft.measure_ttft`, the function ``pbs generate`` times with. Each row's time is
+the median of CUDA-event timings over ``--repeats`` runs after one untimed warm-up (which also
+compiles Triton kernels and, for PBS, records the density); the wall-clock median of the same runs
+is kept too.
 
 Rows:
     sdpa            transformers' ``attn_implementation="sdpa"``, the kernel torch picks
@@ -44,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
 import pbs.integrations.transformers as pbs_hf
+from pbs.integrations.ttft import measure_ttft, prefill_first_token
 from bench_kernel import package_version
 
 MODEL_SHAPE = dict(
@@ -132,28 +135,13 @@ def use_row(model, row: str) -> None:
         pbs_hf.switch_attention(model, row)
 
 
-@torch.inference_mode()
-def prefill_first_token(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Prefill with a KV cache, then the last position's logits only; returns the first token."""
-    hidden = model.model(input_ids=input_ids, use_cache=True).last_hidden_state
-    return model.lm_head(hidden[:, -1:]).argmax(-1)
-
-
 def time_row(model, input_ids: torch.Tensor, repeats: int) -> dict[str, Any]:
-    """One traced warm-up, then ``repeats`` CUDA-event timings of :func:`prefill_first_token`."""
+    """One traced warm-up, then ``repeats`` timed runs of :func:`pbs.integrations.ttft.measure_ttft`."""
     with pbs_hf.trace_dispatch() as calls:
         prefill_first_token(model, input_ids)
-    torch.cuda.synchronize()
-    times_ms, wall_ms = [], []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        wall = time.perf_counter()
-        start.record()
-        prefill_first_token(model, input_ids)
-        end.record()
-        end.synchronize()
-        wall_ms.append((time.perf_counter() - wall) * 1e3)
-        times_ms.append(start.elapsed_time(end))
+    ttft = measure_ttft(model, input_ids, warmup=0, repeats=repeats)
+    times_ms = [t * 1e3 for t in ttft.device_times]
+    wall_ms = [t * 1e3 for t in ttft.times]
     densities = [c.density for c in calls if c.density is not None]
     return {
         "median_ms": statistics.median(times_ms),

@@ -402,7 +402,7 @@ def test_pbs_generate_verbose_lists_every_layer(tmp_path, capsys):
 def test_prefill_progress_reports_layers_of_long_forwards():
     import io
 
-    from pbs.cli.generate import PrefillProgress, measure_ttft
+    from pbs.integrations.ttft import PrefillProgress, measure_ttft
 
     model = tiny_model("llama")
     stream = io.StringIO()

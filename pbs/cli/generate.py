@@ -19,19 +19,16 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from pbs.cli.common import DTYPES, check_device, config_error_message, default_device, positive_int
+from pbs.integrations.ttft import DEFAULT_REPEATS, LONG_PREFILL_S, PrefillProgress, measure_ttft
 
-DEFAULT_REPEATS = 5
-LONG_PREFILL_S = 10.0  # a prefill at least this long times 3 repeats by default instead of 5
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -122,154 +119,6 @@ def _read_config(text: str | None) -> Any:
     if not text.lstrip().startswith("{") and path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
     return json.loads(text)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class TTFT:
-    """Timed prefills of one attention implementation, in seconds."""
-
-    times: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def min(self) -> float:
-        return min(self.times)
-
-    @property
-    def max(self) -> float:
-        return max(self.times)
-
-
-class PrefillProgress:
-    """Per-layer progress of long prefills, on stderr.
-
-    Forward hooks on the decoder layers count the layers done. Nothing is shown until a forward has
-    run for ``after_s`` seconds, so short prefills stay silent; then a terminal gets one line redrawn
-    in place, and a log file or pipe one line at most every ``every_s`` seconds.
-    """
-
-    def __init__(self, model: torch.nn.Module, *, enabled: bool = True, stream: TextIO | None = None,
-                 after_s: float = 2.0, every_s: float = 5.0):
-        self.layers = _decoder_layers(model)
-        self.enabled = enabled and bool(self.layers)
-        self.stream = stream if stream is not None else sys.stderr
-        self.after_s, self.every_s = after_s, every_s
-        self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._label: str | None = None
-        self._done = 0
-        self._start = self._last = 0.0
-        self._drawn = False
-        self._width = 0
-
-    @contextmanager
-    def forward(self, label: str) -> Iterator[None]:
-        """Shows the progress of the forwards run inside the ``with`` block as ``label``."""
-        if not self.enabled:
-            yield
-            return
-        handles = [layer.register_forward_hook(self._layer_done) for layer in self.layers]
-        self._label, self._done, self._drawn = label, 0, False
-        self._start = self._last = time.perf_counter()
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            if self._drawn and self._interactive:
-                self.stream.write("\n")
-                self.stream.flush()
-            self._label = None
-
-    def _layer_done(self, *_: Any) -> None:
-        self._done += 1
-        now = time.perf_counter()
-        if now - self._start < self.after_s:
-            return
-        if not self._interactive and self._drawn and now - self._last < self.every_s and self._done < len(self.layers):
-            return
-        self._last = now
-        n = len(self.layers)
-        where = f"layer {self._done}/{n}" if self._done <= n else f"decoding, {self._done // n - 1} tokens"
-        line = f"pbs generate: {self._label}: {where}, {now - self._start:.1f} s"
-        if self._interactive:
-            line, self._width = "\r" + line.ljust(self._width), max(self._width, len(line))
-        else:
-            line += "\n"
-        self.stream.write(line)
-        self.stream.flush()
-        self._drawn = True
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers: ``model.model.layers`` where it exists (Llama, Qwen, Mistral, ...),
-    else every module with a ``layer_idx`` (the attention layers)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, torch.nn.ModuleList) and len(layers):
-        return list(layers)
-    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-
-
-def measure_ttft(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    warmup: int = 1,
-    repeats: int | None = None,
-    progress: PrefillProgress | None = None,
-    label: str = "prefill",
-) -> TTFT:
-    """Times prefill forwards plus the greedy first token.
-
-    Args:
-        model: a causal LM (``forward(input_ids, use_cache=True)`` returning ``.logits``).
-        input_ids: ``(1, N)`` prompt tokens on the model's device.
-        warmup: untimed runs first.
-        repeats: timed runs; ``None``: 5, or 3 when the first timed run takes over 10 s.
-        progress: shows per-layer progress of long prefills.
-        label: names the runs in the progress lines.
-
-    Returns:
-        The wall-clock time of every timed run (the device is synchronised around each).
-    """
-    import inspect
-
-    kwargs: dict[str, Any] = {"use_cache": True}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1
-    times: list[float] = []
-    planned = repeats if repeats is not None else DEFAULT_REPEATS
-    i = 0
-    with torch.inference_mode():
-        while i < warmup + planned:
-            what = f"warm-up {i + 1}/{warmup}" if i < warmup else f"timed {i - warmup + 1}/{planned}"
-            with progress.forward(f"{label} {what}") if progress is not None else _nothing():
-                _synchronize(input_ids.device)
-                start = time.perf_counter()
-                logits = model(input_ids=input_ids, **kwargs).logits
-                first_token = logits[:, -1].argmax(-1)
-                first_token.cpu()  # waits for the device
-                elapsed = time.perf_counter() - start
-            if i >= warmup:
-                times.append(elapsed)
-                if repeats is None and len(times) == 1 and elapsed > LONG_PREFILL_S:
-                    planned = 3
-            del logits
-            i += 1
-    return TTFT(tuple(times))
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:

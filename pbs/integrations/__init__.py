@@ -2,6 +2,8 @@
 
 * `pbs.integrations.transformers`: ``attn_implementation="pbs"`` for Hugging Face
   transformers (``register()``), with the ``pbs generate`` command in `pbs.cli.generate`.
+* `pbs.integrations.ttft`: time to first token of a causal LM (`measure_ttft`), shared by
+  ``pbs generate`` and ``benchmarks/bench_ttft.py``.
 * `pbs.integrations.tensor_parallel`: PBS on one rank's share of the heads under tensor
   parallelism (``tp_plan="auto"``), deciding as one process over all heads would.
 
