@@ -19,18 +19,22 @@ dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import pbs
-from bench_kernel import package_version, save
-from pbs.dense import dense_attention_sdpa
-from pbs.testing import benchmark_cuda
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_defaults.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import environment, save  # noqa: E402
+from pbs.dense import dense_attention_sdpa  # noqa: E402
+from pbs.testing import benchmark_cuda  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
@@ -163,12 +167,7 @@ def main() -> None:
     worst = {m: max((r[f"ratio_{m}"] for r in rows if "error" not in r), default=None) for m in ("events", "wall")}
     print(f"worst ratio to cuDNN: events {worst['events']:.3f}, wall {worst['wall']:.3f} (target 1.03)")
     result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": package_version("triton"),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
+        **environment("cuda"),
         "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                   "causal": True},
         "config": pbs.PBSConfig().model_dump(mode="json"),

@@ -15,43 +15,23 @@ software-pipelined Triton kernel is timed too (``triton_ms``).
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import platform
-import time
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import pbs
-from pbs.config import PBSConfig
-from pbs.kernels.block_sparse_attn import (
-    _TUNED, KernelConfig, _prepare, _sm_count, _use_hopper_kernel, block_sparse_attention, select_config,
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_kernel.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchmarks.common as common  # noqa: E402
+import pbs  # noqa: E402
+from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from pbs.config import PBSConfig  # noqa: E402
+from pbs.kernels.block_sparse_attn import (  # noqa: E402
+    TUNED_CONFIGS, KernelConfig, block_sparse_attention, prepare_call, select_config, sm_count, use_hopper_kernel,
 )
-from pbs.testing import benchmark_cuda
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SEGMENT, BLOCK = 1, 32, 8, 128, 256, 128
-
-
-REPEATS = 3
-
-
-def time_ms(fn, budget_ms: float = 1000.0) -> float:
-    """Median of ``REPEATS`` medians of CUDA-event times of ``fn`` (each over 5 to 50 runs that fit
-    the budget): run-to-run drift on the GPU machine was larger than the spread within one run."""
-    return sorted(_time_once(fn, budget_ms) for _ in range(REPEATS))[REPEATS // 2]
-
-
-def _time_once(fn, budget_ms: float) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    estimate = (time.perf_counter() - start) * 1e3
-    iters = max(5, min(50, int(budget_ms / max(estimate, 1e-3))))
-    return benchmark_cuda(fn, warmup=2, iters=iters)
 
 
 def causal_tflops(n: int, ms: float) -> float:
@@ -62,19 +42,6 @@ def causal_tflops(n: int, ms: float) -> float:
 def block_tflops(num_blocks: int, ms: float) -> float:
     """FLOPs of the computed (full) 128x128 blocks per second."""
     return 4 * BLOCK * BLOCK * HEAD_DIM * num_blocks / (ms * 1e-3) / 1e12
-
-
-def cudnn_dense(q, k, v) -> tuple[float, str]:
-    """cuDNN SDPA dense causal time, GQA natively if cuDNN takes enable_gqa, else on expanded K/V."""
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        try:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            torch.cuda.synchronize()
-            return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), "enable_gqa"
-        except RuntimeError:
-            group = q.shape[1] // k.shape[1]
-            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            return time_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)), "expanded K/V"
 
 
 def gather_ms(point: dict, plan, k, v) -> None:
@@ -113,11 +80,8 @@ def run(args) -> dict:
 
     props = torch.cuda.get_device_properties(0)
     result = {
-        "device": torch.cuda.get_device_name(0),
+        **environment("cuda"),
         "sm_count": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "python": platform.python_version(),
         "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
                   "dtype": "bfloat16", "segment": SEGMENT, "block": BLOCK, "causal": True,
                   "permuter": "last_block", "gqa": "shared", "selector": "budget"},
@@ -146,14 +110,14 @@ def run(args) -> dict:
             blocks = int(plan.mask.counts.sum())
 
             if args.retune:
-                _TUNED.clear()
+                TUNED_CONFIGS.clear()
             tuned = select_config(q, kp, vp, plan.mask, None, kpos)
 
             def ours(config=tuned):
                 return block_sparse_attention(q, kp, vp, plan.mask, None, kpos, config=config, kernel="triton")
 
-            call = _prepare(q, kp, vp, plan.mask, None, kpos, None, True, None)
-            kernel = "hopper" if _use_hopper_kernel(call, "auto", None) else "triton"
+            call = prepare_call(q, kp, vp, plan.mask, None, kpos, None, True, None)
+            kernel = "hopper" if use_hopper_kernel(call, "auto", None) else "triton"
             triton_ms = time_ms(ours)
             ours_ms = time_ms(lambda: block_sparse_attention(q, kp, vp, plan.mask, None, kpos)) if kernel == "hopper" else triton_ms
             point = {
@@ -177,7 +141,7 @@ def run(args) -> dict:
             for stages in args.hopper_stages if kernel == "hopper" and n in args.variant_n else []:
                 from pbs.kernels.hopper_attn import launch_hopper
 
-                ms = time_ms(lambda s=stages: launch_hopper(call, _sm_count(q.device), s))
+                ms = time_ms(lambda s=stages: launch_hopper(call, sm_count(q.device), s))
                 result["variants"].append({"n": n, "density": plan.density, "config": f"hopper-stages{stages}", "ms": ms,
                                            "ratio_to_ideal": ms / point["ideal_ms"]})
                 print(f"  hopper, {stages} stages: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
@@ -203,19 +167,6 @@ def run(args) -> dict:
         if args.json:  # after every length, so a run cut short still leaves its numbers
             save(result, args.json)
     return result
-
-
-def package_version(module: str) -> str | None:
-    """``module.__version__``, or None when it is not installed (shared by the benchmark scripts)."""
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
-
-
-def save(result: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(_without_nan(result), f, indent=1)
 
 
 def print_table(result: dict) -> None:
@@ -247,21 +198,12 @@ def main() -> None:
         parser.exit(2, f"bench_kernel.py: times CUDA kernels and needs an NVIDIA GPU with a CUDA build of torch; torch "
                        f"{torch.__version__} sees no CUDA device here (the CPU benchmarks: python3 -m pytest "
                        "benchmarks/cpu)\n")
-    global REPEATS
-    REPEATS = args.repeats
+    common.REPEATS = args.repeats  # time_ms's default
     result = run(args)
     if not args.gather_only:
         print_table(result)
     if args.json:
         save(result, args.json)
-
-
-def _without_nan(x):
-    if isinstance(x, dict):
-        return {k: _without_nan(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_without_nan(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 if __name__ == "__main__":

@@ -36,16 +36,19 @@ exist only for CUDA):
 from __future__ import annotations
 
 import argparse
-import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-import pbs
-from bench_kernel import package_version, save
-from pbs.config import PBSConfig
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_plan_memory.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import environment, save  # noqa: E402
+from pbs.config import PBSConfig  # noqa: E402
 
 DEFAULT_LENGTHS = [131072, 524288]
 METHODS = {
@@ -165,11 +168,7 @@ def main() -> None:
 
     configs = {name: PBSConfig(check_finite=False, dense_fallback=FALLBACK_OFF, **METHODS[name]) for name in args.methods}
     result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.machine()})",
-        "torch": torch.__version__,
-        "triton": package_version("triton"),
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
+        **environment(device),
         "shape": {"batch": 1, "heads_q": args.heads_q, "heads_kv": args.heads_kv, "head_dim": args.head_dim,
                   "dtype": "bfloat16", "causal": True, "inputs": "torch.randn on the device"},
         "measure": ("peak = torch.cuda.max_memory_allocated() during the call - memory_allocated() before; "

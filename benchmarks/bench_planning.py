@@ -12,7 +12,7 @@ Per length N and method it measures
     sparse_total_ms  pbs.attention end to end with the dense fallback off (always sparse)
     auto_total_ms    pbs.attention with the default dense fallback (what a user gets), and the
                      path it took: "sparse", "dense (length)" or "dense (density)"
-    dense_ms         cuDNN SDPA dense causal attention (bench_kernel.cudnn_dense)
+    dense_ms         cuDNN SDPA dense causal attention (benchmarks.common.cudnn_dense)
 
 and derives ``planning_ms`` (permutation + selection), ``overhead_pct`` (planning / sparse total,
 the paper's "Overhead" column), ``planning_vs_dense_pct`` (planning / dense), ``speedup_sparse``
@@ -23,13 +23,19 @@ and ``speedup_auto`` (dense time / total time). Methods:
     last_block+antidiagonal  PBS with the antidiagonal selector
 
 Every time is a median of CUDA-event timings after warm-up with the L2 cache flushed before each
-run (bench_kernel.time_ms: median of --repeats medians, each over 5-50 runs fitting --budget-ms).
+run (benchmarks.common.time_ms: median of --repeats medians, each over 5-50 runs fitting --budget-ms).
 Targets checked (PASS/FAIL): (a) permutation + selection <= 1.5% of dense at 128K and <= 0.4 ms
 at 16K (required of last_block+mean_pool, reported for the others); (b) auto total >= 0.95 x
 dense speed at every N. About 3 minutes on an H200 at the default lengths.
 
     python3 benchmarks/bench_planning.py --json benchmarks/results/planning_h200.json
     python3 benchmarks/bench_planning.py --lengths 32768 --methods last_block+mean_pool
+
+Densities only, planned on the CPU reference path (no GPU, no timing; what
+benchmarks/results/planning_densities_paper_rules_cpu.json holds):
+
+    python3 benchmarks/bench_planning.py --densities-only --lengths 4096 8192 16384 32768 \\
+        --json benchmarks/results/planning_densities_cpu.json
 
 CPU dry run (checks the script's logic only; its times mean nothing: wall-clock timing, SDPA's CPU
 kernel instead of cuDNN, the reference backend instead of Triton):
@@ -41,8 +47,8 @@ kernel instead of cuDNN, the reference backend instead of Triton):
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,14 +56,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import bench_kernel
-import pbs
-from bench_kernel import cudnn_dense, package_version, save, time_ms
-from pbs.backends import AttentionCall, choose_backend
-from pbs.config import PBSConfig
-from pbs.planning import make_layout, permute_keys_and_values, run_permuter, run_selector
-from pbs.testing import make_qkv
-from pbs.types import Plan
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_planning.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from pbs.backends import AttentionCall, choose_backend  # noqa: E402
+from pbs.config import PBSConfig  # noqa: E402
+from pbs.planning import make_layout, permute_keys_and_values, run_permuter, run_selector  # noqa: E402
+from pbs.testing import make_qkv  # noqa: E402
+from pbs.types import Plan  # noqa: E402
 
 DEFAULT_LENGTHS = [4096, 8192, 16384, 32768, 65536, 131072]
 METHODS = {
@@ -86,15 +94,15 @@ PAPER_H100 = {
 }
 
 
-def make_timer(device: torch.device, budget_ms: float, cpu_reps: int) -> Callable[[Callable[[], object]], float]:
+def make_timer(device: torch.device, budget_ms: float, cpu_reps: int, repeats: int) -> Callable[[Callable[[], object]], float]:
     """A function timing a callable in ms.
 
-    On CUDA: bench_kernel.time_ms (CUDA events, L2 flushed, number of runs fitted to ``budget_ms``
+    On CUDA: benchmarks.common.time_ms (CUDA events, L2 flushed, number of runs fitted to ``budget_ms``
     so the long lengths stay bounded). On CPU (dry run): median wall-clock time of ``cpu_reps``
     runs after one warm-up.
     """
     if device.type == "cuda":
-        return lambda fn: time_ms(fn, budget_ms)
+        return lambda fn: time_ms(fn, budget_ms, repeats)
 
     def cpu_time(fn: Callable[[], object]) -> float:
         fn()
@@ -111,7 +119,7 @@ def make_timer(device: torch.device, budget_ms: float, cpu_reps: int) -> Callabl
 def dense_time(q, k, v, timer) -> tuple[float, str]:
     """Dense causal attention time and what ran it: cuDNN SDPA on CUDA, SDPA's CPU kernel on CPU."""
     if q.is_cuda:
-        ms, gqa = cudnn_dense(q, k, v)
+        ms, gqa = cudnn_dense(q, k, v, timer)
         return ms, f"cuDNN SDPA ({gqa})"
     return timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), "CPU SDPA (enable_gqa)"
 
@@ -324,6 +332,30 @@ def print_paper_comparison(result: dict) -> None:
               f"{_fmt(r.get('overhead_pct'), '.1f', '%'):>8} | {_fmt(r.get('speedup_sparse'), '.2f', 'x'):>7}")
 
 
+def densities_only(args) -> None:
+    """The density of every method's plan at every length, planned on the CPU reference path with
+    bf16 ``make_qkv`` inputs (no timing): ``--densities-only``."""
+    rows = []
+    for n in args.lengths:
+        q, k, _ = make_qkv(batch=1, heads_q=args.heads_q, heads_kv=args.heads_kv, seq_len=n, head_dim=args.head_dim,
+                           dtype=torch.bfloat16)
+        for name in args.methods:
+            start = time.perf_counter()
+            config = PBSConfig(block_size=args.block, segment_size=args.segment, backend="reference", **METHODS[name])
+            rows.append({"N": n, "method": name, "density": pbs.plan(q, k, config).density})
+            print(n, name, round(rows[-1]["density"], 3), f"{time.perf_counter() - start:.1f} s", flush=True)
+    if args.json:
+        save({
+            **environment("cpu"),
+            "note": (f"densities of the planning benchmark's configs on its make_qkv workload (bf16 inputs, B=1, "
+                     f"Hq={args.heads_q}, Hkv={args.heads_kv}, D={args.head_dim}, S={args.segment}, block {args.block}), "
+                     "planned on the CPU reference path"),
+            "configs": {name: METHODS[name] for name in args.methods},
+            "rows": rows,
+        }, args.json)
+        print(f"wrote {args.json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -341,24 +373,24 @@ def main() -> None:
     parser.add_argument("--cpu-reps", type=int, default=3, help="CPU dry run: wall-clock runs per measurement")
     parser.add_argument("--json", default=None,
                         help=f"output file (default on CUDA: {DEFAULT_JSON}; on CPU: none)")
+    parser.add_argument("--densities-only", action="store_true",
+                        help="only plan each method on the CPU reference path and record its density (no timing, "
+                             "no GPU): how the selection rules change the density the GPU timings depend on")
     args = parser.parse_args()
+    if args.densities_only:
+        densities_only(args)
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --device cpu for a dry run")
     json_path = args.json or (str(DEFAULT_JSON) if device.type == "cuda" else None)
-    bench_kernel.REPEATS = args.repeats  # time_ms reads the module global
 
     configs = {}
     for name in args.methods:
         common = dict(block_size=args.block, segment_size=args.segment, **METHODS[name])  # check_finite: the default (off on CUDA)
         configs[name] = (PBSConfig(**common), PBSConfig(**common, dense_fallback=FALLBACK_OFF))
     result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "triton": package_version("triton"),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
-        "python": platform.python_version(),
+        **environment(device),
         "shape": {"batch": 1, "heads_q": args.heads_q, "heads_kv": args.heads_kv, "head_dim": args.head_dim,
                   "dtype": "bfloat16", "causal": True, "segment": args.segment, "block": args.block,
                   "inputs": "pbs.testing.make_qkv(seed=0)"},
@@ -373,7 +405,7 @@ def main() -> None:
         "rows": [],
         "checks": [],
     }
-    timer = make_timer(device, args.budget_ms, args.cpu_reps)
+    timer = make_timer(device, args.budget_ms, args.cpu_reps, args.repeats)
     start = time.perf_counter()
     for n in args.lengths:
         result["rows"] += run_length(n, args, configs, device, timer)

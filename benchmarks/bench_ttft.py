@@ -32,10 +32,9 @@ Writes ``benchmarks/results/ttft_<device>.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,10 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import pbs
-import pbs.integrations.transformers as pbs_hf
-from pbs.integrations.ttft import measure_ttft, prefill_first_token
-from bench_kernel import package_version
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_ttft.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+import pbs.integrations.transformers as pbs_hf  # noqa: E402
+from benchmarks.common import RESULTS, environment, save  # noqa: E402
+from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
 MODEL_SHAPE = dict(
     num_hidden_layers=32,
@@ -59,7 +61,6 @@ MODEL_SHAPE = dict(
 )
 ROWS = ("sdpa", "sdpa_cudnn", "pbs_budget_0.2", "pbs_budget_0.4", "pbs_default")
 LONG = 65536  # lengths above this get --long-repeats, to keep the run within a few minutes
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,14 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "bench_ttft",
         "note": "random weights: measures speed, not accuracy",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **environment("cuda"),
         "transformers": transformers.__version__,
-        "triton": package_version("triton"),
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "pbs": pbs.__version__,
-        "python": platform.python_version(),
         "model": {**MODEL_SHAPE, "head_dim": 128, "dtype": "bfloat16", "weights": "random"},
         "cudnn_native_gqa": native_gqa,
         "pbs_config": {"block_size": 128, "segment_size": 256, "permuter": "last_block", "gqa": "shared",
@@ -233,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     out = args.out or RESULTS / f"ttft_{device_slug()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    save(payload, out)
     print(f"\nTTFT, Llama-3.1-8B shapes, random bf16 weights, {payload['device']}\n{format_table(rows)}\nwrote {out}")
     return 0
 

@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-import pbs
-from pbs.analysis.hf_capture import capture_qk
-from pbs.analysis.quality import load_model
-from pbs.analysis.quality_texts import TEXT_SETS, TextLibrary, build_samples
-from pbs.planning import build_plan
-from pbs.reference import block_attention_mass
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/estimator_coverage.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import environment, save  # noqa: E402
+from pbs.analysis.hf_capture import capture_qk  # noqa: E402
+from pbs.analysis.quality import load_model  # noqa: E402
+from pbs.analysis.quality_texts import TEXT_SETS, TextLibrary, build_samples  # noqa: E402
+from pbs.planning import build_plan  # noqa: E402
+from pbs.reference import block_attention_mass  # noqa: E402
 
 METHODS: dict[str, tuple[dict, str, tuple[float, ...]]] = {
     # label: (config without the threshold, threshold field, thresholds)
@@ -104,12 +107,10 @@ def main() -> int:
     table = aggregate(rows)
     print(format_table(table))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "benchmark": "estimator_coverage", "model": loaded.info, "sample": sample.describe(),
-            "torch": torch.__version__, "python": platform.python_version(), "device": "cpu",
+        save({
+            "benchmark": "estimator_coverage", **environment("cpu"), "model": loaded.info, "sample": sample.describe(),
             "wall_s": time.perf_counter() - began, "summary": table, "rows": rows,
-        }, indent=1) + "\n")
+        }, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.plot:
         plot_layers(rows, args.plot)

@@ -13,6 +13,12 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/sweep_antidiagonal.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, save  # noqa: E402
 
 VARIANTS = ["64,128,4,3", "128,128,8,3", "128,128,8,2", "128,64,4,3", "256,128,8,2"]
 
@@ -48,8 +54,7 @@ def main() -> None:
             rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
         print(rows[-1], flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        save({**environment("cuda"), "lengths": args.lengths, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

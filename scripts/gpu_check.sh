@@ -9,6 +9,8 @@
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
 # Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
 # then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
+# Every result JSON records its command line and git revision (benchmarks/common.py); where the
+# copy on the device machine has no .git, pass the revision in: PBS_GIT_REVISION=<git rev-parse HEAD>.
 set -uo pipefail
 mode=${1:-all}
 shift || true

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pbs.kernels.block_sparse_attn import _prepare, block_sparse_attention
+from pbs.kernels.block_sparse_attn import block_sparse_attention, prepare_call
 from pbs.testing import make_qkv
 from pbs.types import BlockMask
 from tests.sm90_compile import compile_in_subprocess
@@ -30,7 +30,7 @@ def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
     plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
-    call = _prepare(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
+    call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
     grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
@@ -74,14 +74,14 @@ def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch)
     import sys
     from types import SimpleNamespace
 
-    from pbs.kernels.block_sparse_attn import _use_hopper_kernel
+    from pbs.kernels.block_sparse_attn import use_hopper_kernel
 
     monkeypatch.setitem(sys.modules, "pbs.kernels.hopper_attn", None)  # importing it now fails
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the interpreter alone would already rule it out
     cuda_call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", 0)))
-    assert _use_hopper_kernel(cuda_call, "auto", None) is False
+    assert use_hopper_kernel(cuda_call, "auto", None) is False
     with pytest.raises(ValueError, match="kernel='hopper' cannot run this call: this Triton has no usable Gluon"):
-        _use_hopper_kernel(cuda_call, "hopper", None)
+        use_hopper_kernel(cuda_call, "hopper", None)
 
 
 def test_support_reasons_name_the_limits():

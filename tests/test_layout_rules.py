@@ -69,3 +69,37 @@ def test_the_command_line_is_one_package_with_a_module_per_subcommand():
         if cli not in path.parents
     ]
     assert not strays, f"command-line code outside pbs/cli/: {strays}"
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def test_benchmark_scripts_share_only_benchmarks_common_and_public_pbs_names():
+    """Scripts do not import one another (what they share is in benchmarks/common.py) nor private
+    names of pbs, and write results only through ``benchmarks.common.save`` (which records the
+    command and the git revision)."""
+    scripts = {path.stem for path in BENCHMARKS.glob("*.py")} - {"__init__", "common"}
+    offenders: dict[str, list[str]] = {}
+    for path in sorted([*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("cpu/*.py")]):
+        bad = []
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules, names = [node.module], [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [alias.name for alias in node.names], []
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] in scripts or (parts[0] == "benchmarks" and module != "benchmarks.common"):
+                    bad.append(f"imports {module}")
+                if parts[0] == "pbs" and any(part.startswith("_") for part in parts):
+                    bad.append(f"imports the private module {module}")
+                if parts[0] == "pbs":
+                    bad += [f"imports the private name {module}.{name}" for name in names if name.startswith("_")]
+        if path.stem != "common" and ("json.dump(" in source or "write_text(json.dumps(" in source):
+            bad.append("writes JSON itself instead of through benchmarks.common.save")
+        if bad:
+            offenders[str(path.relative_to(BENCHMARKS.parent))] = bad
+    assert not offenders, offenders

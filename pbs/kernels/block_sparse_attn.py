@@ -248,7 +248,8 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
     return [KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2)]
 
 
-_TUNED: dict[tuple, KernelConfig] = {}
+# The fastest config per shape class, found by `select_config` (benchmarks clear it to tune again).
+TUNED_CONFIGS: dict[tuple, KernelConfig] = {}
 
 
 def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
@@ -297,11 +298,11 @@ def block_sparse_attention(
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
-    call = _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out)
-    if _use_hopper_kernel(call, kernel, config):
+    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    if use_hopper_kernel(call, kernel, config):
         from pbs.kernels.hopper_attn import launch_hopper
 
-        launch_hopper(call, _sm_count(q.device))
+        launch_hopper(call, sm_count(q.device))
         return call.out
     if config is None:
         config = _select(call)
@@ -312,7 +313,8 @@ def block_sparse_attention(
 KERNELS = ("auto", "triton", "hopper")
 
 
-def _use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) -> bool:
+def use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) -> bool:
+    """Whether `block_sparse_attention` with ``kernel`` and ``config`` runs the Gluon kernel on ``call``."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "triton" or (kernel == "auto" and (config is not None or interpreting())):
@@ -334,7 +336,8 @@ def _use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) 
 _SM_COUNTS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -358,7 +361,7 @@ def select_config(
     (device, dtype, head dims, mask block, causality, GQA group, ``Nk`` rounded to a power of two)
     and the fastest is remembered.
     """
-    return _select(_prepare(q, k, v, mask, query_positions, key_positions, scale, causal, None))
+    return _select(prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, None))
 
 
 @dataclass
@@ -381,7 +384,8 @@ class _Call:
     head_dim_v: int
 
 
-def _prepare(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:
+def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:
+    """The checked, TMA-ready arguments of one `block_sparse_attention` call, which both kernels launch on."""
     b, hq, nq, d = q.shape
     dv = v.shape[-1]
     q, k, v = (_descriptor_ready(x) for x in (q, k, v))
@@ -457,11 +461,11 @@ def _select(call: _Call) -> KernelConfig:
     mask_block = call.mask.layout.block_size
     key = (call.q.device.index, call.q.dtype, call.head_dim, call.head_dim_v, mask_block, call.causal,
            call.q.shape[1] // call.k.shape[1], call.k.shape[2].bit_length())
-    if key not in _TUNED and torch.cuda.is_current_stream_capturing():
+    if key not in TUNED_CONFIGS and torch.cuda.is_current_stream_capturing():
         # Timing candidates needs syncs, which a graph capture forbids: the untuned default runs
         # (a warm-up call before capturing tunes it).
         return candidates[0]
-    if key not in _TUNED:
+    if key not in TUNED_CONFIGS:
         import triton.testing
 
         timings = {}
@@ -474,5 +478,5 @@ def _select(call: _Call) -> KernelConfig:
                 continue
         if not timings:
             raise RuntimeError("no Triton kernel configuration could run this call")
-        _TUNED[key] = min(timings, key=timings.get)
-    return _TUNED[key]
+        TUNED_CONFIGS[key] = min(timings, key=timings.get)
+    return TUNED_CONFIGS[key]

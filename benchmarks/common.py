@@ -1,0 +1,141 @@
+"""What the benchmark scripts share: CUDA timing, the cuDNN dense baseline, and saving results.
+
+Every result file goes through :func:`save`, which records where the numbers came from: the
+command line, the git revision (and whether the working tree had uncommitted changes) and the
+time, beside what :func:`environment` says about the machine and the packages.
+
+The scripts run as files, ``python3 benchmarks/<script>.py ...``; each puts the repository root on
+``sys.path`` and imports this module as ``benchmarks.common``. They import nothing from one
+another, and only public names from ``pbs`` (tests/test_layout_rules.py holds them to it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+REPEATS = 3  # medians of time_ms
+
+
+def package_version(module: str) -> str | None:
+    """``module.__version__``, or None when it is not installed."""
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """The machine and the package versions: ``device`` (the GPU's name, or ``cpu (<processor>)``),
+    ``torch``, ``triton``, ``cuda``, ``cudnn``, ``pbs`` and ``python``."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    on_cuda = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if on_cuda else None,
+        "pbs": package_version("pbs"),
+        "python": platform.python_version(),
+    }
+
+
+def git_revision() -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the checkout the benchmark runs from.
+
+    Where there is no git checkout (a copy of the working tree on another machine), the commit is
+    read from the ``PBS_GIT_REVISION`` environment variable (``git rev-parse HEAD`` where the copy
+    was made), and ``dirty`` is None (unknown).
+    """
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=10)
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+            return head.stdout.strip(), dirty
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("PBS_GIT_REVISION") or None, None
+
+
+def provenance() -> dict[str, Any]:
+    """``command`` (the command line that ran), ``git_revision``, ``git_dirty`` and ``date`` (UTC)."""
+    revision, dirty = git_revision()
+    return {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "git_revision": revision,
+        "git_dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def save(result: dict, path: str | os.PathLike) -> None:
+    """Writes ``result`` as JSON with :func:`provenance` added (NaN written as null)."""
+    record = {**provenance(), **result}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_without_nan(record), indent=1) + "\n")
+
+
+def _without_nan(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _without_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_without_nan(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def time_ms(fn: Callable[[], object], budget_ms: float = 1000.0, repeats: int | None = None) -> float:
+    """Median of ``repeats`` (default ``REPEATS``) medians of CUDA-event times of ``fn``, each over 5
+    to 50 runs that fit ``budget_ms``, L2 flushed before each run (`pbs.testing.benchmark_cuda`):
+    run-to-run drift on the GPU machine was larger than the spread within one run."""
+    repeats = REPEATS if repeats is None else repeats
+    return sorted(_time_once(fn, budget_ms) for _ in range(repeats))[repeats // 2]
+
+
+def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
+    from pbs.testing import benchmark_cuda
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate = (time.perf_counter() - start) * 1e3
+    iters = max(5, min(50, int(budget_ms / max(estimate, 1e-3))))
+    return benchmark_cuda(fn, warmup=2, iters=iters)
+
+
+def cudnn_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timer: Callable[[Callable[[], object]], float] = time_ms,
+) -> tuple[float, str]:
+    """cuDNN SDPA dense causal time (by ``timer``, default :func:`time_ms`) and how GQA ran: natively
+    (``"enable_gqa"``) if cuDNN takes it, else on K/V expanded to the query heads (``"expanded K/V"``)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        try:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.cuda.synchronize()
+            return timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), "enable_gqa"
+        except RuntimeError:
+            group = q.shape[1] // k.shape[1]
+            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            return timer(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)), "expanded K/V"
