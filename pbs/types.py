@@ -172,13 +172,14 @@ class BlockMask:
             raise ValueError(f"dense must have shape (B, Hq, Tq, Tk) = {expected}, got {tuple(dense.shape)}")
         tk = dense.shape[-1]
         counts = dense.sum(-1, dtype=torch.int32)
-        # Selected blocks get their own index as key, the rest sort after them; a stable sort keeps
-        # the selected ones ascending.
-        arange = torch.arange(tk, device=dense.device, dtype=torch.int32)
-        keys = torch.where(dense, arange, tk + arange)
-        order = keys.argsort(dim=-1, stable=True).to(block_index_dtype(tk))
-        valid = arange < counts[..., None]
-        indices = torch.where(valid, order, torch.full_like(order, -1))
+        # Compaction by a running count (one scan and one scatter: no sort): a selected block goes
+        # to slot "selected blocks before it", the rest to a spare last column that is dropped.
+        slot = torch.where(dense, dense.cumsum(-1, dtype=torch.int32) - 1, tk)
+        index_dtype = block_index_dtype(tk)
+        packed = torch.full((*dense.shape[:-1], tk + 1), -1, dtype=index_dtype, device=dense.device)
+        arange = torch.arange(tk, device=dense.device, dtype=index_dtype).expand_as(dense)
+        packed.scatter_(-1, slot.long(), arange)
+        indices = packed[..., :tk].contiguous()
         return cls(counts=counts, indices=indices, layout=layout)
 
     def to_dense(self) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import pbs
 from pbs.components import SelectionInputs
 from pbs.selectors.vertical_slash import (
+    cumsum_long_rows,
     blocks_of_lines,
     smallest_set_reaching,
     vertical_and_slash_scores,
@@ -153,3 +154,31 @@ def test_a_separate_vertical_threshold_keeps_more_keys():
         selector={"name": "vertical_slash", "threshold": 0.5, "vertical_threshold": 0.99}
     ).selector.select(inputs)
     assert (high | ~low).all() and high.sum() > low.sum()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
+@pytest.mark.parametrize("seq_len,seq_len_q", [(4096, None), (3000, 1000), (8333, None)])
+def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q):
+    # The GPU runs the same torch code; fp32 inputs so that ties in the rankings match the CPU's.
+    q, k, v = pbs.testing.make_qkv(batch=2, heads_q=8, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
+                                   head_dim=64, dtype=torch.float32, device="cuda", seed=5)
+    config = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.6}, permuter="none",
+                           dense_fallback={"min_seq_len": 0, "max_density": None})
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    cpu_config = config.model_copy(update={"backend": "reference"})
+    cpu_out, cpu_plan = pbs.attention(q.cpu(), k.cpu(), v.cpu(), cpu_config, return_plan=True)
+    gpu_mask, cpu_mask = plan.mask.to_dense().cpu(), cpu_plan.mask.to_dense()
+    assert (gpu_mask != cpu_mask).float().mean().item() < 1e-3
+    assert plan.density == pytest.approx(cpu_plan.density, abs=2e-3)
+    assert (out.cpu() - cpu_out).abs().max().item() < 2e-2
+
+
+def test_the_two_level_scan_equals_cumsum():
+    gen = torch.Generator().manual_seed(2)
+    values = torch.rand(2, 3, 5000, generator=gen)
+    assert torch.allclose(cumsum_long_rows(values, torch.float32), values.cumsum(-1), rtol=1e-5, atol=1e-4)
+    flags = torch.rand(2, 3, 9000, generator=gen) < 0.1
+    assert torch.equal(cumsum_long_rows(flags, torch.int32), flags.cumsum(-1, dtype=torch.int32))
+    short = torch.rand(4, 100, generator=gen)
+    assert torch.equal(cumsum_long_rows(short, torch.float32), short.cumsum(-1))

@@ -31,50 +31,55 @@ from pbs.components import SelectionInputs, SelectorConfig, register_selector
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.logits import grouped_logits
 
+# Score rows held at once (float32): bounded on the CPU, where memory is shared with the model;
+# on the GPU fewer, larger chunks save launches.
 _CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS_CUDA = 1 << 27
 
 
-def last_rows_attention(inputs: SelectionInputs, last_rows: int, heads: slice) -> tuple[torch.Tensor, int]:
-    """Exact softmax of the last ``last_rows`` queries (by original position) over every key, in
-    original key order.
+def last_rows_attention(
+    inputs: SelectionInputs, last_rows: int, heads: slice, reversed_source_k: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
+    """Exact softmax of the last ``last_rows`` queries (by original position) over every key, with
+    the keys in *reversed* original order (entry ``x`` is key ``Nk - 1 - x``: the layout the slash
+    scores read without a copy).
 
-    ``heads`` must cover whole GQA groups of ``layout.heads_kv``. Reads the keys in original order
-    (``inputs.source_k``) when given, so neither a permuted copy of K nor a scatter back is needed.
+    ``heads`` must cover whole GQA groups of ``layout.heads_kv``. With ``reversed_source_k``
+    (``inputs.source_k`` flipped along the keys, ``(B, Hkv, Nk, D)``) neither a permuted copy of K
+    nor a scatter back is needed; without it the permuted keys are scattered to their positions.
 
     Returns:
-        ``(probs, last_position)``: ``(B, h, R, Nk)`` float32 for the query heads ``heads``, keys at
-        their original positions and rows in position order, and the last row's position.
+        ``(probs, last_position)``: ``(B, h, R, Nk)`` float32 for the query heads ``heads``, rows in
+        position order, and the last row's original position.
     """
     layout = inputs.layout
+    nq, nk = layout.seq_len_q, layout.seq_len_k
     q = inputs.q[:, heads]
-    rows = min(last_rows, q.shape[2])
-    # Query positions are a permutation of query_offset .. query_offset + Nq - 1, so the R largest
-    # are the last R positions, consecutive.
-    query_pos, slots = inputs.query_positions[:, heads].topk(rows, dim=-1, sorted=True)
-    query_pos, slots = query_pos.flip(-1), slots.flip(-1)
-    last_position = layout.query_offset + layout.seq_len_q - 1
-    q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1]))
-    if inputs.source_k is not None:
-        keys, key_pos = inputs.source_k, None
-    else:
-        keys, key_pos = inputs.k, inputs.key_positions
+    rows = min(last_rows, nq)
+    # Query positions are a permutation of query_offset .. query_offset + Nq - 1: the slots of the
+    # last R positions come from inverting it (a scatter, cheaper than a top-k on the GPU).
+    positions = inputs.query_positions[:, heads] - layout.query_offset
+    slot_of = torch.empty_like(positions)
+    slot_of.scatter_(-1, positions, torch.arange(nq, device=q.device).expand_as(positions))
+    slots = slot_of[..., nq - rows:]
+    last_position = layout.query_offset + nq - 1
+    q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1])).float() * inputs.scale
+    keys = reversed_source_k if reversed_source_k is not None else inputs.k
     group = layout.heads_q // keys.shape[1]
     kv_heads = slice(heads.start // group, heads.stop // group)
-    logits = grouped_logits(q_last, keys[:, kv_heads]) * inputs.scale  # (B, h, R, Nk)
-    if key_pos is not None:
-        key_pos = key_pos[:, kv_heads]
+    logits = grouped_logits(q_last, keys[:, kv_heads])  # (B, h, R, Nk)
+    if reversed_source_k is None:
+        key_pos = inputs.key_positions[:, kv_heads]
         if group > 1:
             key_pos = key_pos.repeat_interleave(group, dim=1)
+        reversed_pos = (nk - 1 - key_pos)[:, :, None, :].expand_as(logits)
+        logits = torch.empty_like(logits).scatter_(-1, reversed_pos, logits)
     if layout.causal:
-        positions = torch.arange(layout.seq_len_k, device=q.device) if key_pos is None else key_pos[:, :, None, :]
-        logits = logits.masked_fill(positions > query_pos[..., None], float("-inf"))
-    probs = logits.softmax(-1)
-    if key_pos is None:
-        return probs, last_position
-    # Permuted keys: back to original key order, where offsets are simple differences.
-    original = torch.zeros_like(probs)
-    original.scatter_(-1, key_pos[:, :, None, :].expand_as(probs), probs)
-    return original, last_position
+        # Entry x is key Nk - 1 - x, in the future of row r when x < Nk - 1 - position(r).
+        row_pos = torch.arange(last_position - rows + 1, last_position + 1, device=q.device)
+        future = torch.arange(nk, device=q.device)[None, :] < (nk - 1 - row_pos)[:, None]
+        logits = logits.masked_fill_(future, float("-inf"))
+    return logits.softmax(-1), last_position
 
 
 def vertical_and_slash_scores(probs: torch.Tensor, last_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,28 +95,43 @@ def vertical_and_slash_scores(probs: torch.Tensor, last_position: int) -> tuple[
         over rows of the attention to key ``c``; ``slash[o]`` that to the key ``o`` positions before
         the row.
     """
-    b, h, rows, nk = probs.shape
+    return _scores_of_reversed_rows(probs.flip(-1), last_position)
+
+
+def _scores_of_reversed_rows(reversed_probs: torch.Tensor, last_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vertical_and_slash_scores` of rows whose keys are in reversed order."""
+    b, h, rows, nk = reversed_probs.shape
     if not 0 <= nk - 1 - last_position:
         raise ValueError(f"last_position ({last_position}) must be below the key count ({nk})")
-    vertical = probs.mean(-2)
+    vertical = reversed_probs.mean(-2).flip(-1)
     # Reading along offsets is a skewed view: with keys reversed (x = Nk - 1 - key), the key at
     # offset o of row r sits at x = lag + (R - 1 - r) + o, so a row stride of (L - 1) over rows of
     # length L walks the offsets of every row in step, with no index tensor. The zero padding is
     # what a row reads past its first key.
     lag = nk - 1 - last_position
     length = nk + rows + lag
-    reversed_rows = probs.new_zeros(b, h, rows, length)
-    reversed_rows[..., :nk] = probs.flip(-1)
-    along = reversed_rows.as_strided(
-        (b, h, rows, nk), (h * rows * length, rows * length, length - 1, 1), rows - 1 + lag
-    )
+    padded = torch.nn.functional.pad(reversed_probs, (0, rows + lag))
+    along = padded.as_strided((b, h, rows, nk), (h * rows * length, rows * length, length - 1, 1), rows - 1 + lag)
     return vertical, along.mean(-2)
+
+
+def cumsum_long_rows(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1024) -> torch.Tensor:
+    """``values.cumsum(-1, dtype=dtype)`` as a two-level scan: PyTorch scans a few very long rows
+    (one per head, ``Nk`` long) slowly on the GPU, and many short rows fast."""
+    n = values.shape[-1]
+    if n <= 4 * chunk:
+        return values.cumsum(-1, dtype=dtype)
+    pad = -n % chunk
+    inner = torch.nn.functional.pad(values.to(dtype), (0, pad)).view(*values.shape[:-1], -1, chunk).cumsum(-1)
+    totals = inner[..., -1]
+    carry = totals.cumsum(-1) - totals
+    return (inner + carry[..., None]).view(*values.shape[:-1], -1)[..., :n]
 
 
 def smallest_set_reaching(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     """The fewest highest entries of each row whose sum reaches ``threshold``: ``(..., N)`` bool."""
     ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    needed = (ranked.cumsum(-1) < threshold).sum(-1, keepdim=True) + 1
+    needed = (cumsum_long_rows(ranked, torch.float32) < threshold).sum(-1, keepdim=True) + 1
     keep = torch.arange(scores.shape[-1], device=scores.device) < needed
     selected = torch.zeros_like(keep)
     selected.scatter_(-1, order, keep)
@@ -148,7 +168,7 @@ def blocks_of_lines(
     k_lo, k_hi = _block_position_ranges(key_pos, bs)
     lo = (q_lo[..., :, None] - k_hi[..., None, :]).clamp(min=0, max=nk)
     hi = (q_hi[..., :, None] - k_lo[..., None, :] + 1).clamp(min=0, max=nk)
-    prefix = torch.nn.functional.pad(offsets.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))  # (B, h, Nk+1)
+    prefix = torch.nn.functional.pad(cumsum_long_rows(offsets, torch.int32), (1, 0))  # (B, h, Nk+1)
     flat = prefix.shape[:2] + (tq * tk,)
     count = prefix.gather(-1, hi.reshape(flat)) - prefix.gather(-1, lo.reshape(flat))
     slash = (count > 0).view(*prefix.shape[:2], tq, tk)
@@ -187,13 +207,15 @@ class VerticalSlashSelector(SelectorConfig):
         b, hq = layout.batch, layout.heads_q
         group = hq // layout.heads_kv
         per_head = max(1, b * min(self.last_rows, layout.seq_len_q) * layout.seq_len_k)
-        heads_per_chunk = max(group, (_CHUNK_ELEMENTS // per_head) // group * group)
+        budget = _CHUNK_ELEMENTS_CUDA if inputs.q.is_cuda else _CHUNK_ELEMENTS
+        heads_per_chunk = max(group, (budget // per_head) // group * group)
+        reversed_source_k = inputs.source_k.flip(2) if inputs.source_k is not None else None
         selected = torch.empty(b, hq, layout.num_query_blocks, layout.num_key_blocks, dtype=torch.bool,
                                device=inputs.q.device)
         for h0 in range(0, hq, heads_per_chunk):
             heads = slice(h0, min(hq, h0 + heads_per_chunk))
-            probs, last_position = last_rows_attention(inputs, self.last_rows, heads)
-            vertical, slash = vertical_and_slash_scores(probs, last_position)
+            probs, last_position = last_rows_attention(inputs, self.last_rows, heads, reversed_source_k)
+            vertical, slash = _scores_of_reversed_rows(probs, last_position)
             del probs
             keys = smallest_set_reaching(vertical, self.vertical_threshold or self.threshold)
             offsets = smallest_set_reaching(slash, self.threshold)
