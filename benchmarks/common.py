@@ -77,8 +77,11 @@ def git_revision() -> tuple[str | None, bool | None]:
 def provenance() -> dict[str, Any]:
     """``command`` (the command line that ran), ``git_revision``, ``git_dirty`` and ``date`` (UTC)."""
     revision, dirty = git_revision()
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py":  # python -m <package>
+        argv[:1] = ["-m", Path(argv[0]).parent.name]
     return {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *argv]),
         "git_revision": revision,
         "git_dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -62,7 +62,7 @@ def permute_keys_and_values(
     """``(perm.apply(k), perm.apply(v))``, in one fused launch on CUDA when Triton is there.
 
     The fused gather reads one index per row instead of one per element: 3x faster than
-    ``torch.gather`` on an H200 (benchmarks/KERNEL_NOTES.md).
+    ``torch.gather`` on an H200 (docs/notes.md).
     """
     if perm.is_identity and k.shape[1] == perm.heads:
         return k, v

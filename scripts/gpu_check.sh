@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmark in one call on the device machine (see benchmarks/KERNEL_NOTES.md):
+# GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
 #   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
 # and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark;

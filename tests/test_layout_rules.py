@@ -103,3 +103,15 @@ def test_benchmark_scripts_share_only_benchmarks_common_and_public_pbs_names():
         if bad:
             offenders[str(path.relative_to(BENCHMARKS.parent))] = bad
     assert not offenders, offenders
+
+
+def test_benchmark_results_hold_no_pytest_logs():
+    """Test runs are summarised in the docs ("81 passed"), not stored as logs beside the results."""
+    import re
+
+    pytest_output = re.compile(r"^\.+\s*\[\s*\d+%\]|\b\d+ (passed|failed)\b", re.MULTILINE)
+    logs = [
+        path.name for path in sorted((BENCHMARKS / "results").glob("*.log"))
+        if path.name.startswith("gpu_tests") or pytest_output.search(path.read_text(errors="replace"))
+    ]
+    assert not logs, f"pytest logs in benchmarks/results: {logs}"

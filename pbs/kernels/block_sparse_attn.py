@@ -241,7 +241,7 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
     if head_dim <= 64:
         return [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 2)]
     if head_dim <= 128:
-        # Measured on an H200 (benchmarks/KERNEL_NOTES.md): 128x128 tiles with three K/V stages
+        # Measured on an H200 (docs/notes.md): 128x128 tiles with three K/V stages
         # won at every length and density in explicit timings; 128x64, 64-row tiles and two
         # stages were 3-15% slower, and a short tuning run picked two stages by noise.
         return [KernelConfig(128, 128, 8, 3)]
@@ -422,7 +422,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     mask_block = layout.block_size
     tiles_per_head = cdiv(nq, config.block_m)
     # This kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
-    # but hit an illegal address in the H200 dense-mode benchmark (benchmarks/KERNEL_NOTES.md), so
+    # but hit an illegal address in the H200 dense-mode benchmark (docs/notes.md), so
     # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
     indices = call.indices.to(torch.int32)
     _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](

@@ -12,7 +12,7 @@ Two launches per chunk of query heads, one pass over the keys:
 The scratch of step 1 is ``(B, hc, Tq * R, Tk)`` fp32, bounded by chunking the heads.
 
 Registered as the selector's ``triton`` implementation: tests/test_kernel_gpu_selection.py checks it
-against the reference on an H100 (benchmarks/results/gpu_tests_h100_paper_rules.log), and
+against the reference (its GPU tests passed on an H100), and
 benchmarks/bench_planning.py times it (docs/benchmarks.md).
 """
 
