@@ -59,10 +59,12 @@ def _tile_coords(rank, group, tiles_per_head, heads_k):
     """(batch, KV head, query head, tile) of tile ``rank``: query heads of one KV head fastest, then
     tiles heaviest (last) first, then KV heads, then batches.
 
-    Within each run of ``group`` ranks the query head is rotated by the run index: a program visits
-    ranks ``p, p + P, ...`` and ``P`` (the SM count) is often a multiple of the group, so without
-    the rotation every program would always get the same query head of each group, and heads that
-    select more blocks than others would load some SMs more than the rest."""
+    Within each run of ``group`` ranks the query head is rotated by the run index. The rotation
+    dates from the static schedule that the global tile counter replaced (program ``p`` took ranks
+    ``p, p + P, ...``, ``P`` the SM count, often a multiple of the group, so without it a program
+    always got the same query head of each group). With the counter the programs draw ranks as they
+    finish, so the order of the heads inside a run no longer decides the balance; the rotation only
+    changes which head of a run comes first (docs/notes.md, "Load balance")."""
     rest = rank // group
     i_g = (rank + rest) % group
     i_t = tiles_per_head - 1 - rest % tiles_per_head
