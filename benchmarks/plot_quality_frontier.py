@@ -2,7 +2,8 @@
 
 Reads the held-out ``pbs quality`` reports in benchmarks/results (``quality_heldout*_smollm2.json``)
 and plots, per method, the excess loss on the repeated passage (5000 filler tokens) against the
-density of that same sample, with issue 12's goal (density <= 0.27, excess <= 0.10) shaded.
+density of that same sample, with the quality goal of docs/quality.md (density <= 0.27, excess <= 0.10)
+shaded.
 
     python benchmarks/plot_quality_frontier.py --out docs/images/quality_frontier_heldout_copy.png
 """
@@ -46,7 +47,7 @@ def main() -> None:
 
     rows = points()
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
-    ax.fill_between([0.15, 0.27], -0.05, 0.10, color="tab:green", alpha=0.12, label="issue 12 goal")
+    ax.fill_between([0.15, 0.27], -0.05, 0.10, color="tab:green", alpha=0.12, label="goal")
     for method, density, excess in rows:
         oracle = "oracle" in method
         block64 = "B=64" in method

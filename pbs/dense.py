@@ -34,7 +34,7 @@ _CUDNN = None
 def _cudnn_priority_order() -> list[int] | None:
     """SDPA's backend priority with cuDNN moved first, or None if it is first already.
 
-    cuDNN is the fastest dense causal prefill on Hopper (ARCHITECTURE.md, docs/benchmarks.md), but
+    cuDNN is the fastest dense causal prefill on Hopper (docs/benchmarks.md), but
     PyTorch does not rank it first. Only the order changes: a backend the user disabled stays
     disabled. (``torch.nn.attention.sdpa_kernel`` would do the same at ~20 us of host time per
     call, which shows at 2K tokens, where cuDNN itself takes ~0.1 ms.)

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
 #   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
-# tests: every GPU test; bench: the kernel benchmark (issue #3); planning: the planning breakdown
-# and memory benchmarks (issue #4); hopper: the Gluon kernel's GPU tests, then the kernel benchmark;
+# tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
+# and memory benchmarks (bench_planning.py, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
+# then the kernel benchmark;
 # selection: every GPU test, then the planning benchmark (about 10 minutes);
 # ttft: end-to-end time to first token, then the planning memory benchmark;
 # defaults: the GPU tests of the dense fallback and the density probe, then bench_defaults.py
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
-# Needs the wheels of .device-wheels (bash ../shared/tools/device-wheels.sh .device-wheels here,
-# then carry the folder). Logs and the result JSON go to $OUT (default .gpu-out).
+# The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
+# .device-wheels (git-ignored), downloaded beforehand on a machine with network access for the GPU
+# machine's Python (3.12 there) and carried with the working tree:
+#   python3 -m pip download -d .device-wheels --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     pydantic pytest-benchmark hypothesis
+# Logs and the result JSON go to $OUT (default .gpu-out).
 # Every result JSON records its command line and git revision (benchmarks/common.py); where the
 # copy on the device machine has no .git, pass the revision in: PBS_GIT_REVISION=<git rev-parse HEAD>.
 set -uo pipefail

@@ -1,4 +1,4 @@
-"""One backend registry (issue 13): configs, ``auto``, ``pbs list``, the demo's choices and
+"""One backend registry: configs, ``auto``, ``pbs list``, the demo's choices and
 planning all read `pbs.backends`, so a plugin backend is a first-class citizen."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rules of the package layout that a newcomer relies on (issue 13, "a tidier house").
+"""Rules of the package layout that a newcomer relies on.
 
 A permuter or selector file holds its config and reference implementation; the math they share
 (grouped logits, block means, the cumulative threshold, forced blocks, seeded draws) lives in
