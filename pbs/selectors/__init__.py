@@ -6,7 +6,9 @@ from pbs.selectors.mean_pool import MeanPoolSelector
 from pbs.selectors.oracle import OracleSelector
 from pbs.selectors.pooled_query import PooledQuerySelector
 from pbs.selectors.sampled_rows import SampledRowsSelector
+from pbs.selectors.union import UnionSelector
 from pbs.selectors.vertical_slash import VerticalSlashSelector
 
 __all__ = ["AntidiagonalSelector", "BudgetSelector", "MeanPoolSelector", "OracleSelector", "PooledQuerySelector",
-           "SampledRowsSelector", "VerticalSlashSelector"]
+           "SampledRowsSelector", "UnionSelector",
+           "VerticalSlashSelector"]

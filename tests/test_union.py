@@ -1,0 +1,50 @@
+"""The ``union`` selector keeps exactly the blocks its members keep, and round-trips through JSON."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.components import SelectionInputs
+from tests.helpers import small_config
+
+
+def _inputs():
+    q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=400, head_dim=16)
+    from pbs.planning import build_plan
+
+    config = small_config(permuter="none")
+    plan, q_perm, _, _ = build_plan(q, k, config, 16**-0.5)
+    return SelectionInputs(q=q_perm, k=plan.key_permutation.apply(k), layout=plan.layout,
+                           query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=16**-0.5)
+
+
+def test_union_is_the_or_of_its_members():
+    inputs = _inputs()
+    members = [{"name": "vertical_slash", "threshold": 0.3}, {"name": "mean_pool", "threshold": 0.5}]
+    union = pbs.PBSConfig(selector={"name": "union", "selectors": members}).selector
+    parts = [pbs.PBSConfig(selector=m).selector.select(inputs) for m in members]
+    got = union.select(inputs)
+    assert torch.equal(got, parts[0] | parts[1])
+    # Not a trivial case: the union differs from at least one member.
+    assert not (torch.equal(got, parts[0]) and torch.equal(got, parts[1]))
+
+
+def test_union_accepts_members_that_return_a_block_mask():
+    inputs = _inputs()
+    union = pbs.PBSConfig(selector={"name": "union", "selectors": ["budget", {"name": "mean_pool", "threshold": 0.5}]})
+    budget_alone = pbs.PBSConfig(selector="budget").selector.select(inputs)
+    budget_dense = budget_alone.to_dense() if isinstance(budget_alone, pbs.BlockMask) else budget_alone
+    assert (union.selector.select(inputs) | ~budget_dense).all()
+
+
+def test_union_config_round_trips_and_rejects_bad_members():
+    config = pbs.PBSConfig(permuter="none", selector={"name": "union", "selectors": ["mean_pool", "vertical_slash"]})
+    assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
+    with pytest.raises(ValueError, match="at least 2"):
+        pbs.PBSConfig(selector={"name": "union", "selectors": ["mean_pool"]})
+    with pytest.raises(ValueError, match="list of selector configs"):
+        pbs.PBSConfig(selector={"name": "union", "selectors": "mean_pool"})
+    with pytest.raises(ValueError, match="nope"):
+        pbs.PBSConfig(selector={"name": "union", "selectors": ["mean_pool", "nope"]})
