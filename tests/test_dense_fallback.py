@@ -125,9 +125,9 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
 @pytest.mark.gpu
 def test_gpu_defaults_send_flat_attention_to_cudnn_and_leave_sdpa_settings_alone():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, 8, 16384, 128)
-    q = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn((1, 2, 16384, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    n = pbs.PBSConfig().dense_fallback.min_seq_len  # the shortest length the probe decides
+    q = torch.randn((1, 8, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((1, 2, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     before = torch._C._get_sdp_priority_order()
     calls = []
@@ -141,7 +141,11 @@ def test_gpu_defaults_send_flat_attention_to_cudnn_and_leave_sdpa_settings_alone
     assert torch._C._get_sdp_priority_order() == before
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
     # Structured attention at the same length runs sparse.
-    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=16384, head_dim=128,
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=n, head_dim=128,
                                    dtype=torch.bfloat16, device="cuda")
     _, plan = pbs.attention(q, k, v, return_plan=True)
     assert plan is not None and plan.fallback is None
+    # Half that length is dense by the length rule alone: no probe, no sync.
+    half = n // 2
+    _, plan = pbs.attention(q[:, :, :half], k[:, :, :half], v[:, :, :half], return_plan=True)
+    assert plan is None

@@ -76,7 +76,7 @@ class Dispatch:
         reason: for ``"sdpa"``, a key of `FALLBACK_REASONS`.
         density: for ``"pbs"``, the share of causally allowed blocks that were computed.
         detail: for ``"sdpa"``, the numbers behind the reason where there are some, e.g.
-            ``"90 < min_seq_len=16384"`` or the ``dense_fallback`` rule that fired.
+            ``"90 < min_seq_len=32768"`` or the ``dense_fallback`` rule that fired.
         tp_rank: under tensor parallelism, this rank's index among the ranks that split the
             layer's heads (``None`` when the call holds every head). ``density`` is then that of
             this rank's heads; each rank records its own calls.
