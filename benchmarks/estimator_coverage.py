@@ -46,6 +46,7 @@ METHODS: dict[str, tuple[dict, str, tuple[float, ...]]] = {
     "sampled_rows8 none": ({"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 8}}, "threshold", (0.8, 0.9, 0.95)),
     "sampled_rows4 none": ({"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 4}}, "threshold", (0.8, 0.9, 0.95)),
     "sampled_rows8 last_block": ({"permuter": "last_block", "gqa": "per_head", "selector": {"name": "sampled_rows", "rows_per_block": 8}}, "threshold", (0.8, 0.9, 0.95)),
+    "vertical_slash none": ({"permuter": "none", "selector": {"name": "vertical_slash"}}, "threshold", (0.6, 0.75, 0.9)),
 }
 
 
