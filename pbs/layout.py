@@ -198,14 +198,6 @@ class Layout:
             first = first.clamp(max=tk - 1)
         return first
 
-    def first_masked_blocks_cached(self, device: torch.device) -> torch.Tensor:
-        """`first_masked_blocks`, cached per geometry and device: a dozen small launches every mask
-        would pay otherwise (planning at 16K is host-bound). Not cached while a CUDA graph is being
-        captured, where kernels only record and the tensor would hold no values yet."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self.first_masked_blocks(device)
-        return _first_masked_blocks_cached(self, device)
-
     def candidate_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Blocks a score-based selector ranks: ``(Tq, Tk)`` bool (Algorithm 2's causal mask ``C``).
 
@@ -229,11 +221,6 @@ class Layout:
         return _total_allowed_blocks(
             self.seq_len_q, self.seq_len_k, self.block_size, self.segment_size, self.causal
         )
-
-
-@lru_cache(maxsize=256)
-def _first_masked_blocks_cached(layout: Layout, device: torch.device) -> torch.Tensor:
-    return layout.first_masked_blocks(device)
 
 
 @lru_cache(maxsize=1024)

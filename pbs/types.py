@@ -113,7 +113,10 @@ def full_block_counts(counts: torch.Tensor, indices: torch.Tensor, layout: Layou
     the query block's `Layout.first_masked_blocks`, i.e. need no per-token check. Computed on
     ``indices``' device with no host sync (CUDA-graph safe).
     """
-    first = layout.first_masked_blocks_cached(indices.device).to(indices.dtype)  # (Tq,), <= Tk fits the dtype
+    # Recomputed per mask, not cached: a device tensor kept in a cache may have been allocated
+    # in a CUDA-graph pool (torch.compile's cudagraph trees warm up there) and would keep that
+    # whole pool alive; a full GPU test run with such a cache ran out of memory.
+    first = layout.first_masked_blocks(indices.device).to(indices.dtype)  # (Tq,), <= Tk fits the dtype
     # The -1 padding past each count is below every ``first`` too: one pass over the lists counts
     # it along, and the padding (Tk - count entries) is taken off again.
     below = (indices < first[:, None]).sum(-1, dtype=torch.int32)

@@ -252,14 +252,3 @@ def test_block_index_dtype_is_int16_below_2_to_15_blocks():
     assert block_index_dtype(2**15 - 1) == torch.int16
     assert block_index_dtype(2**15) == torch.int32
 
-
-def test_the_split_point_is_cached_per_geometry_and_device():
-    layout = Layout(1, 2, 2, 300, 300, 32, 64, True)
-    same_geometry = Layout(1, 2, 2, 300, 300, 32, 64, True)
-    cpu = torch.device("cpu")
-    first = layout.first_masked_blocks_cached(cpu)
-    assert layout.first_masked_blocks_cached(cpu) is first
-    assert same_geometry.first_masked_blocks_cached(cpu) is first
-    assert torch.equal(first, layout.first_masked_blocks(cpu))
-    other = Layout(1, 2, 2, 300, 300, 32, 128, True)
-    assert torch.equal(other.first_masked_blocks_cached(cpu), other.first_masked_blocks(cpu))
