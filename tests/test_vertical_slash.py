@@ -182,3 +182,62 @@ def test_the_two_level_scan_equals_cumsum():
     assert torch.equal(cumsum_long_rows(flags, torch.int32), flags.cumsum(-1, dtype=torch.int32))
     short = torch.rand(4, 100, generator=gen)
     assert torch.equal(cumsum_long_rows(short, torch.float32), short.cumsum(-1))
+
+
+# The Triton twin (pbs.kernels.vertical_slash), in the interpreter on the CPU.
+def _triton_inputs(seq_len, seq_len_q, dtype, seed=0, block=32):
+    q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
+                                   head_dim=32, dtype=dtype, seed=seed)
+    from pbs.planning import build_plan
+
+    config = pbs.PBSConfig(permuter="none", block_size=block, segment_size=2 * block, backend="reference")
+    plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
+    return SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
+                           query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
+
+
+@pytest.mark.parametrize("seq_len,seq_len_q", [(300, None), (300, 130), (256, None)])
+def test_triton_scores_match_the_reference(seq_len, seq_len_q):
+    from pbs.kernels.vertical_slash import last_rows_scores
+    from pbs.selectors.vertical_slash import _scores_of_reversed_rows, last_rows_attention
+
+    inputs = _triton_inputs(seq_len, seq_len_q, torch.float32)
+    vertical, slash = last_rows_scores(inputs, 64)
+    probs, last = last_rows_attention(inputs, 64, slice(0, 4), inputs.source_k.flip(2))
+    want_vertical, want_slash = _scores_of_reversed_rows(probs, last)
+    assert torch.allclose(vertical, want_vertical, atol=1e-5) and torch.allclose(slash, want_slash, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len,seq_len_q,threshold", [(300, None, 0.6), (300, 130, 0.75), (260, None, 0.9)])
+@pytest.mark.parametrize("force_sink", [True, False])
+def test_triton_selection_matches_the_reference(seq_len, seq_len_q, threshold, force_sink):
+    from pbs.kernels.vertical_slash import vertical_slash_select
+    from pbs.planning import finalize_selection
+
+    inputs = _triton_inputs(seq_len, seq_len_q, torch.float32, seed=1)
+    inputs.force_sink_block = force_sink
+    selector = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": threshold}).selector
+    fast = vertical_slash_select(selector, inputs)
+    reference = finalize_selection(selector.select(inputs), inputs.layout, inputs.key_positions, force_sink)
+    assert torch.equal(fast.counts, reference.counts)
+    assert torch.equal(fast.indices, reference.indices)
+    assert torch.equal(fast.full_counts, reference.full_counts)
+
+
+def test_triton_selection_falls_back_to_the_reference_for_permuted_keys():
+    from pbs.kernels.vertical_slash import supports_fast_path
+
+    assert not supports_fast_path(_inputs("last_block"))
+    assert supports_fast_path(_triton_inputs(300, None, torch.float32))
+
+
+def test_triton_selection_in_half_precision_stays_close_to_the_reference():
+    from pbs.kernels.vertical_slash import vertical_slash_select
+    from pbs.planning import finalize_selection
+
+    inputs = _triton_inputs(300, None, torch.float16, seed=2)
+    selector = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.7}).selector
+    fast = vertical_slash_select(selector, inputs).to_dense()
+    reference = finalize_selection(selector.select(inputs), inputs.layout, inputs.key_positions, True).to_dense()
+    # fp16 products summed in another order can flip a key or offset at the threshold, nothing more.
+    assert (fast != reference).float().mean().item() < 0.02

@@ -151,6 +151,12 @@ def _sampled_rows_select(config, inputs):
     return sampled_rows_select(config, inputs)
 
 
+def _vertical_slash_select(config, inputs):
+    from pbs.kernels.vertical_slash import vertical_slash_select
+
+    return vertical_slash_select(config, inputs)
+
+
 # The attention backends, in auto's order: the Gluon kernel on Hopper, the Triton kernel on any
 # CUDA GPU (and, named, in the interpreter), then the reference (pbs.backends). flex is never auto.
 register_backend(AttentionBackend(
@@ -170,3 +176,4 @@ permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
 selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
 selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
 selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
+selector_registry.register_impl("vertical_slash", "triton")(_vertical_slash_select)

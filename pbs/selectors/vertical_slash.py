@@ -104,15 +104,28 @@ def _scores_of_reversed_rows(reversed_probs: torch.Tensor, last_position: int) -
     if not 0 <= nk - 1 - last_position:
         raise ValueError(f"last_position ({last_position}) must be below the key count ({nk})")
     vertical = reversed_probs.mean(-2).flip(-1)
-    # Reading along offsets is a skewed view: with keys reversed (x = Nk - 1 - key), the key at
-    # offset o of row r sits at x = lag + (R - 1 - r) + o, so a row stride of (L - 1) over rows of
-    # length L walks the offsets of every row in step, with no index tensor. The zero padding is
-    # what a row reads past its first key.
     lag = nk - 1 - last_position
-    length = nk + rows + lag
     padded = torch.nn.functional.pad(reversed_probs, (0, rows + lag))
-    along = padded.as_strided((b, h, rows, nk), (h * rows * length, rows * length, length - 1, 1), rows - 1 + lag)
-    return vertical, along.mean(-2)
+    return vertical, slash_of_padded_rows(padded, nk, last_position)
+
+
+def slash_of_padded_rows(padded: torch.Tensor, seq_len_k: int, last_position: int) -> torch.Tensor:
+    """Per-offset mean over rows of ``padded``: ``(B, h, R, Nk + R + lag)`` rows with the keys
+    reversed in the first ``Nk`` entries and zeros after (``lag = Nk - 1 - last_position``).
+
+    Reading along offsets is a skewed view: with keys reversed (x = Nk - 1 - key), the key at
+    offset o of row r sits at x = lag + (R - 1 - r) + o, so a row stride of (L - 1) over rows of
+    length L walks the offsets of every row in step, with no index tensor. The zero padding is
+    what a row reads past its first key.
+    """
+    b, h, rows, length = padded.shape
+    lag = seq_len_k - 1 - last_position
+    if length != seq_len_k + rows + lag or not padded.is_contiguous():
+        raise ValueError(f"padded must be contiguous with rows of Nk + R + lag = {seq_len_k + rows + lag} entries")
+    along = padded.as_strided(
+        (b, h, rows, seq_len_k), (h * rows * length, rows * length, length - 1, 1), padded.storage_offset() + rows - 1 + lag
+    )
+    return along.mean(-2)
 
 
 def cumsum_long_rows(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1024) -> torch.Tensor:
