@@ -51,8 +51,9 @@ def main() -> None:
     for method, density, excess in rows:
         oracle = "oracle" in method
         block64 = "B=64" in method
-        marker = "*" if oracle else ("s" if block64 else "o")
-        color = "tab:green" if oracle else ("tab:purple" if block64 else "tab:blue")
+        lines = "vertical_slash" in method
+        marker = "*" if oracle else ("s" if block64 else ("D" if lines else "o"))
+        color = "tab:green" if oracle else ("tab:purple" if block64 else ("tab:orange" if lines else "tab:blue"))
         ax.scatter(density, excess, marker=marker, s=90 if oracle else 45, color=color, zorder=3)
         label = method.replace(" (shared, B=64 S=256)", ", B=64").replace("(rows_per_block=16)", "16")
         ax.annotate(label[:60], (density, excess), fontsize=6.5, xytext=(4, 3), textcoords="offset points")
@@ -61,7 +62,7 @@ def main() -> None:
     ax.set_xlabel("density of the 7000-token copy sample")
     ax.set_ylabel("excess loss on the repeated passage (nats, vs dense)")
     ax.set_title("Held-out copy probe (1000 + 5000 + 1000 tokens), SmolLM2-135M, CPU reference path\n"
-                 "stars: oracle (true mass); squares: block 64; circles: block 128", fontsize=9)
+                 "stars: oracle (true mass); squares: block 64; diamonds: vertical_slash; circles: other, block 128", fontsize=9)
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -241,3 +241,13 @@ def test_triton_selection_in_half_precision_stays_close_to_the_reference():
     reference = finalize_selection(selector.select(inputs), inputs.layout, inputs.key_positions, True).to_dense()
     # fp16 products summed in another order can flip a key or offset at the threshold, nothing more.
     assert (fast != reference).float().mean().item() < 0.02
+
+
+def test_the_preset_is_the_measured_configuration():
+    config = pbs.PBSConfig.from_preset("vertical_slash", block_size=32, segment_size=64)
+    assert config.permuter.name == "none"
+    assert config.selector.name == "vertical_slash" and config.selector.threshold == 0.75
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=2, heads_kv=1, seq_len=256, head_dim=16)
+    out, plan = pbs.attention(q, k, v, config.model_copy(update={"backend": "reference"}), return_plan=True)
+    assert plan is None or 0 < plan.density <= 1  # dense below min_seq_len on CUDA; planned on CPU
+    assert out.shape == q.shape
