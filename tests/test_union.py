@@ -48,3 +48,23 @@ def test_union_config_round_trips_and_rejects_bad_members():
         pbs.PBSConfig(selector={"name": "union", "selectors": "mean_pool"})
     with pytest.raises(ValueError, match="nope"):
         pbs.PBSConfig(selector={"name": "union", "selectors": ["mean_pool", "nope"]})
+
+
+def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_reference():
+    # pbs.kernels registers the members' Triton implementations; in the interpreter on the CPU.
+    import pbs.kernels  # noqa: F401
+    from pbs.components import selector_registry
+    from pbs.planning import build_plan, finalize_selection
+
+    q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
+    config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference", selector={
+        "name": "union", "selectors": [{"name": "vertical_slash", "threshold": 0.6}, {"name": "mean_pool", "threshold": 0.8}]})
+    plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
+    inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
+                             query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
+    fast = selector_registry.implementation(config.selector, "triton")
+    assert fast is not None
+    got = finalize_selection(fast(config.selector, inputs), plan.layout, inputs.key_positions, True).to_dense()
+    want = finalize_selection(config.selector.select(inputs), plan.layout, inputs.key_positions, True).to_dense()
+    # mean_pool's kernel and reference may differ on a block at the threshold (fp32 sums).
+    assert (got != want).float().mean().item() < 0.01

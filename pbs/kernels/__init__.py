@@ -151,6 +151,12 @@ def _sampled_rows_select(config, inputs):
     return sampled_rows_select(config, inputs)
 
 
+def _union_select(config, inputs):
+    from pbs.selectors.union import union_of_members
+
+    return union_of_members(config, inputs, implementation="triton")
+
+
 def _vertical_slash_select(config, inputs):
     from pbs.kernels.vertical_slash import vertical_slash_select
 
@@ -177,3 +183,4 @@ selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
 selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
 selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
 selector_registry.register_impl("vertical_slash", "triton")(_vertical_slash_select)
+selector_registry.register_impl("union", "triton")(_union_select)

@@ -45,10 +45,21 @@ class UnionSelector(SelectorConfig):
             member.check_compatible(config)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
-        selected = None
-        for member in self.selectors:
-            result = member.select(inputs)
-            if isinstance(result, BlockMask):
-                result = result.to_dense()
-            selected = result if selected is None else selected | result
-        return selected
+        return union_of_members(self, inputs, implementation="reference")
+
+
+def union_of_members(config: UnionSelector, inputs: SelectionInputs, implementation: str) -> torch.Tensor:
+    """OR of the members' selections, each from its ``implementation`` (``"triton"``: a member's
+    registered fast implementation where it has one, else its reference ``select``).
+
+    Returns:
+        ``(B, Hq, Tq, Tk)`` bool.
+    """
+    selected = None
+    for member in config.selectors:
+        fast = selector_registry.implementation(member, implementation) if implementation != "reference" else None
+        result = fast(member, inputs) if fast is not None else member.select(inputs)
+        if isinstance(result, BlockMask):
+            result = result.to_dense()
+        selected = result if selected is None else selected | result
+    return selected
