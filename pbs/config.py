@@ -208,5 +208,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Unpermuted vertical and slash lines of the last queries: keeps long-range copying on a real
     # model (docs/quality.md; threshold chosen on the tuning texts, held-out copy within +0.03).
     "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.75}},
+    # Lines plus pooled blocks: held-out loss within +0.013 and copy within +0.05 of dense at the
+    # defaults' density (docs/quality.md); the lines keep the copy, mean pooling the text.
+    "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
 }
 """Named configurations: ``PBSConfig.from_preset(name)``. Fields not named keep their defaults."""

@@ -68,3 +68,11 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
     want = finalize_selection(config.selector.select(inputs), plan.layout, inputs.key_positions, True).to_dense()
     # mean_pool's kernel and reference may differ on a block at the threshold (fp32 sums).
     assert (got != want).float().mean().item() < 0.01
+
+
+def test_the_pooled_lines_preset_is_the_measured_configuration():
+    config = pbs.PBSConfig.from_preset("vertical_slash_pooled")
+    assert config.permuter.name == "none" and config.selector.name == "union"
+    members = [(m.name, m.threshold) for m in config.selector.selectors]
+    assert members == [("vertical_slash", 0.75), ("mean_pool", 0.9)]
+    assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
