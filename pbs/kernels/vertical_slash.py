@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E
+from pbs.kernels._common import LOG2_E, interpreting
 from pbs.types import BlockMask, block_index_dtype
 
 
@@ -152,16 +152,10 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
 def supports_fast_path(inputs) -> bool:
     """The kernels assume unsegmented blocks with keys and queries in their original order."""
     layout = inputs.layout
-    if layout.segmented or inputs.q.device.type != "cuda" and not _interpreting():
+    if layout.segmented or (inputs.q.device.type != "cuda" and not interpreting()):
         return False
     perm = inputs.key_permutation
     return perm is None or perm.is_identity
-
-
-def _interpreting() -> bool:
-    from pbs.kernels._common import interpreting
-
-    return interpreting()
 
 
 def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
