@@ -8,11 +8,10 @@ import torch
 import pbs
 from pbs.components import SelectionInputs
 from pbs.selectors.vertical_slash import (
-    cumsum_long_rows,
     blocks_of_lines,
-    smallest_set_reaching,
     vertical_and_slash_scores,
 )
+from pbs.reference.threshold_select import cumsum_long_rows, select_by_cumulative_threshold
 from tests.helpers import small_config
 
 
@@ -40,6 +39,10 @@ def test_scores_with_queries_that_end_before_the_keys():
     assert torch.allclose(slash[0, 0, 10:13], torch.full((3,), 1 / 3)) and slash.sum().item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="last_position"):
         vertical_and_slash_scores(probs, 16)
+
+
+def smallest_set_reaching(scores, threshold):
+    return select_by_cumulative_threshold(scores, scores > 0, threshold)
 
 
 def test_smallest_set_reaching_keeps_the_fewest_top_entries():
@@ -80,13 +83,17 @@ def _token_level_blocks(inputs: SelectionInputs, keys: torch.Tensor, offsets: to
     return out
 
 
+def _random_lines(inputs: SelectionInputs, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """About 1% of the keys and of the offsets kept, for two heads."""
+    gen = torch.Generator().manual_seed(seed)
+    nk = inputs.layout.seq_len_k
+    return torch.rand(1, 2, nk, generator=gen) < 0.01, torch.rand(1, 2, nk, generator=gen) < 0.01
+
+
 @pytest.mark.parametrize("seq_len_q", [None, 130])
 def test_lines_map_to_exactly_the_blocks_they_cross_when_unpermuted(seq_len_q):
     inputs = _inputs("none", seq_len=300, seq_len_q=seq_len_q)
-    gen = torch.Generator().manual_seed(0)
-    nk = inputs.layout.seq_len_k
-    keys = torch.rand(1, 2, nk, generator=gen) < 0.01
-    offsets = torch.rand(1, 2, nk, generator=gen) < 0.01
+    keys, offsets = _random_lines(inputs, seed=0)
     got = blocks_of_lines(keys, offsets, inputs, slice(0, 2)) & inputs.allowed_blocks()
     want = _token_level_blocks(inputs, keys, offsets) & inputs.allowed_blocks()
     assert torch.equal(got, want)
@@ -94,10 +101,7 @@ def test_lines_map_to_exactly_the_blocks_they_cross_when_unpermuted(seq_len_q):
 
 def test_lines_cover_at_least_the_blocks_they_cross_when_permuted():
     inputs = _inputs("last_block", seq_len=300)
-    gen = torch.Generator().manual_seed(1)
-    nk = inputs.layout.seq_len_k
-    keys = torch.rand(1, 2, nk, generator=gen) < 0.01
-    offsets = torch.rand(1, 2, nk, generator=gen) < 0.01
+    keys, offsets = _random_lines(inputs, seed=1)
     got = blocks_of_lines(keys, offsets, inputs, slice(0, 2)) & inputs.allowed_blocks()
     want = _token_level_blocks(inputs, keys, offsets) & inputs.allowed_blocks()
     assert (got | ~want).all()

@@ -7,7 +7,7 @@ Three launches and a few PyTorch reductions instead of the reference's dozens of
 2. ``_row_probs``: each row's softmax over a key tile; the per-key sum (vertical score) is stored
    directly, and the probabilities go to a zero-padded buffer with the keys reversed, where the
    per-offset sum (slash score) is one strided mean (`pbs.selectors.vertical_slash`'s skewed view);
-3. the thresholds are the reference's own (`smallest_set_reaching`: a sort and a scan per head),
+3. the thresholds are the reference's own (`kept_lines`: a sort and a scan per head),
    and ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
    or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`.
 
@@ -37,6 +37,18 @@ def _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows,
 
 
 @triton.jit
+def _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows, query_offset,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """This program's (batch, query head), its last rows' queries and their original positions."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // heads_q
+    hq = pid_bh % heads_q
+    q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
+    row_pos = rows_start + query_offset + tl.arange(0, ROWS)
+    return pid_bh, b, hq, q, row_pos
+
+
+@triton.jit
 def _scores(q, k_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos, qk_scale,
             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     """Logits of the rows against the keys ``cols`` in the log2 domain, -inf where not allowed."""
@@ -60,13 +72,10 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, keys_per_split, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    pid_bh = tl.program_id(0)
+    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
+                                              query_offset, ROWS, HEAD_DIM, D_PAD)
     split = tl.program_id(1)
-    b = pid_bh // heads_q
-    hq = pid_bh % heads_q
-    q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
     o_r = tl.arange(0, ROWS)
-    row_pos = rows_start + query_offset + o_r
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     key_start = split * keys_per_split
@@ -90,13 +99,10 @@ def _row_probs(q_ptr, k_ptr, lse_ptr, vertical_ptr, reversed_ptr,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, row_length, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    pid_bh = tl.program_id(0)
+    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
+                                              query_offset, ROWS, HEAD_DIM, D_PAD)
     pid_n = tl.program_id(1)
-    b = pid_bh // heads_q
-    hq = pid_bh % heads_q
-    q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
     o_r = tl.arange(0, ROWS)
-    row_pos = rows_start + query_offset + o_r
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k, row_pos, qk_scale,
                 HEAD_DIM, D_PAD, CAUSAL, IEEE)
@@ -201,7 +207,7 @@ def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor
 def vertical_slash_select(config, inputs) -> BlockMask:
     """``triton`` implementation of `VerticalSlashSelector` (reference fallback off its fast path)."""
     from pbs.planning import finalize_selection
-    from pbs.selectors.vertical_slash import cumsum_long_rows, smallest_set_reaching
+    from pbs.selectors.vertical_slash import kept_lines, offset_prefix
 
     if not supports_fast_path(inputs):
         return finalize_selection(config.select(inputs), inputs.layout, inputs.key_positions, inputs.force_sink_block)
@@ -209,10 +215,9 @@ def vertical_slash_select(config, inputs) -> BlockMask:
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
     vertical, slash = last_rows_scores(inputs, config.last_rows)
-    keys = smallest_set_reaching(vertical, config.vertical_threshold or config.threshold)
-    offsets = smallest_set_reaching(slash, config.threshold)
+    keys, offsets = kept_lines(vertical, slash, config.threshold, config.vertical_threshold)
     vertical_blocks = torch.nn.functional.pad(keys, (0, tk * bs - nk)).view(b, hq, tk, bs).any(-1).to(torch.int8)
-    prefix = torch.nn.functional.pad(cumsum_long_rows(offsets, torch.int32), (1, 0)).contiguous()
+    prefix = offset_prefix(offsets).contiguous()
     counts = torch.empty(b, hq, tq, dtype=torch.int32, device=inputs.q.device)
     indices = torch.full((b, hq, tq, tk), -1, dtype=block_index_dtype(tk), device=inputs.q.device)
     _lines_to_blocks[(b * hq * tq,)](

@@ -35,7 +35,7 @@ def select_by_cumulative_threshold(
         ranking = torch.where(ranked_first & candidates, ranking + 2.0, ranking)
     _, order = ranking.sort(dim=-1, descending=True, stable=True)
     ranked = scores.masked_fill(~candidates, 0.0).gather(-1, order)
-    cumulative = ranked.clamp(min=0).cumsum(-1)
+    cumulative = cumsum_long_rows(ranked.clamp(min=0), ranked.dtype)
     needed = (cumulative < threshold).sum(-1, keepdim=True) + 1
     num_candidates = candidates.expand_as(scores).sum(-1, keepdim=True)
     needed = torch.minimum(needed, num_candidates)
@@ -47,3 +47,16 @@ def select_by_cumulative_threshold(
     selected = torch.zeros_like(keep_sorted)
     selected.scatter_(-1, order, keep_sorted)
     return selected
+
+
+def cumsum_long_rows(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1024) -> torch.Tensor:
+    """``values.cumsum(-1, dtype=dtype)`` as a two-level scan: PyTorch scans a few very long rows
+    (one per head, ``Nk`` long) slowly on the GPU, and many short rows fast."""
+    n = values.shape[-1]
+    if n <= 4 * chunk:
+        return values.cumsum(-1, dtype=dtype)
+    pad = -n % chunk
+    inner = torch.nn.functional.pad(values.to(dtype), (0, pad)).view(*values.shape[:-1], -1, chunk).cumsum(-1)
+    totals = inner[..., -1]
+    carry = totals.cumsum(-1) - totals
+    return (inner + carry[..., None]).view(*values.shape[:-1], -1)[..., :n]

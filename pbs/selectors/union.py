@@ -57,7 +57,7 @@ def union_of_members(config: UnionSelector, inputs: SelectionInputs, implementat
     """
     selected = None
     for member in config.selectors:
-        fast = selector_registry.implementation(member, implementation) if implementation != "reference" else None
+        fast = selector_registry.implementation(member, implementation)
         result = fast(member, inputs) if fast is not None else member.select(inputs)
         if isinstance(result, BlockMask):
             result = result.to_dense()

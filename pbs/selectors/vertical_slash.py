@@ -28,8 +28,8 @@ import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.reference.block_sets import forced_blocks
 from pbs.reference.logits import grouped_logits
+from pbs.reference.threshold_select import cumsum_long_rows, select_by_cumulative_threshold
 
 # Score rows held at once (float32): bounded on the CPU, where memory is shared with the model;
 # on the GPU fewer, larger chunks save launches.
@@ -128,27 +128,23 @@ def slash_of_padded_rows(padded: torch.Tensor, seq_len_k: int, last_position: in
     return along.mean(-2)
 
 
-def cumsum_long_rows(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1024) -> torch.Tensor:
-    """``values.cumsum(-1, dtype=dtype)`` as a two-level scan: PyTorch scans a few very long rows
-    (one per head, ``Nk`` long) slowly on the GPU, and many short rows fast."""
-    n = values.shape[-1]
-    if n <= 4 * chunk:
-        return values.cumsum(-1, dtype=dtype)
-    pad = -n % chunk
-    inner = torch.nn.functional.pad(values.to(dtype), (0, pad)).view(*values.shape[:-1], -1, chunk).cumsum(-1)
-    totals = inner[..., -1]
-    carry = totals.cumsum(-1) - totals
-    return (inner + carry[..., None]).view(*values.shape[:-1], -1)[..., :n]
+def kept_lines(vertical: torch.Tensor, slash: torch.Tensor, threshold: float,
+               vertical_threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fewest keys and the fewest offsets whose shares reach their thresholds (Algorithm 2's
+    cumulative rule, `select_by_cumulative_threshold`, over keys and offsets instead of blocks).
+
+    Returns:
+        ``(keys, offsets)``, each ``(B, h, Nk)`` bool; zero scores are never kept.
+    """
+    keys = select_by_cumulative_threshold(vertical, vertical > 0, vertical_threshold or threshold)
+    offsets = select_by_cumulative_threshold(slash, slash > 0, threshold)
+    return keys, offsets
 
 
-def smallest_set_reaching(scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The fewest highest entries of each row whose sum reaches ``threshold``: ``(..., N)`` bool."""
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    needed = (cumsum_long_rows(ranked, torch.float32) < threshold).sum(-1, keepdim=True) + 1
-    keep = torch.arange(scores.shape[-1], device=scores.device) < needed
-    selected = torch.zeros_like(keep)
-    selected.scatter_(-1, order, keep)
-    return selected & (scores > 0)
+def offset_prefix(offsets: torch.Tensor) -> torch.Tensor:
+    """``(B, h, Nk + 1)`` int32 running count of kept offsets, 0 first: the kept offsets in
+    ``[lo, hi)`` are ``prefix[hi] - prefix[lo]``."""
+    return torch.nn.functional.pad(cumsum_long_rows(offsets, torch.int32), (1, 0))
 
 
 def blocks_of_lines(
@@ -181,7 +177,7 @@ def blocks_of_lines(
     k_lo, k_hi = _block_position_ranges(key_pos, bs)
     lo = (q_lo[..., :, None] - k_hi[..., None, :]).clamp(min=0, max=nk)
     hi = (q_hi[..., :, None] - k_lo[..., None, :] + 1).clamp(min=0, max=nk)
-    prefix = torch.nn.functional.pad(cumsum_long_rows(offsets, torch.int32), (1, 0))  # (B, h, Nk+1)
+    prefix = offset_prefix(offsets)
     flat = prefix.shape[:2] + (tq * tk,)
     count = prefix.gather(-1, hi.reshape(flat)) - prefix.gather(-1, lo.reshape(flat))
     slash = (count > 0).view(*prefix.shape[:2], tq, tk)
@@ -230,8 +226,7 @@ class VerticalSlashSelector(SelectorConfig):
             probs, last_position = last_rows_attention(inputs, self.last_rows, heads, reversed_source_k)
             vertical, slash = _scores_of_reversed_rows(probs, last_position)
             del probs
-            keys = smallest_set_reaching(vertical, self.vertical_threshold or self.threshold)
-            offsets = smallest_set_reaching(slash, self.threshold)
+            keys, offsets = kept_lines(vertical, slash, self.threshold, self.vertical_threshold)
             selected[:, heads] = blocks_of_lines(keys, offsets, inputs, heads)
-        forced = forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
-        return (selected | forced) & inputs.allowed_blocks()
+        # Planning adds the forced blocks and drops those wholly in the future (finalize_selection).
+        return selected
