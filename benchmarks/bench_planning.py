@@ -74,7 +74,10 @@ METHODS = {
     "last_block+antidiagonal": {"permuter": "last_block", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
     "sampled_rows4": {"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
     "last_block+sampled_rows4": {"permuter": "last_block", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
-    "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.6}},
+    # The two presets of the same names (pbs.config.PRESETS): lines alone, and lines OR pooled blocks.
+    "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.75}},
+    "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
 }
 TARGET_METHOD = "last_block+mean_pool"  # target (a) is required of the defaults, reported for the rest
 FALLBACK_OFF = {"min_seq_len": 0, "max_density": None}
