@@ -7,6 +7,7 @@ import torch
 
 import pbs
 from pbs.components import SelectionInputs
+from pbs.types import BlockMask
 from tests.helpers import small_config
 
 
@@ -64,10 +65,35 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
                              query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
     fast = selector_registry.implementation(config.selector, "triton")
     assert fast is not None
-    got = finalize_selection(fast(config.selector, inputs), plan.layout, inputs.key_positions, True).to_dense()
+    fused = fast(config.selector, inputs)
+    # The members are merged inside vertical_slash's compaction: a BlockMask, no dense round trip.
+    assert isinstance(fused, BlockMask)
+    got = fused.to_dense()
     want = finalize_selection(config.selector.select(inputs), plan.layout, inputs.key_positions, True).to_dense()
     # mean_pool's kernel and reference may differ on a block at the threshold (fp32 sums).
     assert (got != want).float().mean().item() < 0.01
+    # Exactly the OR of the members' own fast selections.
+    members = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
+    assert torch.equal(got, members[0] | members[1])
+    assert torch.equal(fused.counts, got.sum(-1, dtype=torch.int32))
+
+
+def test_the_fast_union_of_three_members_is_the_or_of_their_fast_selections():
+    import pbs.kernels  # noqa: F401
+    from pbs.components import selector_registry
+    from pbs.planning import build_plan
+
+    q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
+    members = [{"name": "mean_pool", "threshold": 0.7}, {"name": "vertical_slash", "threshold": 0.5},
+               {"name": "antidiagonal", "threshold": 0.7}]
+    config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference",
+                           selector={"name": "union", "selectors": members})
+    plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
+    inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
+                             query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
+    got = selector_registry.implementation(config.selector, "triton")(config.selector, inputs).to_dense()
+    each = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
+    assert torch.equal(got, each[0] | each[1] | each[2])
 
 
 def test_the_pooled_lines_preset_is_the_measured_configuration():

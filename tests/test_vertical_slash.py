@@ -163,12 +163,14 @@ def test_a_separate_vertical_threshold_keeps_more_keys():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
 @pytest.mark.parametrize("seq_len,seq_len_q", [(4096, None), (3000, 1000), (8333, None)])
-def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q):
-    # The GPU runs the same torch code; fp32 inputs so that ties in the rankings match the CPU's.
+@pytest.mark.parametrize("selector", [{"name": "vertical_slash", "threshold": 0.6}, "vertical_slash_pooled"])
+def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, selector):
+    # fp32 inputs so that ties in the rankings mostly match the CPU's.
     q, k, v = pbs.testing.make_qkv(batch=2, heads_q=8, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
                                    head_dim=64, dtype=torch.float32, device="cuda", seed=5)
-    config = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.6}, permuter="none",
-                           dense_fallback={"min_seq_len": 0, "max_density": None})
+    if selector == "vertical_slash_pooled":  # the preset: the union goes through the fused merge
+        selector = pbs.PBSConfig.from_preset(selector).selector
+    config = pbs.PBSConfig(selector=selector, permuter="none", dense_fallback={"min_seq_len": 0, "max_density": None})
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     cpu_config = config.model_copy(update={"backend": "reference"})
     cpu_out, cpu_plan = pbs.attention(q.cpu(), k.cpu(), v.cpu(), cpu_config, return_plan=True)
@@ -176,6 +178,35 @@ def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q):
     assert (gpu_mask != cpu_mask).float().mean().item() < 1e-3
     assert plan.density == pytest.approx(cpu_plan.density, abs=2e-3)
     assert (out.cpu() - cpu_out).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
+def test_gpu_scores_and_fused_union_at_32k_in_bf16():
+    # Long rows exercise the persistent tile loop and the atomics that add up the slash scores.
+    import pbs.kernels  # noqa: F401
+    from pbs.components import selector_registry
+    from pbs.kernels.vertical_slash import last_rows_scores
+    from pbs.planning import build_plan
+    from pbs.selectors.vertical_slash import _scores_of_reversed_rows, last_rows_attention
+
+    q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=32768, head_dim=128,
+                                   dtype=torch.bfloat16, device="cuda", seed=3)
+    config = pbs.PBSConfig.from_preset("vertical_slash_pooled").model_copy(update={"backend": "triton"})
+    plan, q_perm, _, _ = build_plan(q, k, config, 128**-0.5)
+    inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
+                             query_positions=plan.query_positions(), key_positions=plan.key_positions(),
+                             scale=128**-0.5)
+    vertical, slash = last_rows_scores(inputs, 64)
+    probs, last = last_rows_attention(inputs, 64, slice(0, 8), k.flip(2))
+    want_vertical, want_slash = _scores_of_reversed_rows(probs, last)
+    assert (vertical - want_vertical).abs().max().item() < 1e-3
+    assert (slash - want_slash).abs().max().item() < 1e-3
+    assert slash.sum(-1).sub(1).abs().max().item() < 1e-3
+    union = config.selector
+    fused = selector_registry.implementation(union, "triton")(union, inputs)
+    each = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in union.selectors]
+    assert torch.equal(fused.to_dense(), each[0] | each[1])
 
 
 def test_the_two_level_scan_equals_cumsum():

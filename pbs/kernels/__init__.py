@@ -152,9 +152,9 @@ def _sampled_rows_select(config, inputs):
 
 
 def _union_select(config, inputs):
-    from pbs.selectors.union import union_of_members
+    from pbs.kernels.vertical_slash import union_select
 
-    return union_of_members(config, inputs, implementation="triton")
+    return union_select(config, inputs)
 
 
 def _vertical_slash_select(config, inputs):

@@ -4,12 +4,15 @@ Three launches and a few PyTorch reductions instead of the reference's dozens of
 
 1. ``_row_stats``: the log-sum-exp of the last ``R`` queries' rows, split over the keys (one
    program per query head and key split, online softmax), combined on the device;
-2. ``_row_probs``: each row's softmax over a key tile; the per-key sum (vertical score) is stored
-   directly, and the probabilities go to a zero-padded buffer with the keys reversed, where the
-   per-offset sum (slash score) is one strided mean (`pbs.selectors.vertical_slash`'s skewed view);
+2. ``_row_lines``: each row's softmax over a key tile; the per-key sum (vertical score) is stored
+   directly, and the per-offset sums (slash scores) come from the same tile: written to a small
+   per-program scratch tile that stays in L2 and read back skewed, so that a sum over rows is a
+   sum along one offset, then added into the offsets with atomics (persistent grid; the
+   probabilities themselves never go to memory);
 3. the thresholds are the reference's own (`kept_lines`: a sort and a scan per head),
    and ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
-   or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`.
+   or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`; a union's
+   other member is merged there too (`union_select`).
 
 It runs for unsegmented layouts whose keys and queries are in their original order (the
 ``none`` permuter, the selector's intended use); anything else falls back to the reference.
@@ -25,6 +28,8 @@ import triton.language as tl
 
 from pbs.kernels._common import LOG2_E, interpreting
 from pbs.types import BlockMask, block_index_dtype
+
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -94,34 +99,68 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr,
 
 
 @triton.jit
-def _row_probs(q_ptr, k_ptr, lse_ptr, vertical_ptr, reversed_ptr,
+def _row_lines(q_ptr, k_ptr, lse_ptr, vertical_ptr, slash_ptr, scratch_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, rows_start, rows, seq_len_k, query_offset, row_length, qk_scale,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
-                                              query_offset, ROWS, HEAD_DIM, D_PAD)
-    pid_n = tl.program_id(1)
+               heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, qk_scale,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    # Persistent: each program walks (head, key tile) pairs and owns one ROWS x BLOCK_N scratch tile,
+    # small enough to stay in L2, instead of writing every row's probabilities out to memory.
+    pid = tl.program_id(0)
     o_r = tl.arange(0, ROWS)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k, row_pos, qk_scale,
-                HEAD_DIM, D_PAD, CAUSAL, IEEE)
-    lse = tl.load(lse_ptr + pid_bh * ROWS + o_r)
-    p = tl.exp2(s - lse[:, None])
-    p = tl.where(o_r[:, None] < rows, p, 0.0)
-    in_range = cols < seq_len_k
-    tl.store(vertical_ptr + pid_bh.to(tl.int64) * seq_len_k + cols, tl.sum(p, 0) / rows, mask=in_range)
-    reversed_cols = seq_len_k - 1 - cols
-    base = reversed_ptr + pid_bh.to(tl.int64) * rows * row_length
-    ptrs = base + o_r[:, None].to(tl.int64) * row_length + reversed_cols[None, :]
-    tl.store(ptrs, p, mask=(o_r[:, None] < rows) & in_range[None, :])
+    o_n = tl.arange(0, BLOCK_N)
+    o_x = tl.arange(0, SKEW)
+    scratch = scratch_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N)
+    # Skewed read: entry (r, x) is the tile's column BLOCK_N - 1 - (x - r), whose offset from row r
+    # is the same for every r (first_offset + x, below), so a sum over rows is a per-offset sum.
+    column = BLOCK_N - 1 - (o_x[None, :] - o_r[:, None])
+    on_tile = (column >= 0) & (column < BLOCK_N)
+    for tile in range(pid, total_tiles, tl.num_programs(0)):
+        pid_bh = tile // key_tiles
+        b = pid_bh // heads_q
+        hq = pid_bh % heads_q
+        q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
+        first_row_pos = rows_start + query_offset
+        col0 = (tile % key_tiles) * BLOCK_N
+        cols = col0 + o_n
+        s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k, first_row_pos + o_r,
+                    qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE)
+        lse = tl.load(lse_ptr + pid_bh * ROWS + o_r)
+        p = tl.exp2(s - lse[:, None])
+        p = tl.where(o_r[:, None] < rows, p, 0.0)
+        line = pid_bh.to(tl.int64) * seq_len_k
+        tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
+        tl.debug_barrier()  # the previous tile's skewed reads are done
+        tl.store(scratch + o_r[:, None] * BLOCK_N + o_n[None, :], p)
+        tl.debug_barrier()
+        skewed = tl.load(scratch + o_r[:, None] * BLOCK_N + column, mask=on_tile, other=0.0, cache_modifier=".cg")
+        # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
+        # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
+        # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
+        # atomics leave the result deterministic.
+        offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_x
+        tl.atomic_add(slash_ptr + line + offsets, tl.sum(skewed, 0), sem="relaxed",
+                      mask=(o_x < ROWS + BLOCK_N - 1) & (offsets >= 0) & (offsets < seq_len_k))
 
 
 @triton.jit
 def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
+                     extra_counts_ptr, extra_indices_ptr, extra_marks_ptr,
                      num_query_blocks, num_key_blocks, seq_len_q, seq_len_k, query_offset,
-                     BLOCK: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr):
+                     BLOCK: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr,
+                     EXTRA: tl.constexpr):
     pid = tl.program_id(0)
+    marks = extra_marks_ptr + pid.to(tl.int64) * num_key_blocks
+    if EXTRA:
+        # Another selection's list for this row (a union's other member) is marked in a zeroed
+        # row of flags first, so the walk below can OR it in chunk by chunk.
+        extra_count = tl.load(extra_counts_ptr + pid)
+        for e0 in range(0, num_key_blocks, CHUNK):
+            e = e0 + tl.arange(0, CHUNK)
+            listed = e < extra_count
+            block = tl.load(extra_indices_ptr + pid.to(tl.int64) * num_key_blocks + e, mask=listed, other=0)
+            tl.store(marks + block, 1, mask=listed)
+        tl.debug_barrier()
     bh = pid // num_query_blocks
     i = pid % num_query_blocks
     first_slot = i * BLOCK
@@ -147,7 +186,10 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
         hi = tl.minimum(tl.maximum(q_hi - k_lo + 1, 0), seq_len_k)
         crossed = tl.load(prefix + hi, mask=in_range, other=0) - tl.load(prefix + lo, mask=in_range, other=0)
         vertical = tl.load(vertical_blocks_ptr + bh.to(tl.int64) * num_key_blocks + j, mask=in_range, other=0)
-        keep = allowed & (forced | (vertical != 0) | (crossed > 0))
+        keep = forced | (vertical != 0) | (crossed > 0)
+        if EXTRA:
+            keep = keep | (tl.load(marks + j, mask=in_range, other=0, cache_modifier=".cg") != 0)
+        keep = allowed & keep
         keep_i = keep.to(tl.int32)
         slot = written + tl.cumsum(keep_i, 0) - 1
         tl.store(row + slot, j.to(indices_ptr.dtype.element_ty), mask=keep)
@@ -167,8 +209,6 @@ def supports_fast_path(inputs) -> bool:
 def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(vertical, slash)``, each ``(B, Hq, Nk)`` float32: what
     `pbs.selectors.vertical_slash.vertical_and_slash_scores` returns for the same rows."""
-    from pbs.selectors.vertical_slash import slash_of_padded_rows
-
     layout = inputs.layout
     q = inputs.q
     k = inputs.source_k if inputs.source_k is not None else inputs.k
@@ -179,7 +219,7 @@ def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor
     rows_start = nq - rows
     rows_pad = max(16, triton.next_power_of_2(rows))
     d_pad = max(16, triton.next_power_of_2(d))
-    block_n = 64
+    block_n = max(64, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
     ieee = q.dtype == torch.float32
     qk_scale = inputs.scale * LOG2_E
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), hq, group, rows_start, rows)
@@ -196,21 +236,39 @@ def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     lse = (top.squeeze(1) + torch.log2((part_sum * torch.exp2(part_max - top)).sum(1))).contiguous()
     vertical = torch.empty(b, hq, nk, dtype=torch.float32, device=q.device)
-    lag = nk - 1 - (layout.query_offset + nq - 1)
-    row_length = nk + rows + lag
-    reversed_rows = torch.zeros(b, hq, rows, row_length, dtype=torch.float32, device=q.device)
-    _row_probs[(b * hq, triton.cdiv(nk, block_n))](q, k, lse, vertical, reversed_rows, *common, nk,
-                                                   layout.query_offset, row_length, qk_scale, **meta)
-    return vertical, slash_of_padded_rows(reversed_rows, nk, layout.query_offset + nq - 1)
+    slash = torch.zeros(b, hq, nk, dtype=torch.float32, device=q.device)
+    key_tiles = triton.cdiv(nk, block_n)
+    total_tiles = b * hq * key_tiles
+    programs = min(total_tiles, PROGRAMS_PER_SM * _sm_count(q.device))
+    scratch = torch.empty(programs, rows_pad * block_n, dtype=torch.float32, device=q.device)
+    _row_lines[(programs,)](q, k, lse, vertical, slash, scratch, *common, nk, layout.query_offset, key_tiles,
+                            total_tiles, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1), **meta)
+    return vertical, slash.div_(rows)
 
 
-def vertical_slash_select(config, inputs) -> BlockMask:
-    """``triton`` implementation of `VerticalSlashSelector` (reference fallback off its fast path)."""
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one after another: a few exercise the tile loop
+    from pbs.kernels.block_sparse_attn import sm_count
+
+    return sm_count(device)
+
+
+def vertical_slash_select(config, inputs, extra: BlockMask | None = None) -> BlockMask:
+    """``triton`` implementation of `VerticalSlashSelector` (reference fallback off its fast path).
+
+    Args:
+        extra: another selection of the same layout whose blocks are kept too (a `union`'s other
+            member): merged while the lines are compacted, with no dense mask in between.
+    """
     from pbs.planning import finalize_selection
     from pbs.selectors.vertical_slash import kept_lines, offset_prefix
 
     if not supports_fast_path(inputs):
-        return finalize_selection(config.select(inputs), inputs.layout, inputs.key_positions, inputs.force_sink_block)
+        selected = config.select(inputs)
+        if extra is not None:
+            selected = selected | extra.to_dense()
+        return finalize_selection(selected, inputs.layout, inputs.key_positions, inputs.force_sink_block)
     layout = inputs.layout
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
@@ -220,9 +278,42 @@ def vertical_slash_select(config, inputs) -> BlockMask:
     prefix = offset_prefix(offsets).contiguous()
     counts = torch.empty(b, hq, tq, dtype=torch.int32, device=inputs.q.device)
     indices = torch.full((b, hq, tq, tk), -1, dtype=block_index_dtype(tk), device=inputs.q.device)
+    if extra is None:
+        extra_counts, extra_indices, marks = counts, indices, counts  # never read
+    else:
+        if tuple(extra.indices.shape) != (b, hq, tq, tk):
+            raise ValueError(f"extra must be a BlockMask of shape {(b, hq, tq, tk)}, got {tuple(extra.indices.shape)}")
+        extra_counts, extra_indices = extra.counts.contiguous(), extra.indices.contiguous()
+        marks = torch.zeros(b, hq, tq, tk, dtype=torch.int8, device=inputs.q.device)
     _lines_to_blocks[(b * hq * tq,)](
-        vertical_blocks.contiguous(), prefix, counts, indices, tq, tk, layout.seq_len_q, nk, layout.query_offset,
+        vertical_blocks.contiguous(), prefix, counts, indices, extra_counts, extra_indices, marks,
+        tq, tk, layout.seq_len_q, nk, layout.query_offset,
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
-        FORCE_SINK=inputs.force_sink_block,
+        FORCE_SINK=inputs.force_sink_block, EXTRA=extra is not None,
     )
     return BlockMask(counts=counts, indices=indices, layout=layout)
+
+
+def union_select(config, inputs) -> BlockMask | torch.Tensor:
+    """``triton`` implementation of `UnionSelector`.
+
+    With a ``vertical_slash`` member on its fast path, the other members' selection is merged into
+    that member's compaction (`vertical_slash_select`'s ``extra``): no dense ``(B, Hq, Tq, Tk)``
+    masks are built and compacted again. Otherwise the OR of the members' fast implementations.
+    """
+    from pbs.planning import finalize_selection
+    from pbs.components import selector_registry
+    from pbs.selectors.union import UnionSelector, union_of_members
+
+    lines = next((m for m in config.selectors if m.name == "vertical_slash"), None)
+    if lines is None or not supports_fast_path(inputs):
+        return union_of_members(config, inputs, implementation="triton")
+    others = tuple(m for m in config.selectors if m is not lines)
+    if len(others) == 1:
+        fast = selector_registry.implementation(others[0], "triton")
+        extra = fast(others[0], inputs) if fast is not None else others[0].select(inputs)
+    else:
+        extra = union_of_members(UnionSelector.model_construct(selectors=others), inputs, implementation="triton")
+    if not isinstance(extra, BlockMask):
+        extra = finalize_selection(extra, inputs.layout, inputs.key_positions, inputs.force_sink_block)
+    return vertical_slash_select(lines, inputs, extra=extra)
