@@ -30,6 +30,7 @@ from pbs.kernels._common import LOG2_E, interpreting
 from pbs.types import BlockMask, block_index_dtype
 
 PROGRAMS_PER_SM = 4
+KEY_TILE = 64
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor
     rows_start = nq - rows
     rows_pad = max(16, triton.next_power_of_2(rows))
     d_pad = max(16, triton.next_power_of_2(d))
-    block_n = max(64, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
+    block_n = max(KEY_TILE, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
     ieee = q.dtype == torch.float32
     qk_scale = inputs.scale * LOG2_E
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), hq, group, rows_start, rows)
