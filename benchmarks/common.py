@@ -58,10 +58,13 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 def git_revision() -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the checkout the benchmark runs from.
 
-    Where there is no git checkout (a copy of the working tree on another machine), the commit is
-    read from the ``PBS_GIT_REVISION`` environment variable (``git rev-parse HEAD`` where the copy
-    was made), and ``dirty`` is None (unknown).
+    ``PBS_GIT_REVISION`` (``git rev-parse HEAD`` where a copy of the working tree was made for
+    another machine), when set, is taken as the commit with ``dirty`` None (unknown); otherwise
+    the checkout's own git is asked.
     """
+    # Set explicitly, it wins: a copy of the tree may carry a stale .git (seen on the device machine).
+    if os.environ.get("PBS_GIT_REVISION"):
+        return os.environ["PBS_GIT_REVISION"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:

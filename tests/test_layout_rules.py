@@ -115,3 +115,13 @@ def test_benchmark_results_hold_no_pytest_logs():
         if path.name.startswith("gpu_tests") or pytest_output.search(path.read_text(errors="replace"))
     ]
     assert not logs, f"pytest logs in benchmarks/results: {logs}"
+
+
+def test_benchmark_results_take_the_revision_passed_in_over_a_copied_git(monkeypatch):
+    from benchmarks.common import git_revision
+
+    monkeypatch.setenv("PBS_GIT_REVISION", "0123abcd")
+    assert git_revision() == ("0123abcd", None)
+    monkeypatch.delenv("PBS_GIT_REVISION")
+    revision, _ = git_revision()
+    assert revision != "0123abcd"
