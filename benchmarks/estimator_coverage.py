@@ -47,6 +47,9 @@ METHODS: dict[str, tuple[dict, str, tuple[float, ...]]] = {
     "sampled_rows4 none": ({"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 4}}, "threshold", (0.8, 0.9, 0.95)),
     "sampled_rows8 last_block": ({"permuter": "last_block", "gqa": "per_head", "selector": {"name": "sampled_rows", "rows_per_block": 8}}, "threshold", (0.8, 0.9, 0.95)),
     "vertical_slash none": ({"permuter": "none", "selector": {"name": "vertical_slash"}}, "threshold", (0.6, 0.75, 0.9)),
+    # mean_pool 0.9 alone in the heads where it covers the last rows, with vertical_slash 0.75 elsewhere
+    # (min_coverage above 1: the union in every head)
+    "head_choice none": ({"permuter": "none", "selector": {"name": "head_choice"}}, "min_coverage", (0.8, 0.85, 0.9, 0.95, 1.01)),
 }
 
 

@@ -157,6 +157,12 @@ def _union_select(config, inputs):
     return union_select(config, inputs)
 
 
+def _head_choice_select(config, inputs):
+    from pbs.kernels.vertical_slash import head_choice_select
+
+    return head_choice_select(config, inputs)
+
+
 def _vertical_slash_select(config, inputs):
     from pbs.kernels.vertical_slash import vertical_slash_select
 
@@ -184,3 +190,4 @@ selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
 selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
 selector_registry.register_impl("vertical_slash", "triton")(_vertical_slash_select)
 selector_registry.register_impl("union", "triton")(_union_select)
+selector_registry.register_impl("head_choice", "triton")(_head_choice_select)

@@ -12,7 +12,8 @@ Three launches and a few PyTorch reductions instead of the reference's dozens of
 3. the thresholds are the reference's own (`kept_lines`: a sort and a scan per head),
    and ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
    or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`; a union's
-   other member is merged there too (`union_select`).
+   other member is merged there too (`union_select`), and `head_choice_select` picks per head,
+   on the device, between the pooled selection alone and that merge.
 
 It runs for unsegmented layouts whose keys and queries are in their original order (the
 ``none`` permuter, the selector's intended use); anything else falls back to the reference.
@@ -263,13 +264,19 @@ def vertical_slash_select(config, inputs, extra: BlockMask | None = None) -> Blo
             member): merged while the lines are compacted, with no dense mask in between.
     """
     from pbs.planning import finalize_selection
-    from pbs.selectors.vertical_slash import kept_lines, offset_prefix
 
     if not supports_fast_path(inputs):
         selected = config.select(inputs)
         if extra is not None:
             selected = selected | extra.to_dense()
         return finalize_selection(selected, inputs.layout, inputs.key_positions, inputs.force_sink_block)
+    return _lines_and_vertical(config, inputs, extra)[0]
+
+
+def _lines_and_vertical(config, inputs, extra: BlockMask | None) -> tuple[BlockMask, torch.Tensor]:
+    """The fast path of `vertical_slash_select`, with the vertical scores ``(B, Hq, Nk)`` it used."""
+    from pbs.selectors.vertical_slash import kept_lines, offset_prefix
+
     layout = inputs.layout
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
@@ -292,7 +299,7 @@ def vertical_slash_select(config, inputs, extra: BlockMask | None = None) -> Blo
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
         FORCE_SINK=inputs.force_sink_block, EXTRA=extra is not None,
     )
-    return BlockMask(counts=counts, indices=indices, layout=layout)
+    return BlockMask(counts=counts, indices=indices, layout=layout), vertical
 
 
 def union_select(config, inputs) -> BlockMask | torch.Tensor:
@@ -318,3 +325,30 @@ def union_select(config, inputs) -> BlockMask | torch.Tensor:
     if not isinstance(extra, BlockMask):
         extra = finalize_selection(extra, inputs.layout, inputs.key_positions, inputs.force_sink_block)
     return vertical_slash_select(lines, inputs, extra=extra)
+
+
+def head_choice_select(config, inputs) -> BlockMask | torch.Tensor:
+    """``triton`` implementation of `HeadChoiceSelector`: the pooled selector's fast implementation,
+    the lines merged with it in one compaction (`vertical_slash_select`'s ``extra``), and per head
+    the one of the two the coverage test picks, chosen on the device (no host sync)."""
+    from pbs.components import selector_registry
+    from pbs.planning import finalize_selection
+    from pbs.reference.block_means import sum_per_key_block
+    from pbs.selectors.head_choice import pooled_coverage
+
+    if not supports_fast_path(inputs):
+        return config.select(inputs)
+    layout = inputs.layout
+    fast = selector_registry.implementation(config.pooled, "triton")
+    pooled = fast(config.pooled, inputs) if fast is not None else config.pooled.select(inputs)
+    if not isinstance(pooled, BlockMask):
+        pooled = finalize_selection(pooled, layout, inputs.key_positions, inputs.force_sink_block)
+    both, vertical = _lines_and_vertical(config.lines, inputs, pooled)
+    tk = layout.num_key_blocks
+    last = pooled.indices[:, :, -1]
+    kept_last = torch.zeros(*last.shape[:-1], tk + 1, dtype=torch.bool, device=last.device)
+    kept_last.scatter_(-1, torch.where(last < 0, tk, last).long(), True)
+    mass = sum_per_key_block(vertical, layout.block_size)
+    trusted = pooled_coverage(mass, kept_last[:, :, None, :tk]) >= config.min_coverage  # (B, Hq)
+    return BlockMask(counts=torch.where(trusted[..., None], pooled.counts, both.counts),
+                     indices=torch.where(trusted[..., None, None], pooled.indices, both.indices), layout=layout)

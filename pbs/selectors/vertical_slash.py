@@ -37,6 +37,27 @@ _CHUNK_ELEMENTS = 1 << 24
 _CHUNK_ELEMENTS_CUDA = 1 << 27
 
 
+def last_rows_queries(inputs: SelectionInputs, last_rows: int, heads: slice) -> tuple[torch.Tensor, int]:
+    """The last ``last_rows`` queries by original position, in position order, times the softmax scale.
+
+    Returns:
+        ``(queries, last_position)``: ``(B, h, R, D)`` float32 for the query heads ``heads``, and the
+        last row's original position.
+    """
+    layout = inputs.layout
+    nq = layout.seq_len_q
+    q = inputs.q[:, heads]
+    rows = min(last_rows, nq)
+    # Query positions are a permutation of query_offset .. query_offset + Nq - 1: the slots of the
+    # last R positions come from inverting it (a scatter, cheaper than a top-k on the GPU).
+    positions = inputs.query_positions[:, heads] - layout.query_offset
+    slot_of = torch.empty_like(positions)
+    slot_of.scatter_(-1, positions, torch.arange(nq, device=q.device).expand_as(positions))
+    slots = slot_of[..., nq - rows:]
+    queries = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1])).float() * inputs.scale
+    return queries, layout.query_offset + nq - 1
+
+
 def last_rows_attention(
     inputs: SelectionInputs, last_rows: int, heads: slice, reversed_source_k: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, int]:
@@ -53,17 +74,9 @@ def last_rows_attention(
         position order, and the last row's original position.
     """
     layout = inputs.layout
-    nq, nk = layout.seq_len_q, layout.seq_len_k
-    q = inputs.q[:, heads]
-    rows = min(last_rows, nq)
-    # Query positions are a permutation of query_offset .. query_offset + Nq - 1: the slots of the
-    # last R positions come from inverting it (a scatter, cheaper than a top-k on the GPU).
-    positions = inputs.query_positions[:, heads] - layout.query_offset
-    slot_of = torch.empty_like(positions)
-    slot_of.scatter_(-1, positions, torch.arange(nq, device=q.device).expand_as(positions))
-    slots = slot_of[..., nq - rows:]
-    last_position = layout.query_offset + nq - 1
-    q_last = q.gather(2, slots[..., None].expand(-1, -1, -1, q.shape[-1])).float() * inputs.scale
+    nk = layout.seq_len_k
+    q_last, last_position = last_rows_queries(inputs, last_rows, heads)
+    rows = q_last.shape[2]
     keys = reversed_source_k if reversed_source_k is not None else inputs.k
     group = layout.heads_q // keys.shape[1]
     kv_heads = slice(heads.start // group, heads.stop // group)
@@ -76,8 +89,8 @@ def last_rows_attention(
         logits = torch.empty_like(logits).scatter_(-1, reversed_pos, logits)
     if layout.causal:
         # Entry x is key Nk - 1 - x, in the future of row r when x < Nk - 1 - position(r).
-        row_pos = torch.arange(last_position - rows + 1, last_position + 1, device=q.device)
-        future = torch.arange(nk, device=q.device)[None, :] < (nk - 1 - row_pos)[:, None]
+        row_pos = torch.arange(last_position - rows + 1, last_position + 1, device=q_last.device)
+        future = torch.arange(nk, device=q_last.device)[None, :] < (nk - 1 - row_pos)[:, None]
         logits = logits.masked_fill_(future, float("-inf"))
     return logits.softmax(-1), last_position
 
