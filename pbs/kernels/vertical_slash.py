@@ -349,6 +349,7 @@ def head_choice_select(config, inputs) -> BlockMask | torch.Tensor:
     kept_last = torch.zeros(*last.shape[:-1], tk + 1, dtype=torch.bool, device=last.device)
     kept_last.scatter_(-1, torch.where(last < 0, tk, last).long(), True)
     mass = sum_per_key_block(vertical, layout.block_size)
-    trusted = pooled_coverage(mass, kept_last[:, :, None, :tk]) >= config.min_coverage  # (B, Hq)
+    first = torch.zeros(last.shape[:2], dtype=torch.long, device=last.device)  # kept_last's only row
+    trusted = pooled_coverage(mass, kept_last[:, :, None, :tk], first) >= config.min_coverage  # (B, Hq)
     return BlockMask(counts=torch.where(trusted[..., None], pooled.counts, both.counts),
                      indices=torch.where(trusted[..., None, None], pooled.indices, both.indices), layout=layout)

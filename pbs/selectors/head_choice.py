@@ -6,9 +6,10 @@ many heads the pooled blocks alone already hold the mass and the lines only add 
 layers 15-29: ``mean_pool`` covers 0.90-0.96 of the true mass at densities 0.10-0.22). FlexPrefill
 (Lai et al., 2025) chooses a pattern per head from the last queries' exact attention; here the
 test is direct: the share of the last ``lines.last_rows`` queries' exact attention that the pooled
-selection's blocks for their query block hold. Where it reaches ``min_coverage``, the head keeps
-the pooled blocks alone; elsewhere the lines are added. Those rows are the ones ``vertical_slash``
-scores anyway.
+selection keeps for the query block of the last query. Where it reaches ``min_coverage``, the head
+keeps the pooled blocks alone; elsewhere the lines are added. Those rows are the ones
+``vertical_slash`` scores anyway. Permuted layouts work too (the mass follows each key to its
+slot); the GPU implementation runs the unpermuted case.
 
 (FlexPrefill's own test, the Jensen-Shannon distance between the block distribution the pooled
 query predicts and the exact one, was measured first and chose worse on this model: it kept the
@@ -61,10 +62,6 @@ class HeadChoiceSelector(SelectorConfig):
         return selector_registry.parse(value)
 
     def check_compatible(self, config) -> None:
-        if type(config.permuter).segmented:
-            # The coverage test reads the last rows' block and the keys in their original order.
-            raise ValueError(f"head_choice needs permuter='none' (keys and queries in their original order), "
-                             f"got permuter={config.permuter.name!r}")
         self.pooled.check_compatible(config)
         self.lines.check_compatible(config)
 
@@ -72,30 +69,50 @@ class HeadChoiceSelector(SelectorConfig):
         pooled = self.pooled.select(inputs)
         if isinstance(pooled, BlockMask):
             pooled = pooled.to_dense()
-        layout = inputs.layout
-        if inputs.source_k is None:
-            raise ValueError("head_choice needs the keys in their original order (SelectionInputs.source_k)")
-        probs, _ = last_rows_attention(inputs, self.lines.last_rows, slice(0, layout.heads_q), inputs.source_k.flip(2))
-        last_rows_mass = sum_per_key_block(probs.mean(-2).flip(-1), layout.block_size)  # (B, Hq, Tk)
-        del probs
-        forced = forced_blocks(layout, inputs.key_positions, inputs.force_sink_block)
-        trusted = pooled_coverage(last_rows_mass, pooled | forced) >= self.min_coverage  # (B, Hq)
+        forced = forced_blocks(inputs.layout, inputs.key_positions, inputs.force_sink_block)
+        trusted = pooled_coverage(last_rows_block_mass(inputs, self.lines.last_rows), pooled | forced,
+                                  last_row_query_block(inputs)) >= self.min_coverage  # (B, Hq)
         if bool(trusted.all()):
             return pooled
         lines = self.lines.select(inputs)
         return torch.where(trusted[:, :, None, None], pooled, pooled | lines)
 
 
-def pooled_coverage(last_rows_mass: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Share of the last rows' attention that a selection keeps for the query block holding them.
+def last_rows_block_mass(inputs: SelectionInputs, last_rows: int) -> torch.Tensor:
+    """The last ``last_rows`` queries' mean exact attention, summed per (permuted) key block:
+    ``(B, Hq, Tk)`` float32, each row summing to 1."""
+    layout = inputs.layout
+    if inputs.source_k is None:
+        raise ValueError("head_choice needs the keys in their original order (SelectionInputs.source_k)")
+    probs, _ = last_rows_attention(inputs, last_rows, slice(0, layout.heads_q), inputs.source_k.flip(2))
+    per_key = probs.mean(-2).flip(-1)  # (B, Hq, Nk), keys by original position
+    key_pos = inputs.key_positions
+    group = layout.heads_q // key_pos.shape[1]
+    if group > 1:
+        key_pos = key_pos.repeat_interleave(group, dim=1)
+    return sum_per_key_block(per_key.gather(-1, key_pos), layout.block_size)
+
+
+def last_row_query_block(inputs: SelectionInputs) -> torch.Tensor:
+    """The query block holding the last query (by original position), per (batch, query head):
+    ``(B, Hq)`` int64 (``Tq - 1`` when queries are not permuted)."""
+    layout = inputs.layout
+    last = inputs.query_positions == layout.query_offset + layout.seq_len_q - 1
+    return last.int().argmax(-1) // layout.block_size
+
+
+def pooled_coverage(last_rows_mass: torch.Tensor, kept: torch.Tensor, rows_block: torch.Tensor) -> torch.Tensor:
+    """Share of the last rows' attention that a selection keeps for the query block of the last row.
 
     Args:
-        last_rows_mass: ``(B, Hq, Tk)`` the last rows' mean exact attention summed per key block
-            (keys in their original order; each row sums to 1).
-        kept: ``(B, Hq, Tq, Tk)`` bool selection, forced blocks included, queries and keys
-            unpermuted (the rows' block is the last query block).
+        last_rows_mass: ``(B, Hq, Tk)`` the last rows' mean exact attention per key block
+            (`last_rows_block_mass`).
+        kept: ``(B, Hq, Tq, Tk)`` bool selection, forced blocks included.
+        rows_block: ``(B, Hq)`` int64, the query block whose kept blocks count
+            (`last_row_query_block`).
 
     Returns:
         ``(B, Hq)`` float32 in ``[0, 1]``.
     """
-    return (last_rows_mass * kept[:, :, -1]).sum(-1)
+    index = rows_block[:, :, None, None].expand(-1, -1, 1, kept.shape[-1])
+    return (last_rows_mass * kept.gather(2, index).squeeze(2)).sum(-1)
