@@ -163,7 +163,8 @@ def test_a_separate_vertical_threshold_keeps_more_keys():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
 @pytest.mark.parametrize("seq_len,seq_len_q", [(4096, None), (3000, 1000), (8333, None)])
-@pytest.mark.parametrize("selector", [{"name": "vertical_slash", "threshold": 0.6}, "vertical_slash_pooled"])
+@pytest.mark.parametrize("selector", [{"name": "vertical_slash", "threshold": 0.6}, "vertical_slash_pooled",
+                                      {"name": "head_choice", "min_coverage": 0.8}])
 def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, selector):
     # fp32 inputs so that ties in the rankings mostly match the CPU's.
     q, k, v = pbs.testing.make_qkv(batch=2, heads_q=8, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
@@ -175,9 +176,13 @@ def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, sele
     cpu_config = config.model_copy(update={"backend": "reference"})
     cpu_out, cpu_plan = pbs.attention(q.cpu(), k.cpu(), v.cpu(), cpu_config, return_plan=True)
     gpu_mask, cpu_mask = plan.mask.to_dense().cpu(), cpu_plan.mask.to_dense()
-    assert (gpu_mask != cpu_mask).float().mean().item() < 1e-3
-    assert plan.density == pytest.approx(cpu_plan.density, abs=2e-3)
-    assert (out.cpu() - cpu_out).abs().max().item() < 2e-2
+    # head_choice: a head whose coverage sits at min_coverage may choose differently (one of 16).
+    tolerance = 1e-3 if config.selector.name != "head_choice" else 1 / 16
+    assert (gpu_mask != cpu_mask).float().mean().item() < tolerance
+    assert plan.density == pytest.approx(cpu_plan.density, abs=2e-3 if tolerance < 1e-2 else 3e-2)
+    same = (gpu_mask == cpu_mask).flatten(2).all(-1)  # (B, Hq): heads planned alike
+    assert same.float().mean().item() >= 0.9
+    assert (out.cpu() - cpu_out).abs()[same].max().item() < 2e-2
 
 
 @pytest.mark.gpu
@@ -207,6 +212,11 @@ def test_gpu_scores_and_fused_union_at_32k_in_bf16():
     fused = selector_registry.implementation(union, "triton")(union, inputs)
     each = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in union.selectors]
     assert torch.equal(fused.to_dense(), each[0] | each[1])
+    choice = pbs.PBSConfig(permuter="none", selector={"name": "head_choice", "min_coverage": 0.8}).selector
+    chosen = selector_registry.implementation(choice, "triton")(choice, inputs).to_dense()
+    lines, pooled = each
+    for h in range(8):
+        assert torch.equal(chosen[0, h], pooled[0, h]) or torch.equal(chosen[0, h], pooled[0, h] | lines[0, h])
 
 
 def test_the_two_level_scan_equals_cumsum():
