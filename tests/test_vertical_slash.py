@@ -180,9 +180,12 @@ def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, sele
     tolerance = 1e-3 if config.selector.name != "head_choice" else 1 / 16
     assert (gpu_mask != cpu_mask).float().mean().item() < tolerance
     assert plan.density == pytest.approx(cpu_plan.density, abs=2e-3 if tolerance < 1e-2 else 3e-2)
-    same = (gpu_mask == cpu_mask).flatten(2).all(-1)  # (B, Hq): heads planned alike
-    assert same.float().mean().item() >= 0.9
-    assert (out.cpu() - cpu_out).abs()[same].max().item() < 2e-2
+    error = (out.cpu() - cpu_out).abs()
+    if config.selector.name == "head_choice":  # compared on the heads planned alike
+        same = (gpu_mask == cpu_mask).flatten(2).all(-1)
+        assert same.float().mean().item() >= 0.9
+        error = error[same]
+    assert error.max().item() < 2e-2
 
 
 @pytest.mark.gpu
