@@ -78,8 +78,6 @@ METHODS = {
     "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.75}},
     "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
-    # mean_pool 0.9 alone where it covers the last rows, with vertical_slash 0.75 added elsewhere
-    "head_choice": {"permuter": "none", "selector": {"name": "head_choice", "min_coverage": 0.8}},
 }
 TARGET_METHOD = "last_block+mean_pool"  # target (a) is required of the defaults, reported for the rest
 FALLBACK_OFF = {"min_seq_len": 0, "max_density": None}
