@@ -11,6 +11,12 @@ keeps the pooled blocks alone; elsewhere the lines are added. Those rows are the
 ``vertical_slash`` scores anyway. Permuted layouts work too (the mass follows each key to its
 slot); the GPU implementation runs the unpermuted case.
 
+**Measured, it loses** (docs/quality.md): on the tuning texts it saves a little density (0.44 and
+0.48 at ``min_coverage`` 0.8 and 0.9, against the union's 0.51) and loses quality (loss +0.085 and
++0.058, copy up to +0.33 nats): the last rows' coverage does not speak for the earlier query
+blocks, which the lines also serve. Kept as a building block for per-head choices, not as a
+recommendation.
+
 (FlexPrefill's own test, the Jensen-Shannon distance between the block distribution the pooled
 query predicts and the exact one, was measured first and chose worse on this model: it kept the
 lines where the pooled blocks covered 0.93-0.96 and dropped them where they covered 0.70; see
