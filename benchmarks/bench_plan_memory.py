@@ -13,7 +13,9 @@ includes the permuted K/V copies and the output, which is as large as q.
 
 Configs (all with ``check_finite=False``):
 
-    last_block+mean_pool     PBSConfig defaults (last_block permutation, mean_pool, threshold 0.9)
+    defaults                 PBSConfig() (preset vertical_slash_pooled: no permutation, union of
+                             vertical_slash 0.75 and mean_pool 0.9)
+    last_block+mean_pool     the previous defaults (last_block permutation, mean_pool, threshold 0.9)
     antidiagonal             XAttention-style antidiagonal selection (stride 8), identity permuter
     last_block+antidiagonal  last_block permutation with the antidiagonal selector
 
@@ -52,7 +54,8 @@ from pbs.config import PBSConfig  # noqa: E402
 
 DEFAULT_LENGTHS = [131072, 524288]
 METHODS = {
-    "last_block+mean_pool": {},
+    "defaults": {},
+    "last_block+mean_pool": {"permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.9}},
     "antidiagonal": {"permuter": "identity", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
     "last_block+antidiagonal": {"permuter": "last_block", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
 }

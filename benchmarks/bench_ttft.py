@@ -20,7 +20,9 @@ Rows:
     pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation, ``budget`` selector,
                     whose random priorities are drawn on the GPU)
     pbs_budget_0.4  the same at density 0.4
-    pbs_default     PBS defaults (``last_block`` + ``mean_pool``, threshold 0.9)
+    pbs_default     PBS defaults, ``PBSConfig()`` (preset ``vertical_slash_pooled``)
+    pbs_last_block_mean_pool  ``last_block`` + ``mean_pool`` 0.9, the previous defaults (the rows
+                    named ``pbs_default`` in result files written before the switch)
 All PBS rows use the default ``check_finite`` (no NaN scan on CUDA) and run every layer.
 
     python benchmarks/bench_ttft.py                       # 32K and 128K, about 4 minutes on an H200
@@ -59,7 +61,14 @@ MODEL_SHAPE = dict(
     intermediate_size=14336,
     vocab_size=128256,
 )
-ROWS = ("sdpa", "sdpa_cudnn", "pbs_budget_0.2", "pbs_budget_0.4", "pbs_default")
+# PBS rows: the config each registers for every layer.
+PBS_ROWS: dict[str, dict[str, Any]] = {
+    "pbs_budget_0.2": {"permuter": "last_block", "selector": {"name": "budget", "density": 0.2}},
+    "pbs_budget_0.4": {"permuter": "last_block", "selector": {"name": "budget", "density": 0.4}},
+    "pbs_default": {},
+    "pbs_last_block_mean_pool": {"permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.9}},
+}
+ROWS = ("sdpa", "sdpa_cudnn", *PBS_ROWS)
 LONG = 65536  # lengths above this get --long-repeats, to keep the run within a few minutes
 
 
@@ -127,10 +136,8 @@ def build_model():
 
 def use_row(model, row: str) -> None:
     """Points the model at the attention of ``row`` (re-registering PBS with the row's config)."""
-    if row.startswith("pbs_"):
-        density = float(row.rsplit("_", 1)[1]) if "budget" in row else None
-        selector = {"name": "budget", "density": density} if density else "mean_pool"
-        pbs_hf.register(pbs.PBSConfig(selector=selector))
+    if row in PBS_ROWS:
+        pbs_hf.register(pbs.PBSConfig(**PBS_ROWS[row]))
         pbs_hf.switch_attention(model, "pbs")
     else:
         pbs_hf.switch_attention(model, row)
@@ -160,7 +167,7 @@ def device_slug() -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'N':>7}  {'attention':<15} {'TTFT ms':>10} {'vs cuDNN':>9} {'density':>8}  note"]
+    lines = [f"{'N':>7}  {'attention':<24} {'TTFT ms':>10} {'vs cuDNN':>9} {'density':>8}  note"]
     baseline = {r["seq_len"]: r.get("median_ms") for r in rows if r["attention"] == "sdpa_cudnn"}
     for r in rows:
         ms = r.get("median_ms")
@@ -169,7 +176,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         density = f"{r['mean_density']:.3f}" if r.get("mean_density") is not None else ""
         time_text = f"{ms:10.1f}" if ms else f"{'-':>10}"
         note = r.get("error", "")
-        lines.append(f"{r['seq_len']:>7}  {r['attention']:<15} {time_text} {speedup:>9} {density:>8}  {note}")
+        lines.append(f"{r['seq_len']:>7}  {r['attention']:<24} {time_text} {speedup:>9} {density:>8}  {note}")
     return "\n".join(lines)
 
 
@@ -222,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "model": {**MODEL_SHAPE, "head_dim": 128, "dtype": "bfloat16", "weights": "random"},
         "cudnn_native_gqa": native_gqa,
-        "pbs_config": {"block_size": 128, "segment_size": 256, "permuter": "last_block", "gqa": "shared",
-                       "budget_rows_selector": "budget", "check_finite": None},
+        "pbs_config": {row: pbs.PBSConfig(**config).model_dump(mode="json") for row, config in PBS_ROWS.items()},
         "total_seconds": time.perf_counter() - began,
         "rows": rows,
     }

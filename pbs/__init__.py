@@ -4,8 +4,9 @@
 import pbs
 
 q, k, v = pbs.testing.make_qkv(seq_len=1024, heads_q=4, heads_kv=2, head_dim=32)
-out = pbs.attention(q, k, v)  # default: last_block permutation + mean_pool selection
+out = pbs.attention(q, k, v)  # default: the vertical_slash_pooled preset (no permutation)
 assert out.shape == (1, 4, 1024, 32)
+paper = pbs.attention(q, k, v, pbs.PBSConfig.from_preset("pbs_paper"))  # last_block + mean_pool
 ```
 """
 

@@ -20,7 +20,8 @@ GQAMode = Literal["per_head", "shared"]
 class DenseFallback(BaseModel):
     """When ``backend="auto"`` runs dense attention (SDPA) instead, because sparse cannot win there.
 
-    The defaults come from the crossovers measured on an H200 and an H100 (docs/benchmarks.md):
+    The defaults come from the crossovers measured on an H200 and an H100 with ``last_block`` +
+    ``mean_pool``, the default components then (docs/benchmarks.md):
     below ``min_seq_len`` keys planning and launch costs eat the saving (at 16K sparse saved at
     most 2-12% on structured inputs, while the density probe alone cost 4-10% on flat ones), and
     above ``max_density`` the block-sparse kernel is slower than cuDNN's dense one.
@@ -40,8 +41,9 @@ class DenseFallback(BaseModel):
             diagonal blocks first (`pbs.reference.density_probe.probe_density`). Flat attention (random q, k) gives
             about 0.9, structured attention 0.3-0.4; the probe is a screen for clearly dense
             inputs, not the plan's density. It covers the selector's ``threshold`` (or
-            ``coverage``) and does not run for selectors without one (``budget``). 0 turns the
-            probe off.
+            ``coverage``; for a ``union``, such as the default selector, the largest of its
+            members', `pbs.dense.probe_threshold`) and does not run for selectors without one
+            (``budget``). 0 turns the probe off.
         devices: device types the policy applies to (the crossover was measured on CUDA; on CPU
             the reference path is for study, not speed).
     """
@@ -59,16 +61,27 @@ class DenseFallback(BaseModel):
         return name_valid_fields(cls, data, handler)
 
 
+DEFAULT_PRESET = "vertical_slash_pooled"
+"""The preset whose components are `PBSConfig`'s defaults (one definition in `PRESETS`, so the two
+cannot drift apart)."""
+
+
 def _default_permuter() -> PermuterConfig:
-    return permuter_registry.parse("last_block")
+    return permuter_registry.parse(PRESETS[DEFAULT_PRESET]["permuter"])
 
 
 def _default_selector() -> SelectorConfig:
-    return selector_registry.parse("mean_pool")
+    return selector_registry.parse(PRESETS[DEFAULT_PRESET]["selector"])
 
 
 class PBSConfig(BaseModel):
     """How PBS-Attn permutes, selects and runs; frozen and JSON round-trippable.
+
+    The default components are those of the preset ``vertical_slash_pooled``: no permutation, and
+    the union of ``vertical_slash`` (threshold 0.75) and ``mean_pool`` (threshold 0.9). It is the
+    default for quality: on a real model it keeps dense loss and long-range copying where the
+    paper's ``last_block`` + ``mean_pool`` loses the copy by 1.2-1.6 nats at about the same
+    density (docs/quality.md). The paper's method is ``PBSConfig.from_preset("pbs_paper")``.
 
     Components are given by name (``"last_block"``), by dict (``{"name": "mean_pool",
     "threshold": 0.95}``) or as config instances; ``list_permuters()`` / ``list_selectors()`` name
@@ -82,7 +95,9 @@ class PBSConfig(BaseModel):
         selector: which key blocks each query block computes.
         gqa: ``"shared"`` computes one key order per KV head (queries of the group averaged) and
             never copies K/V; ``"per_head"`` gives each query head its own order (the paper's
-            default), which materialises ``Hq`` permuted copies of K and V.
+            default), which materialises ``Hq`` permuted copies of K and V. It only matters for
+            a permuter that reorders keys: with ``permuter="none"`` (the default) keys stay in
+            place and are never copied, and selection is per query head in both modes.
         causal: causal (decoder) attention.
         backend: ``"auto"`` (the first registered backend that can run the call: the Gluon
             kernel on Hopper, the Triton kernel on other CUDA GPUs, the reference elsewhere) or
@@ -197,7 +212,8 @@ def _default_config(cls: type) -> Any:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's method as published: last-block key order, MeanPooling selection with the segment
-    # rule, one permutation per query head.
+    # rule, one permutation per query head. `last_block` + `mean_pool` with GQA `shared` were the
+    # defaults before `vertical_slash_pooled`.
     "pbs_paper": {"permuter": "last_block", "selector": "mean_pool", "gqa": "per_head"},
     # The paper's unpermuted MeanPooling baseline (Algorithm 2 with a plain causal block mask).
     "mean_pooling": {"permuter": "none", "selector": "mean_pool"},
@@ -209,7 +225,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # model (docs/quality.md; threshold chosen on the tuning texts, held-out copy within +0.03).
     "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.75}},
     # Lines plus pooled blocks: held-out loss within +0.013 and copy within +0.05 of dense at the
-    # defaults' density (docs/quality.md); the lines keep the copy, mean pooling the text.
+    # density of `last_block` + `mean_pool` (docs/quality.md); the lines keep the copy, mean
+    # pooling the text. The defaults (DEFAULT_PRESET): PBSConfig() equals this preset.
     "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
 }

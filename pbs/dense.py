@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -129,13 +130,24 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
 def probe_threshold(config: PBSConfig) -> float | None:
     """The mass share the density probe covers: the selector's ``threshold`` (or ``coverage``).
 
-    None for a selector with neither, such as ``budget``, whose density is fixed by the config
-    rather than by the attention; the probe does not run for it.
+    A selector made of members (``union``, such as the default selector) takes the largest of its
+    members' shares: a union keeps at least every block each member keeps, so where the probe
+    finds the member's selection dense, the union's is too. None for a selector with neither, such
+    as ``budget``, whose density is fixed by the config rather than by the attention (and for a
+    union of such selectors); the probe does not run for it.
     """
+    return _selector_probe_threshold(config.selector)
+
+
+def _selector_probe_threshold(selector: Any) -> float | None:
     for name in ("threshold", "coverage"):
-        value = getattr(config.selector, name, None)
+        value = getattr(selector, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+    members = getattr(selector, "selectors", None)
+    if isinstance(members, tuple):
+        shares = [share for share in map(_selector_probe_threshold, members) if share is not None]
+        return max(shares) if shares else None
     return None
 
 

@@ -39,7 +39,10 @@ NO_FULL_SEGMENT = (1, 2, 1, 50, None, 16, 16, 64, "per_head")
 
 
 def case_config(block, segment, gqa, **extra):
-    return pbs.PBSConfig(block_size=block, segment_size=segment, gqa=gqa, **extra)
+    """The paper's components (``last_block`` + ``mean_pool``, a segmented layout) unless ``extra``
+    names others: these cases test the paper's planning, whatever `PBSConfig`'s defaults are."""
+    components = {"permuter": "last_block", "selector": "mean_pool"}
+    return pbs.PBSConfig(block_size=block, segment_size=segment, gqa=gqa, **{**components, **extra})
 
 
 def case_qkv(case, dtype=torch.float32):

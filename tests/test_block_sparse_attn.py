@@ -242,7 +242,9 @@ def test_rows_without_keys_are_zero_not_nan():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_end_to_end_matches_reference_backend(dtype):
     q, k, v = make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32, seed=10, dtype=dtype, device=DEVICE)
-    config = {"block_size": 32, "segment_size": 64, "selector": {"name": "budget", "density": 0.5}}
+    # last_block, named: permuted positions are what the kernel must get right.
+    config = {"block_size": 32, "segment_size": 64, "permuter": "last_block",
+              "selector": {"name": "budget", "density": 0.5}}
     expected = pbs.attention(q, k, v, {**config, "backend": "reference"})
     actual, plan = pbs.attention(q, k, v, {**config, "backend": "triton"}, return_plan=True)
     assert actual.dtype == dtype

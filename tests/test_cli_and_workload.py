@@ -80,6 +80,8 @@ def test_list_names_every_component(capsys):
     out = capsys.readouterr().out
     for name in pbs.list_permuters() + pbs.list_selectors():
         assert name in out
+    presets = next(line for line in out.splitlines() if line.startswith("presets:"))
+    assert "pbs_paper" in presets and "vertical_slash_pooled (default)" in presets and presets.count("default") == 1
 
 
 def test_make_qkv_is_deterministic_and_shaped():

@@ -54,9 +54,13 @@ def _gpu_inputs(seq_len=8192):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("selector", ["mean_pool", "antidiagonal"])
-def test_cuda_graph_captures_plan_and_attention(selector):
-    config = {**GPU_CONFIG, "selector": selector}
+@pytest.mark.parametrize(
+    "components",
+    [{"permuter": "last_block", "selector": "mean_pool"}, {"permuter": "last_block", "selector": "antidiagonal"}, {}],
+    ids=["last_block-mean_pool", "last_block-antidiagonal", "defaults"],
+)
+def test_cuda_graph_captures_plan_and_attention(components):
+    config = {**GPU_CONFIG, **components}
     q, k, v = _gpu_inputs()
     eager = pbs.attention(q, k, v, config)  # warm-up: compiles and tunes outside the capture
     static_q, static_k, static_v = q.clone(), k.clone(), v.clone()

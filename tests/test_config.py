@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import pytest
@@ -13,11 +14,36 @@ from pbs.components import permuter_registry, selector_registry
 from pbs.selectors.mean_pool import MeanPoolSelector
 
 
-def test_defaults_follow_the_paper():
+def test_defaults_are_the_quality_safe_preset():
+    # The default components are the `vertical_slash_pooled` preset (docs/quality.md): no
+    # permutation, the union of vertical_slash 0.75 and mean_pool 0.9; the rest as before.
     c = pbs.PBSConfig()
     assert (c.block_size, c.segment_size, c.causal, c.force_sink_block) == (128, 256, True, True)
-    assert c.permuter.name == "last_block" and c.selector.name == "mean_pool"
-    assert c.selector.threshold == 0.9 and c.backend == "auto" and c.version == 1
+    assert c.gqa == "shared" and c.backend == "auto" and c.version == 1 and c.check_finite is None
+    assert c.dense_fallback == pbs.DenseFallback()
+    assert c.permuter.name == "none" and c.selector.name == "union"
+    vertical_slash = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.75}).selector
+    assert c.selector.selectors == (vertical_slash, MeanPoolSelector(threshold=0.9))
+    assert c == pbs.PBSConfig.from_preset("vertical_slash_pooled") == pbs.PBSConfig.coerce(None)
+    assert pbs.config.DEFAULT_PRESET == "vertical_slash_pooled"
+
+
+def test_default_config_round_trips_through_json():
+    c = pbs.PBSConfig()
+    text = c.model_dump_json()
+    assert pbs.PBSConfig.model_validate_json(text) == c and pbs.PBSConfig.coerce(text) == c
+    # Written out in full, so a file keeps meaning this config if the defaults change again.
+    data = json.loads(text)
+    assert data["permuter"] == {"name": "none"}
+    assert [m["name"] for m in data["selector"]["selectors"]] == ["vertical_slash", "mean_pool"]
+
+
+def test_the_papers_method_stays_available_by_name():
+    paper = pbs.PBSConfig.from_preset("pbs_paper")
+    assert paper.permuter.name == "last_block" and paper.selector == MeanPoolSelector(threshold=0.9)
+    assert paper.gqa == "per_head"
+    previous_defaults = pbs.PBSConfig(permuter="last_block", selector="mean_pool")
+    assert previous_defaults == paper.model_copy(update={"gqa": "shared"}) != pbs.PBSConfig()
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,9 @@ def test_short_inputs_run_dense_without_planning():
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is None
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
-    # One key more than the limit: PBS runs (its output differs from dense).
-    config["dense_fallback"].update(min_seq_len=256, probe_blocks=0)  # (the probe calls 8 blocks dense)
+    # One key more than the limit: PBS runs (its output differs from dense). The density checks are
+    # off, so that the length rule alone decides (the default selector keeps 0.94 of 8 blocks here).
+    config["dense_fallback"].update(min_seq_len=256, max_density=None)
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and plan.fallback is None and plan.density < 1
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) > 1e-3
@@ -83,6 +84,16 @@ def test_the_probe_leaves_fixed_density_selectors_alone():
     assert plan is not None and plan.fallback is None and plan.density < 0.6
     assert pbs.dense.probe_threshold(pbs.PBSConfig(**config)) is None
     assert pbs.dense.probe_threshold(pbs.PBSConfig(selector={"name": "oracle", "coverage": 0.95})) == 0.95
+
+
+def test_the_probe_covers_a_union_at_its_members_largest_share():
+    # A union keeps at least each member's blocks: the default (vertical_slash 0.75 | mean_pool 0.9)
+    # is probed at 0.9; a union of fixed-density members is not probed.
+    assert pbs.dense.probe_threshold(pbs.PBSConfig()) == 0.9
+    budgets = {"name": "union", "selectors": [{"name": "budget", "density": 0.3}, "budget"]}
+    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector=budgets)) is None
+    mixed = {"name": "union", "selectors": [{"name": "budget", "density": 0.3}, {"name": "oracle", "coverage": 0.8}]}
+    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector=mixed)) == 0.8
 
 
 def test_the_default_config_is_built_once():

@@ -54,12 +54,14 @@ def test_output_keeps_the_input_dtype(dtype):
 
 def test_shared_mode_never_replicates_keys():
     q, k, v = random_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=256)
-    plan_shared = pbs.plan(q, k, small_config(gqa="shared"))
-    plan_per_head = pbs.plan(q, k, small_config(gqa="per_head"))
+    plan_shared = pbs.plan(q, k, small_config(permuter="last_block", gqa="shared"))
+    plan_per_head = pbs.plan(q, k, small_config(permuter="last_block", gqa="per_head"))
     assert plan_shared.key_permutation.apply(k).shape[1] == 2
     assert plan_per_head.key_permutation.apply(k).shape[1] == 8
     identity = pbs.plan(q, k, small_config(gqa="per_head", permuter="key_aware_query"))
     assert identity.key_permutation.apply(k) is k  # keys not permuted: no copy even per head
+    unpermuted = pbs.plan(q, k, small_config(gqa="per_head"))  # the default permuter, none
+    assert unpermuted.key_permutation.apply(k) is k
 
 
 def test_plan_then_run_equals_attention():

@@ -22,7 +22,9 @@ from pbs.cli import main  # noqa: E402
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig  # noqa: E402
 from tests.helpers import tiny_model_config  # noqa: E402
 
-EXACT = {"selector": {"name": "budget", "density": 1.0}, "block_size": 16, "segment_size": 32, "backend": "reference"}
+# Every block, through the paper's permutation (named: exactness must hold through permuted K/V).
+EXACT = {"permuter": "last_block", "selector": {"name": "budget", "density": 1.0}, "block_size": 16, "segment_size": 32,
+         "backend": "reference"}
 PROMPT_LEN = 100  # not a multiple of the block size
 TOL = 1e-4
 MODEL_KINDS = ["llama", "qwen2"]
@@ -188,9 +190,25 @@ def test_default_backend_runs_inside_the_model():
     assert max_diff(got, expected) < TOL
 
 
-def test_default_selector_runs_and_stays_close_to_sdpa(model):
-    # last_block + mean_pool, the paper's defaults, at test-sized blocks
+def test_default_config_runs_inside_the_model(model):
+    # The default components (preset vertical_slash_pooled) at test-sized blocks. A random model's
+    # attention is flat: its vertical and slash lines reach 0.75 only with every key and offset,
+    # so the defaults keep every block here, and the logits are SDPA's.
     pbs_hf.register({"block_size": 16, "segment_size": 32, "backend": "reference"}, min_seq_len=32)
+    assert pbs_hf.registered_config().pbs.selector == pbs.PBSConfig().selector
+    ids = prompt(200)
+    expected = forward(model, "sdpa", input_ids=ids).logits
+    with pbs_hf.trace_dispatch() as calls:
+        got = forward(model, "pbs", input_ids=ids).logits
+    assert [c.path for c in calls] == ["pbs"] * 2
+    assert all(c.density == 1.0 for c in calls)
+    assert max_diff(got, expected) < TOL
+
+
+def test_paper_selector_runs_and_stays_close_to_sdpa(model):
+    # last_block + mean_pool (the paper's method; the previous defaults), at test-sized blocks
+    paper = {"permuter": "last_block", "selector": "mean_pool"}
+    pbs_hf.register({**paper, "block_size": 16, "segment_size": 32, "backend": "reference"}, min_seq_len=32)
     ids = prompt(200)  # long enough for the threshold to drop blocks of a random model's flat attention
     expected = forward(model, "sdpa", input_ids=ids).logits
     with pbs_hf.trace_dispatch() as calls:

@@ -85,6 +85,14 @@ def workload(heads_q=4, heads_kv=2, seq_len=200, seq_len_q=None, head_dim=32, dt
     return q, k
 
 
+def _segmented(q, k, block, segment, causal=True):
+    # The paper's permuter, named: the layout's segmentation comes from the permuter.
+    config = pbs.PBSConfig(block_size=block, segment_size=segment, permuter="last_block", causal=causal)
+    layout = make_layout(q, k, config)
+    assert layout.segmented and layout.segment_size == segment
+    return layout
+
+
 @pytest.mark.parametrize(
     "block,stride",
     [(32, 4), (32, 8), (32, 16), (64, 4), (64, 8), (64, 16)],
@@ -92,7 +100,7 @@ def workload(heads_q=4, heads_kv=2, seq_len=200, seq_len_q=None, head_dim=32, dt
 def test_matches_reference_fp32_gqa(block, stride):
     # GQA 4:2, batch 2, 200 keys (not a multiple of the block), causal prefill.
     q, k = workload()
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=block, segment_size=2 * block))
+    layout = _segmented(q, k, block, 2 * block)
     scale = q.shape[-1] ** -0.5
     got = run_kernel(q, k, layout, stride, scale)
     torch.testing.assert_close(got, reference(q, k, layout, stride, scale), atol=1e-5, rtol=0)
@@ -102,7 +110,7 @@ def test_matches_reference_fp32_gqa(block, stride):
 def test_fewer_queries_than_keys_mha(nq):
     # Hk == Hq; the queries are the last nq of 230 positions (neither a multiple of the block).
     q, k = workload(heads_q=2, heads_kv=2, seq_len=230, seq_len_q=nq, seed=1)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     scale = 0.3
     got = run_kernel(q, k, layout, 8, scale)
     torch.testing.assert_close(got, reference(q, k, layout, 8, scale), atol=1e-5, rtol=0)
@@ -110,7 +118,7 @@ def test_fewer_queries_than_keys_mha(nq):
 
 def test_fp16_fewer_queries():
     q, k = workload(seq_len=256, seq_len_q=150, dtype=torch.float16, seed=2)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=64, segment_size=128))
+    layout = _segmented(q, k, 64, 128)
     scale = q.shape[-1] ** -0.5
     got = run_kernel(q, k, layout, 8, scale)
     # fp16 products are exact in fp32 on both sides; only the order of the sums differs.
@@ -123,7 +131,7 @@ def test_key_indices_equal_permuted_keys(per_head):
     # Hkv = 2 heads) must give what the gathered permuted copy gives, and both the reference.
     q, k = workload(seq_len=224, seq_len_q=192, seed=3)
     b, hq, nq, _ = q.shape
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     hk = hq if per_head else k.shape[1]
     key_perm = segment_shuffle(b, hk, layout.seq_len_k, 0, layout.permutable_key_len, 64, seed=4)
     q_lo, q_hi = layout.permutable_query_range
@@ -154,7 +162,7 @@ def test_plan_permutation_and_head_range():
 @pytest.mark.parametrize("head_start,head_stop", [(0, 1), (3, 4)])
 def test_head_range_shared_kv(head_start, head_stop):
     q, k = workload(seq_len=160, seed=7)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     got = run_kernel(q, k, layout, 8, 0.2, head_start=head_start, head_stop=head_stop)
     want = reference(q, k, layout, 8, 0.2)[:, head_start:head_stop]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -162,7 +170,7 @@ def test_head_range_shared_kv(head_start, head_stop):
 
 def test_non_causal():
     q, k = workload(seq_len=200, seq_len_q=100, seed=8)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=64, segment_size=128, causal=False))
+    layout = _segmented(q, k, 64, 128, causal=False)
     scale = q.shape[-1] ** -0.5
     got = run_kernel(q, k, layout, 16, scale)
     torch.testing.assert_close(got, reference(q, k, layout, 16, scale), atol=1e-5, rtol=0)
@@ -172,7 +180,7 @@ def test_custom_allowed_with_empty_rows_and_small_steps():
     # Rows that start late, have holes or see nothing; several query blocks per program and one
     # key block per step, so the zero-filled ranges before and after the walk are exercised.
     q, k = workload(heads_q=2, heads_kv=1, seq_len=288, seed=9)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     gen = torch.Generator().manual_seed(10)
     allowed = torch.rand(layout.num_query_blocks, layout.num_key_blocks, generator=gen) < 0.4
     allowed[2] = False
@@ -236,7 +244,7 @@ def test_segmented_shares_live_on_the_candidates():
     # A segmented layout with a partial last segment (200 = 3 * 64 + 8): the shares are zero off
     # the candidates, and rows without candidates (the first segment) are all zero.
     q, k = workload(seq_len=200, seed=16)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     got = run_kernel(q, k, layout, 8, q.shape[-1] ** -0.5)
     candidates = layout.candidate_blocks().to(got.device)
     assert (got[..., ~candidates] == 0).all()
@@ -247,7 +255,7 @@ def test_segmented_shares_live_on_the_candidates():
 
 def test_rejects_bad_arguments():
     q, k = workload(seq_len=64, batch=1)
-    layout = make_layout(q, k, pbs.PBSConfig(block_size=32, segment_size=64))
+    layout = _segmented(q, k, 32, 64)
     with pytest.raises(ValueError, match="must divide"):
         antidiagonal_block_shares(q, k, layout, 12, 1.0)
     with pytest.raises(ValueError, match="head range"):
@@ -259,7 +267,7 @@ def test_rejects_bad_arguments():
 @pytest.mark.gpu
 def test_gpu_bf16_long():
     q, k = workload(heads_q=8, heads_kv=2, seq_len=8192, head_dim=128, dtype=torch.bfloat16, batch=1, seed=12)
-    config = pbs.PBSConfig(block_size=128, segment_size=1024)
+    config = pbs.PBSConfig(block_size=128, segment_size=1024, permuter="last_block")
     layout = make_layout(q, k, config)
     scale = q.shape[-1] ** -0.5
     want = reference(q, k, layout, 8, scale)  # fp32 from the same bf16 inputs

@@ -129,7 +129,7 @@ def test_gpu_flex_matches_reference(gqa, permuter, causal, block, head_dim):
 def test_gpu_flex_backend_end_to_end():
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(1, 8 if i == 0 else 2, 2048, 64, device="cuda", generator=gen).bfloat16() for i in range(3))
-    config = {"selector": {"name": "budget", "density": 0.5}}
+    config = {"permuter": "last_block", "selector": {"name": "budget", "density": 0.5}}
     expected = pbs.attention(q, k, v, {**config, "backend": "reference"})
     actual, plan = pbs.attention(q, k, v, {**config, "backend": "flex"}, return_plan=True)
     assert relative_error(actual, expected) < 1e-2

@@ -31,9 +31,10 @@ BLOCK, SEGMENT = 32, 64
 
 
 def _config(**overrides) -> pbs.PBSConfig:
+    """The paper's method (preset ``pbs_paper``: last_block + mean_pool, per-head GQA) at test size."""
     base = dict(block_size=BLOCK, segment_size=SEGMENT, backend="reference", gqa="per_head")
     base.update(overrides)
-    return pbs.PBSConfig(**base)
+    return pbs.PBSConfig.from_preset("pbs_paper", **base)
 
 
 # -- independent transcriptions (one head, Nq == Nk) ---------------------------------------------

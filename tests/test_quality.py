@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from pbs.analysis import quality as q  # noqa: E402
 from pbs.analysis import quality_texts as qt  # noqa: E402
@@ -135,10 +136,16 @@ def test_default_methods_cover_the_families_and_skip_unregistered(monkeypatch):
     methods, skipped = q.default_methods((0.8, 0.9))
     assert methods[0] is q.DENSE
     q.check_unique_labels(methods)
+    # The library's defaults, once (their union selector has no single threshold to sweep).
+    defaults = methods[1]
+    assert defaults.label == defaults.family == "defaults (vertical_slash_pooled)" and defaults.threshold is None
+    ran, default = defaults.config.pbs, pbs.PBSConfig()
+    assert (ran.permuter, ran.selector, ran.gqa) == (default.permuter, default.selector, default.gqa)
+    assert defaults.config.min_seq_len == 1
     families = {m.family for m in methods}
     assert "last_block + mean_pool (per_head)" in families and "last_block + mean_pool (shared)" in families
     assert "identity + oracle (per_head)" in families
-    assert all(m.threshold in (0.8, 0.9) for m in methods[1:])
+    assert all(m.threshold in (0.8, 0.9) for m in methods[2:])
     monkeypatch.setattr(q, "DEFAULT_FAMILIES", (*q.DEFAULT_FAMILIES, ("no_such_permuter", "mean_pool", "per_head")))
     methods2, skipped2 = q.default_methods((0.9,))
     assert any("no_such_permuter" in s for s in skipped2)
@@ -367,9 +374,10 @@ def test_real_model_at_2k_tokens():
 
 @pytest.mark.skipif(_real_model_missing() is not None, reason=str(_real_model_missing()))
 def test_real_model_pooled_lines_preset_keeps_the_copy_at_2k_tokens():
-    # The held-out result of docs/quality.md in small: the `vertical_slash_pooled` preset keeps the
-    # copy (measured: dense 0.256, preset 0.243 at density 0.64; the defaults lose it: 1.098 at 0.68)
-    # and the overall loss. One dense and one PBS forward at 2K tokens, no layer probe.
+    # The held-out result of docs/quality.md in small: the `vertical_slash_pooled` preset (the
+    # defaults) keeps the copy (measured: dense 0.256, preset 0.243 at density 0.64; the previous
+    # defaults, last_block + mean_pool, lose it: 1.098 at 0.68) and the overall loss. One dense and
+    # one PBS forward at 2K tokens, no layer probe.
     from pbs.config import PRESETS
 
     loaded = q.load_model()

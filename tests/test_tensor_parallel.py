@@ -35,7 +35,7 @@ SEQ_LEN = 256  # 16 blocks of 16, 8 segments of 32
 TOL = 1e-4
 SMALL = {"block_size": 16, "segment_size": 32, "backend": "reference"}
 MODEL_CONFIGS = {
-    "exact": {**SMALL, "selector": {"name": "budget", "density": 1.0}},
+    "exact": {**SMALL, "permuter": "last_block", "selector": {"name": "budget", "density": 1.0}},
     "sparse": {**SMALL, "permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.5}},
     "seeded": {**SMALL, "permuter": "random", "selector": {"name": "budget", "density": 0.5}},
 }

@@ -54,7 +54,7 @@ def test_reference_permuter(benchmark, qk, name):
 @pytest.mark.parametrize("name", SELECTORS)
 def test_reference_selector(benchmark, qk, name):
     q, k = qk
-    config = PBSConfig(selector=name)
+    config = PBSConfig(permuter="last_block", selector=name)  # the paper's segmented layout
     layout = make_layout(q, k, config)
     b, hq, nq = q.shape[:3]
     inputs = SelectionInputs(

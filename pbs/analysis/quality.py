@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from pbs.analysis.progress import ProgressBar
 from pbs.analysis.quality_texts import Sample, span_loss
 from pbs.components import permuter_registry, selector_registry
-from pbs.config import PBSConfig
+from pbs.config import DEFAULT_PRESET, PBSConfig
 from pbs.dense import dense_attention_sdpa
 from pbs.integrations.dispatch import PBSIntegrationConfig
 from pbs.reference.block_mass import attention_coverage, block_attention_mass
@@ -265,15 +265,20 @@ DEFAULT_FAMILIES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+DEFAULTS_LABEL = f"defaults ({DEFAULT_PRESET})"
+"""Label (and family) of the default report's row for the library's default `PBSConfig`."""
+
+
 def default_methods(thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> tuple[list[Method], list[str]]:
-    """Dense plus every default family at every threshold, for the components registered now.
+    """Dense, the library's default config (one row: its selector has no single threshold), then
+    every default family at every threshold, for the components registered now.
 
     Returns:
         ``(methods, skipped)``: ``skipped`` names the families left out because a component is not
         registered (e.g. the ``none`` permuter in a version that lacks it).
     """
     permuters, selectors = set(permuter_registry.names()), set(selector_registry.names())
-    methods, skipped = [DENSE], []
+    methods, skipped = [DENSE, make_method(PBSConfig(), DEFAULTS_LABEL, DEFAULTS_LABEL)], []
     for permuter, selector, gqa in DEFAULT_FAMILIES:
         if permuter not in permuters or selector not in selectors:
             missing = [n for n, known in ((permuter, permuters), (selector, selectors)) if n not in known]

@@ -2,7 +2,7 @@
 
     import pbs.integrations.transformers as pbs_hf
 
-    pbs_hf.register({"selector": {"name": "mean_pool", "threshold": 0.9}}, skip_first_layers=2)
+    pbs_hf.register(skip_first_layers=2)   # the default PBSConfig, or e.g. PBSConfig.from_preset("pbs_paper")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
     model.set_attn_implementation("pbs")            # or switch a model that is already loaded
 
