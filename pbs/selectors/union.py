@@ -18,7 +18,8 @@ from pbs.types import BlockMask
 
 
 def _default_members() -> tuple[SelectorConfig, ...]:
-    return (selector_registry.parse({"name": "vertical_slash", "threshold": 0.5}),
+    # The measured combination: the preset vertical_slash_pooled, the library's default selection.
+    return (selector_registry.parse({"name": "vertical_slash", "threshold": 0.75}),
             selector_registry.parse({"name": "mean_pool", "threshold": 0.9}))
 
 
