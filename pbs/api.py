@@ -107,7 +107,8 @@ def attention(
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``). With
         ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense SDPA instead: the plan
         is then None (too short to plan, or the density probe estimated a density above
-        ``max_density`` before planning) or has ``plan.fallback`` set (planned density too high).
+        ``max_density`` before planning) or has ``plan.fallback`` set (planned density above
+        ``max_planned_density``).
 
     Example:
         Sparse against dense attention on the synthetic workload:

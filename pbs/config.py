@@ -24,17 +24,23 @@ class DenseFallback(BaseModel):
     ``mean_pool``, the default components then (docs/benchmarks.md):
     below ``min_seq_len`` keys planning and launch costs eat the saving (at 16K sparse saved at
     most 2-12% on structured inputs, while the density probe alone cost 4-10% on flat ones), and
-    above ``max_density`` the block-sparse kernel is slower than cuDNN's dense one.
+    above ``max_density`` (estimated before planning) planning plus the block-sparse kernel cost more
+    than cuDNN's dense kernel; ``max_planned_density`` was measured later (below).
 
     Attributes:
         min_seq_len: run dense when ``Nk`` is below this (decided from shapes: no planning, no sync).
             0 turns the length rule off. The transformers integration reads the same field (its
             ``min_seq_len`` sets it) and applies it on every device and backend.
-        max_density: run dense when the density is above this. Checked twice: first by a cheap
-            probe before planning (`probe_blocks`), so flat attention goes dense without paying
-            for the key permutation and the full selection; then on the planned density. Each check
-            reads one number on the host (one device-to-host sync) and is skipped (with a log line)
-            while a CUDA graph is being captured. None turns both density checks off.
+        max_density: run dense, without planning, when the density probe (`probe_blocks`)
+            estimates more than this: flat attention goes dense without paying for the key
+            permutation and the full selection. The check reads one number on the host (one
+            device-to-host sync) and is skipped (with a log line) while a CUDA graph is being
+            captured. None turns both density checks (this one and ``max_planned_density``) off.
+        max_planned_density: run dense when the *planned* density is above this (the same sync
+            and capture rule). Planning is paid by then, so only the two attention times compare:
+            the block-sparse kernel took at most about density x cuDNN's dense time from 32K on
+            (H200: 0.90-0.97 at densities 0.76-0.82), so dense wins only near full density. None
+            turns this check off.
         probe_blocks: query blocks the density probe samples (evenly spaced, the last included).
             The probe mean-pools them and the key blocks in their original order and counts the
             causal blocks needed to cover ``threshold`` of each row's pooled mass, sink and
@@ -52,6 +58,7 @@ class DenseFallback(BaseModel):
 
     min_seq_len: int = Field(32768, ge=0)
     max_density: float | None = Field(0.8, gt=0.0, le=1.0)
+    max_planned_density: float | None = Field(0.95, gt=0.0, le=1.0)
     probe_blocks: int = Field(16, ge=0)
     devices: tuple[str, ...] = ("cuda",)
 

@@ -114,16 +114,18 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     Reads the plan's density on the host (one sync); while a CUDA graph is being captured that is
     impossible, so the rule is skipped then (logged once) and the graph always runs sparse.
     """
-    limit = config.dense_fallback.max_density
+    policy = config.dense_fallback
+    limit = policy.max_planned_density
     device = plan.mask.counts.device
-    if limit is None or not policy_applies(config, device) or _capturing(device, "max_density"):
+    if (policy.max_density is None or limit is None or not policy_applies(config, device)
+            or _capturing(device, "max_planned_density")):
         return None
     # One reduction and one read on the host (Plan.density would take several small ops).
     layout = plan.layout
     selected = int(plan.mask.counts.sum(dtype=torch.int64))
     density = selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
     if density > limit:
-        return f"density {density:.3f} is above dense_fallback.max_density = {limit}"
+        return f"density {density:.3f} is above dense_fallback.max_planned_density = {limit}"
     return None
 
 

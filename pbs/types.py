@@ -226,7 +226,7 @@ class Plan:
         config: the config that produced the plan.
         layout: geometry of the call.
         fallback: set by `pbs.attention` when the plan was made but dense attention ran
-            instead (the reason, e.g. the density was above ``dense_fallback.max_density``).
+            instead (the reason, e.g. the density was above ``dense_fallback.max_planned_density``).
     """
 
     key_permutation: Permutation

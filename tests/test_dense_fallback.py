@@ -42,13 +42,29 @@ def test_dense_selection_falls_back_after_planning():
     q, k, v = _qkv()
     sparse = pbs.plan(q, k, SMALL)
     config = {**SMALL, "dense_fallback": {
-        "min_seq_len": 0, "max_density": sparse.density - 0.01, "probe_blocks": 0, "devices": ["cpu"]}}
+        "min_seq_len": 0, "max_planned_density": sparse.density - 0.01, "probe_blocks": 0, "devices": ["cpu"]}}
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
-    assert plan is not None and "max_density" in plan.fallback
+    assert plan is not None and "max_planned_density" in plan.fallback
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
-    config["dense_fallback"]["max_density"] = min(1.0, sparse.density + 0.01)
+    config["dense_fallback"]["max_planned_density"] = min(1.0, sparse.density + 0.01)
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan.fallback is None
+    # max_density None switches the planned check off too (the one switch for both density rules).
+    config["dense_fallback"].update(max_planned_density=sparse.density - 0.01, max_density=None)
+    _, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan.fallback is None
+
+
+def test_the_planned_density_limit_is_separate_from_the_probes():
+    # A plan above the probe's limit (0.8) but below max_planned_density runs sparse: planning is
+    # paid by then and the block-sparse kernel is faster than dense up to near full density.
+    q, k, v = _qkv()
+    sparse = pbs.plan(q, k, SMALL)
+    policy = {"min_seq_len": 0, "probe_blocks": 0, "devices": ["cpu"], "max_density": sparse.density - 0.05,
+              "max_planned_density": sparse.density + 0.01}
+    _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
+    assert plan is not None and plan.fallback is None
+    assert pbs.PBSConfig().dense_fallback.max_planned_density == 0.95
 
 
 def test_flat_attention_goes_dense_before_planning():
@@ -65,7 +81,7 @@ def test_flat_attention_goes_dense_before_planning():
         assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
         # With the probe off the same input is planned, then falls back on the planned density.
         _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**policy, "probe_blocks": 0}}, return_plan=True)
-        assert calls and plan is not None and "max_density" in plan.fallback
+        assert calls and plan is not None and "max_planned_density" in plan.fallback
     finally:
         pbs.api.build_plan = real
     # Structured attention passes the probe and runs sparse.

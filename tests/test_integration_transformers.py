@@ -497,7 +497,7 @@ def test_trace_records_the_dense_fallback_of_pbs_attention(model):
 
 @pytest.mark.parametrize("probe_blocks", [0, 16])
 def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog, probe_blocks):
-    # by density this time: every block selected (density 1) is above max_density 0.5; with the
+    # by density this time: every block selected (density 1) is above max_planned_density (0.95); with the
     # probe on, the probe (about 0.9 on a random model) says so before planning (it covers a
     # selector's threshold, so that case selects by one: budget selectors are not probed)
     policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": probe_blocks}
@@ -512,7 +512,7 @@ def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog, prob
     if probe_blocks:
         assert "the density probe estimated a density above dense_fallback.max_density" in message
     else:
-        assert "density 1.000 is above dense_fallback.max_density = 0.5" in message
+        assert "density 1.000 is above dense_fallback.max_planned_density = 0.95" in message
 
 
 def test_fallbacks_are_warned_once_per_reason_and_per_model(caplog):

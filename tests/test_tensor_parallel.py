@@ -127,7 +127,7 @@ def density_rule_cases(rank: int) -> dict:
     plan_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], **({"probe_blocks": 0} if has_probe else {})}}
     whole, local = ranks_view(lambda q_, k_: pbs.plan(q_, k_, plan_config).density)
     limits = {"plan_above": (whole + max(local)) / 2, "plan_below": (whole + min(local)) / 2}
-    configs = {name: {**plan_config, "dense_fallback": {**plan_config["dense_fallback"], "max_density": limit}}
+    configs = {name: {**plan_config, "dense_fallback": {**plan_config["dense_fallback"], "max_planned_density": limit}}
                for name, limit in limits.items()}
     if has_probe:
         probe_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "probe_blocks": 16}}

@@ -36,7 +36,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "short_chunk": "the query chunk after a cached prefix is shorter than min_query_len",
     "dense_fallback": (
         "PBSConfig.dense_fallback chose dense attention (backend='auto' on its devices, CUDA by default: "
-        "the density probe before planning, or the planned density, was above dense_fallback.max_density)"
+        "the density probe before planning was above dense_fallback.max_density, or the planned density "
+        "above dense_fallback.max_planned_density)"
     ),
 }
 

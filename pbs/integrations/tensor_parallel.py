@@ -8,8 +8,9 @@ ranks' outputs. PBS plans every head on its own (the permutation of a KV head de
 own query group, selection is per query head), so running PBS on each rank's heads gives the
 single-process result, with three exceptions that this module removes:
 
-* **decisions over all heads.** ``dense_fallback.max_density`` (``backend="auto"`` on CUDA) compares
-  a density averaged over the heads (the pre-planning probe's and the plan's) with a limit. Each
+* **decisions over all heads.** ``dense_fallback.max_density`` and ``max_planned_density``
+  (``backend="auto"`` on CUDA) compare a density averaged over the heads (the pre-planning
+  probe's, and the plan's) with a limit. Each
   rank sees only its heads, so ranks could decide differently, and differently from one process.
   `attention_on_shard` averages those densities over the ranks (one ``all_reduce`` of one
   number per rule, where one process already reads that number on the host) so every rank decides as one process
@@ -255,10 +256,11 @@ def attention_on_shard(
         layout = p.layout
         allowed = layout.batch * layout.heads_q * layout.total_allowed_blocks
         density = _mean_over_ranks(p.mask.counts.sum(dtype=torch.float64) / allowed, shard, q.device)
-        if density > limit:
+        planned_limit = policy.max_planned_density
+        if planned_limit is not None and density > planned_limit:
             reason = (
                 f"density {density:.3f} over the {shard.size} tensor-parallel ranks is above "
-                f"dense_fallback.max_density = {limit}"
+                f"dense_fallback.max_planned_density = {planned_limit}"
             )
             out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
             return out, dataclasses.replace(p, fallback=reason), reason
