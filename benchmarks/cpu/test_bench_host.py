@@ -1,6 +1,6 @@
 """Host-side (CPU) cost of the reference permuters and selectors, with pytest-benchmark.
 
-Run with ``scripts/bench_cpu.sh`` (results in ``benchmarks/results/cpu_host.json``). The normal
+Run with ``scripts/bench_cpu.sh`` (results in ``benchmarks/cpu/full_run.json``, git-ignored). The normal
 test run skips this folder (``testpaths = ["tests"]``) and disables benchmarks. Nothing here
 asserts on time, so timing noise cannot fail it; each benchmark checks that its result is valid.
 """
