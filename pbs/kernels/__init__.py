@@ -21,6 +21,7 @@ Triton is imported only when a kernel runs, so ``import pbs`` works without it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
@@ -127,46 +128,15 @@ def _triton_auto_reasons(call: AttentionCall) -> list[str]:
     return []
 
 
-def _last_block_permute(config, inputs):
-    from pbs.kernels.last_block import last_block_permute
+def _lazy(module: str, name: str):
+    """``module.name`` imported on first call: registering the GPU implementations must not import
+    their Triton kernels (``import pbs`` stays light)."""
 
-    return last_block_permute(config, inputs)
+    def implementation(config, inputs):
+        return getattr(importlib.import_module(module), name)(config, inputs)
 
-
-def _mean_pool_select(config, inputs):
-    from pbs.kernels.selection import mean_pool_select
-
-    return mean_pool_select(config, inputs)
-
-
-def _antidiagonal_select(config, inputs):
-    from pbs.kernels.selection import antidiagonal_select
-
-    return antidiagonal_select(config, inputs)
-
-
-def _sampled_rows_select(config, inputs):
-    from pbs.kernels.sampled_rows import sampled_rows_select
-
-    return sampled_rows_select(config, inputs)
-
-
-def _union_select(config, inputs):
-    from pbs.kernels.vertical_slash import union_select
-
-    return union_select(config, inputs)
-
-
-def _head_choice_select(config, inputs):
-    from pbs.kernels.vertical_slash import head_choice_select
-
-    return head_choice_select(config, inputs)
-
-
-def _vertical_slash_select(config, inputs):
-    from pbs.kernels.vertical_slash import vertical_slash_select
-
-    return vertical_slash_select(config, inputs)
+    implementation.__name__ = name
+    return implementation
 
 
 # The attention backends, in auto's order: the Gluon kernel on Hopper, the Triton kernel on any
@@ -184,10 +154,13 @@ register_backend(AttentionBackend("flex", flex_not_supported_reasons, _run_flex,
 # They follow the reference semantics (Eq. 3 scoring unless `causal_scoring`, candidate blocks,
 # XAttention's estimator for unsegmented layouts). A permuter without one (`none`, `identity`,
 # ...) runs its reference `permute` on the GPU tensors, and the selectors still run here.
-permuter_registry.register_impl("last_block", "triton")(_last_block_permute)
-selector_registry.register_impl("mean_pool", "triton")(_mean_pool_select)
-selector_registry.register_impl("antidiagonal", "triton")(_antidiagonal_select)
-selector_registry.register_impl("sampled_rows", "triton")(_sampled_rows_select)
-selector_registry.register_impl("vertical_slash", "triton")(_vertical_slash_select)
-selector_registry.register_impl("union", "triton")(_union_select)
-selector_registry.register_impl("head_choice", "triton")(_head_choice_select)
+permuter_registry.register_impl("last_block", "triton")(_lazy("pbs.kernels.last_block", "last_block_permute"))
+for _name, _module, _function in (
+    ("mean_pool", "pbs.kernels.selection", "mean_pool_select"),
+    ("antidiagonal", "pbs.kernels.selection", "antidiagonal_select"),
+    ("sampled_rows", "pbs.kernels.sampled_rows", "sampled_rows_select"),
+    ("vertical_slash", "pbs.kernels.vertical_slash", "vertical_slash_select"),
+    ("union", "pbs.kernels.vertical_slash", "union_select"),
+    ("head_choice", "pbs.kernels.vertical_slash", "head_choice_select"),
+):
+    selector_registry.register_impl(_name, "triton")(_lazy(_module, _function))
