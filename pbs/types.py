@@ -123,6 +123,28 @@ def full_block_counts(counts: torch.Tensor, indices: torch.Tensor, layout: Layou
     return below - (indices.shape[-1] - counts.to(torch.int32))
 
 
+class _DerivedOnFirstRead:
+    """`BlockMask.full_counts`: the value given to the constructor, else `full_block_counts` worked
+    out on first read and kept. Deferred because many masks are only intermediate (a union's
+    member, merged into another list) and never reach a kernel: deriving the split for them
+    cost a dozen small launches per plan."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, mask: "BlockMask | None", owner: type) -> torch.Tensor | None:
+        if mask is None:
+            return None  # the dataclass default: derive
+        value = mask.__dict__.get(self.slot)
+        if value is None:
+            value = full_block_counts(mask.counts, mask.indices, mask.layout)
+            mask.__dict__[self.slot] = value
+        return value
+
+    def __set__(self, mask: "BlockMask", value: torch.Tensor | None) -> None:
+        mask.__dict__[self.slot] = value
+
+
 @dataclass(frozen=True, eq=False)
 class BlockMask:
     """Selected key blocks per (batch, query head, query block), as counts plus sorted indices.
@@ -136,8 +158,8 @@ class BlockMask:
     ``Nk`` is not a multiple of the block size), which is compared on original positions. The
     split is stored here, worked out once by `full_block_counts` from
     `Layout.first_masked_blocks`, and every backend (the Triton and Gluon kernels, the
-    FlexAttention lowering) reads it. It is derived in ``__post_init__`` when not given, so no
-    builder can leave it out.
+    FlexAttention lowering) reads it. When a builder does not give it, it is derived on first
+    read, so no builder can leave it out.
 
     Attributes:
         counts: ``(B, Hq, Tq)`` int32, number of selected key blocks.
@@ -147,22 +169,22 @@ class BlockMask:
         layout: the geometry the mask was built for.
         full_counts: ``(B, Hq, Tq)`` int32, how many leading entries of each list need no
             per-token check (``<= counts``); the rest get one. Leave it out to have it derived
-            (`full_block_counts`); pass it only to carry one along (`to`) or, in tests, to
-            check that a backend really reads it.
+            (`full_block_counts`, on first read); pass it to carry one along (`to`), from a
+            kernel that counted it while compacting the lists, or, in tests, to check that a
+            backend really reads it.
     """
 
     counts: torch.Tensor
     indices: torch.Tensor
     layout: Layout
-    full_counts: torch.Tensor | None = None
+    full_counts: torch.Tensor | None = _DerivedOnFirstRead()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        if self.full_counts is None:
-            object.__setattr__(self, "full_counts", full_block_counts(self.counts, self.indices, self.layout))
-        elif tuple(self.full_counts.shape) != tuple(self.counts.shape):
+        given = self.__dict__.get("_full_counts")
+        if given is not None and tuple(given.shape) != tuple(self.counts.shape):
             raise ValueError(
                 f"full_counts must have the shape of counts {tuple(self.counts.shape)}, "
-                f"got {tuple(self.full_counts.shape)}"
+                f"got {tuple(given.shape)}"
             )
 
     @classmethod

@@ -9,6 +9,8 @@ import pbs
 from pbs.components import SelectionInputs
 from pbs.selectors.vertical_slash import (
     blocks_of_lines,
+    kept_lines,
+    offset_prefix,
     vertical_and_slash_scores,
 )
 from pbs.reference.threshold_select import cumsum_long_rows, select_by_cumulative_threshold
@@ -233,12 +235,12 @@ def test_the_two_level_scan_equals_cumsum():
 
 
 # The Triton twin (pbs.kernels.vertical_slash), in the interpreter on the CPU.
-def _triton_inputs(seq_len, seq_len_q, dtype, seed=0, block=32):
+def _triton_inputs(seq_len, seq_len_q, dtype, seed=0, block=32, causal=True):
     q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
                                    head_dim=32, dtype=dtype, seed=seed)
     from pbs.planning import build_plan
 
-    config = pbs.PBSConfig(permuter="none", block_size=block, segment_size=2 * block, backend="reference")
+    config = pbs.PBSConfig(permuter="none", block_size=block, segment_size=2 * block, backend="reference", causal=causal)
     plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
     return SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
                            query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
@@ -256,13 +258,14 @@ def test_triton_scores_match_the_reference(seq_len, seq_len_q):
     assert torch.allclose(vertical, want_vertical, atol=1e-5) and torch.allclose(slash, want_slash, atol=1e-5)
 
 
-@pytest.mark.parametrize("seq_len,seq_len_q,threshold", [(300, None, 0.6), (300, 130, 0.75), (260, None, 0.9)])
+@pytest.mark.parametrize("seq_len,seq_len_q,threshold,causal",
+                         [(300, None, 0.6, True), (300, 130, 0.75, True), (260, None, 0.9, True), (300, None, 0.75, False)])
 @pytest.mark.parametrize("force_sink", [True, False])
-def test_triton_selection_matches_the_reference(seq_len, seq_len_q, threshold, force_sink):
+def test_triton_selection_matches_the_reference(seq_len, seq_len_q, threshold, causal, force_sink):
     from pbs.kernels.vertical_slash import vertical_slash_select
     from pbs.planning import finalize_selection
 
-    inputs = _triton_inputs(seq_len, seq_len_q, torch.float32, seed=1)
+    inputs = _triton_inputs(seq_len, seq_len_q, torch.float32, seed=1, causal=causal)
     inputs.force_sink_block = force_sink
     selector = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": threshold}).selector
     fast = vertical_slash_select(selector, inputs)
@@ -270,6 +273,41 @@ def test_triton_selection_matches_the_reference(seq_len, seq_len_q, threshold, f
     assert torch.equal(fast.counts, reference.counts)
     assert torch.equal(fast.indices, reference.indices)
     assert torch.equal(fast.full_counts, reference.full_counts)
+
+
+def _line_scores_with_ties(seq_len: int, seed: int) -> torch.Tensor:
+    """(2, 2, 3, seq_len) rows summing to one, with zeros and runs of equal scores."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.rand(2, 2, 3, seq_len, generator=gen) ** 8  # a few large entries, many small ones
+    raw[..., ::7] = 0.0  # zero scores are never kept
+    raw[..., 100:140] = raw[..., 100:101]  # a run of ties, which the reference takes in index order
+    return raw / raw.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("seq_len", [700, 2500])  # one tile and several (1024-score tiles here)
+@pytest.mark.parametrize("threshold,vertical_threshold,total", [(0.6, None, 1.0), (0.9, 0.5, 1.0), (0.99, None, 1.0),
+                                                               (0.9, None, 0.5)])  # short of the share: keep all
+def test_kept_lines_kernel_equals_the_sorting_reference(seq_len, threshold, vertical_threshold, total):
+    from pbs.kernels.vertical_slash import kept_line_blocks
+
+    block = 64
+    scores = _line_scores_with_ties(seq_len, seed=seq_len) * total
+    vertical_blocks, prefix = kept_line_blocks(scores, threshold, vertical_threshold, block)
+    keys, offsets = kept_lines(scores[0], scores[1], threshold, vertical_threshold)
+    tk = -(-seq_len // block)
+    want_blocks = torch.nn.functional.pad(keys, (0, tk * block - seq_len)).view(2, 3, tk, block).any(-1)
+    assert torch.equal(vertical_blocks.bool(), want_blocks)
+    assert torch.equal(prefix, offset_prefix(offsets))
+
+
+def test_kept_lines_kernel_takes_tied_scores_in_index_order():
+    from pbs.kernels.vertical_slash import kept_line_blocks
+
+    scores = torch.zeros(2, 1, 1, 64)
+    scores[:, ..., 10:20] = 0.1  # ten equal shares: 0.35 needs four of them, the first four
+    vertical_blocks, prefix = kept_line_blocks(scores, 0.35, None, 16)
+    assert prefix[0, 0, 1:].diff(prepend=torch.zeros(1, dtype=torch.int32)).nonzero().flatten().tolist() == [10, 11, 12, 13]
+    assert vertical_blocks[0, 0].tolist() == [1, 0, 0, 0]
 
 
 def test_triton_selection_falls_back_to_the_reference_for_permuted_keys():

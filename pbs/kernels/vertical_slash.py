@@ -101,11 +101,24 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr,
 
 
 @triton.jit
-def _row_lines(q_ptr, k_ptr, lse_ptr, vertical_ptr, slash_ptr, scratch_ptr,
+def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.constexpr):
+    """The rows' log2-sum-exp from `_row_stats`' per-split maxima and sums (a few values per row)."""
+    o_r = tl.arange(0, ROWS)
+    o_s = tl.arange(0, SPLITS)
+    at = (pid_bh * splits + o_s[None, :]) * ROWS + o_r[:, None]
+    m = tl.load(m_ptr + at, mask=o_s[None, :] < splits, other=float("-inf"))
+    l = tl.load(l_ptr + at, mask=o_s[None, :] < splits, other=0.0)
+    top = tl.max(m, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    return top + tl.log2(tl.sum(l * tl.exp2(m - top[:, None]), 1))
+
+
+@triton.jit
+def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr, scratch_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, qk_scale,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+               heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, splits, qk_scale,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     # Persistent: each program walks (head, key tile) pairs and owns one ROWS x BLOCK_N scratch tile,
     # small enough to stay in L2, instead of writing every row's probabilities out to memory.
     pid = tl.program_id(0)
@@ -127,7 +140,7 @@ def _row_lines(q_ptr, k_ptr, lse_ptr, vertical_ptr, slash_ptr, scratch_ptr,
         cols = col0 + o_n
         s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k, first_row_pos + o_r,
                     qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE)
-        lse = tl.load(lse_ptr + pid_bh * ROWS + o_r)
+        lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
         p = tl.exp2(s - lse[:, None])
         p = tl.where(o_r[:, None] < rows, p, 0.0)
         line = pid_bh.to(tl.int64) * seq_len_k
@@ -146,7 +159,7 @@ def _row_lines(q_ptr, k_ptr, lse_ptr, vertical_ptr, slash_ptr, scratch_ptr,
 
 
 @triton.jit
-def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
+def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, full_counts_ptr,
                      extra_counts_ptr, extra_indices_ptr, extra_marks_ptr,
                      num_query_blocks, num_key_blocks, seq_len_q, seq_len_k, query_offset,
                      BLOCK: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr,
@@ -170,6 +183,16 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
     q_lo = first_slot + query_offset
     q_hi = last_slot + query_offset
     written = i * 0
+    # The mask's full/masked split (`Layout.first_masked_blocks` for unsegmented layouts): key
+    # blocks before the query block's first position's block lie wholly in its past; without
+    # causality only a partial last key block needs the per-token check.
+    if CAUSAL:
+        first_masked = q_lo // BLOCK
+    else:
+        first_masked = num_key_blocks
+    if seq_len_k % BLOCK != 0:
+        first_masked = tl.minimum(first_masked, num_key_blocks - 1)
+    full = i * 0
     row = indices_ptr + pid.to(tl.int64) * num_key_blocks
     prefix = prefix_ptr + bh.to(tl.int64) * (seq_len_k + 1)
     for j0 in range(0, num_key_blocks, CHUNK):
@@ -196,7 +219,9 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr,
         slot = written + tl.cumsum(keep_i, 0) - 1
         tl.store(row + slot, j.to(indices_ptr.dtype.element_ty), mask=keep)
         written += tl.sum(keep_i, 0)
+        full += tl.sum((keep & (j < first_masked)).to(tl.int32), 0)
     tl.store(counts_ptr + pid, written)
+    tl.store(full_counts_ptr + pid, full)
 
 
 def supports_fast_path(inputs) -> bool:
@@ -211,6 +236,12 @@ def supports_fast_path(inputs) -> bool:
 def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(vertical, slash)``, each ``(B, Hq, Nk)`` float32: what
     `pbs.selectors.vertical_slash.vertical_and_slash_scores` returns for the same rows."""
+    scores = line_scores(inputs, last_rows)
+    return scores[0], scores[1]
+
+
+def line_scores(inputs, last_rows: int) -> torch.Tensor:
+    """`last_rows_scores` stacked in one ``(2, B, Hq, Nk)`` float32 buffer: vertical, then slash."""
     layout = inputs.layout
     q = inputs.q
     k = inputs.source_k if inputs.source_k is not None else inputs.k
@@ -234,18 +265,105 @@ def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor
     part_sum = torch.empty_like(part_max)
     _row_stats[(b * hq, splits)](q, k, part_max, part_sum, *common, nk, layout.query_offset, keys_per_split,
                                  splits, qk_scale, **meta)
-    top = part_max.amax(1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    lse = (top.squeeze(1) + torch.log2((part_sum * torch.exp2(part_max - top)).sum(1))).contiguous()
-    vertical = torch.empty(b, hq, nk, dtype=torch.float32, device=q.device)
-    slash = torch.zeros(b, hq, nk, dtype=torch.float32, device=q.device)
+    # One buffer for both line scores, so that `kept_line_blocks` reads them in one launch.
+    scores = torch.empty(2, b, hq, nk, dtype=torch.float32, device=q.device)
+    vertical, slash = scores[0], scores[1].zero_()
     key_tiles = triton.cdiv(nk, block_n)
     total_tiles = b * hq * key_tiles
     programs = min(total_tiles, PROGRAMS_PER_SM * _sm_count(q.device))
     scratch = torch.empty(programs, rows_pad * block_n, dtype=torch.float32, device=q.device)
-    _row_lines[(programs,)](q, k, lse, vertical, slash, scratch, *common, nk, layout.query_offset, key_tiles,
-                            total_tiles, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1), **meta)
-    return vertical, slash.div_(rows)
+    _row_lines[(programs,)](q, k, part_max, part_sum, vertical, slash, scratch, *common, nk, layout.query_offset,
+                            key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
+                            SPLITS=triton.next_power_of_2(splits), **meta)
+    slash.div_(rows)
+    return scores
+
+
+@triton.jit
+def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, CANDIDATES: tl.constexpr, SHIFT: tl.constexpr):
+    """Per candidate ``c = cut + k << SHIFT`` (k < CANDIDATES): the sum of the row's scores whose
+    float bits are ``>= c`` (non-negative floats order like their bits)."""
+    o_c = tl.arange(0, CANDIDATES).to(tl.int64)
+    cands = cut + (o_c << SHIFT)
+    sums = tl.zeros([CANDIDATES], tl.float32)
+    for t0 in range(0, seq_len, TILE):
+        cols = t0 + tl.arange(0, TILE)
+        x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
+        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+        sums += tl.sum(tl.where(bits[None, :] >= cands[:, None], x[None, :], 0.0), 1)
+    return sums
+
+
+@triton.jit
+def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, lines, seq_len, num_key_blocks,
+                vertical_share, slash_share, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (line kind, batch x head) row of Nk scores. The kept set of Algorithm 2's
+    # cumulative rule is "every score above a cut, plus the first few equal to it": the cut is
+    # the largest float c whose scores >= c still sum to the share, found digit by digit (4 bits
+    # of the float's bit pattern per pass over the row, 16 candidates at once) instead of sorting.
+    row = tl.program_id(0)
+    kind = tl.program_id(1)  # 0: keys (vertical scores), 1: offsets (slash scores)
+    share = tl.where(kind == 0, vertical_share, slash_share)
+    row_ptr = scores_ptr + (kind * lines + row).to(tl.int64) * seq_len
+    total = tl.sum(_share_at_or_above(row_ptr, seq_len, tl.zeros([], tl.int64), TILE, 2, 40), 0)
+    keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
+    cut = tl.zeros([], tl.int64)
+    for digit in tl.static_range(8):
+        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, 16, 28 - 4 * digit)
+        cut += (tl.sum((sums >= share).to(tl.int64), 0) - 1) << (28 - 4 * digit)
+    above = tl.sum(_share_at_or_above(row_ptr, seq_len, cut + 1, TILE, 2, 40), 0)
+    cut_value = cut.to(tl.int32).to(tl.float32, bitcast=True)
+    # Scores equal to the cut are taken in index order (the reference's stable sort) until the share is reached.
+    ties = tl.minimum(tl.maximum(tl.ceil((share - above) / tl.maximum(cut_value, 1e-38)), 1.0), 2.0**40).to(tl.int64)
+    if keep_all:
+        cut = tl.zeros([], tl.int64)
+        ties = tl.zeros([], tl.int64)
+    seen = tl.zeros([], tl.int64)
+    kept_before = tl.zeros([], tl.int32)
+    out = row.to(tl.int64)
+    for t0 in range(0, seq_len, TILE):
+        cols = t0 + tl.arange(0, TILE)
+        x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
+        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+        tie = bits == cut
+        rank = seen + tl.cumsum(tie.to(tl.int64), 0) - 1
+        keep = (bits > cut) | (tie & (rank < ties) & (x > 0))
+        seen += tl.sum(tie.to(tl.int64), 0)
+        if kind == 0:
+            # Key blocks that hold a kept key (tiles start on block boundaries).
+            per_block = tl.max(tl.reshape(keep.to(tl.int8), (TILE // BLOCK, BLOCK)), 1)
+            block = t0 // BLOCK + tl.arange(0, TILE // BLOCK)
+            tl.store(vertical_blocks_ptr + out * num_key_blocks + block, per_block, mask=block < num_key_blocks)
+        else:
+            # Running count of kept offsets, 0 first: offsets kept in [lo, hi) = prefix[hi] - prefix[lo].
+            running = kept_before + tl.cumsum(keep.to(tl.int32), 0)
+            tl.store(prefix_ptr + out * (seq_len + 1) + 1 + cols, running, mask=cols < seq_len)
+            kept_before += tl.sum(keep.to(tl.int32), 0)
+    if kind == 1:
+        tl.store(prefix_ptr + out * (seq_len + 1), 0)
+
+
+def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold: float | None,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pbs.selectors.vertical_slash.kept_lines` in one launch, in the form the compaction reads.
+
+    Args:
+        scores: ``(2, B, Hq, Nk)`` float32 from `line_scores` (vertical, then slash).
+
+    Returns:
+        ``(vertical_blocks, prefix)``: ``(B, Hq, Tk)`` int8, 1 where a key block holds a kept key,
+        and ``(B, Hq, Nk + 1)`` int32, `pbs.selectors.vertical_slash.offset_prefix` of the kept
+        offsets.
+    """
+    _, b, hq, nk = scores.shape
+    tk = triton.cdiv(nk, block_size)
+    vertical_blocks = torch.empty(b, hq, tk, dtype=torch.int8, device=scores.device)
+    prefix = torch.empty(b, hq, nk + 1, dtype=torch.int32, device=scores.device)
+    tile = max(block_size, 1024 if interpreting() else 4096)
+    _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, b * hq, nk, tk,
+                             float(vertical_threshold or threshold), float(threshold),
+                             TILE=tile, BLOCK=block_size, num_warps=8)
+    return vertical_blocks, prefix
 
 
 def _sm_count(device: torch.device) -> int:
@@ -275,16 +393,13 @@ def vertical_slash_select(config, inputs, extra: BlockMask | None = None) -> Blo
 
 def _lines_and_vertical(config, inputs, extra: BlockMask | None) -> tuple[BlockMask, torch.Tensor]:
     """The fast path of `vertical_slash_select`, with the vertical scores ``(B, Hq, Nk)`` it used."""
-    from pbs.selectors.vertical_slash import kept_lines, offset_prefix
-
     layout = inputs.layout
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
-    vertical, slash = last_rows_scores(inputs, config.last_rows)
-    keys, offsets = kept_lines(vertical, slash, config.threshold, config.vertical_threshold)
-    vertical_blocks = torch.nn.functional.pad(keys, (0, tk * bs - nk)).view(b, hq, tk, bs).any(-1).to(torch.int8)
-    prefix = offset_prefix(offsets).contiguous()
+    scores = line_scores(inputs, config.last_rows)
+    vertical_blocks, prefix = kept_line_blocks(scores, config.threshold, config.vertical_threshold, bs)
     counts = torch.empty(b, hq, tq, dtype=torch.int32, device=inputs.q.device)
+    full_counts = torch.empty_like(counts)
     indices = torch.full((b, hq, tq, tk), -1, dtype=block_index_dtype(tk), device=inputs.q.device)
     if extra is None:
         extra_counts, extra_indices, marks = counts, indices, counts  # never read
@@ -294,12 +409,12 @@ def _lines_and_vertical(config, inputs, extra: BlockMask | None) -> tuple[BlockM
         extra_counts, extra_indices = extra.counts.contiguous(), extra.indices.contiguous()
         marks = torch.zeros(b, hq, tq, tk, dtype=torch.int8, device=inputs.q.device)
     _lines_to_blocks[(b * hq * tq,)](
-        vertical_blocks.contiguous(), prefix, counts, indices, extra_counts, extra_indices, marks,
+        vertical_blocks, prefix, counts, indices, full_counts, extra_counts, extra_indices, marks,
         tq, tk, layout.seq_len_q, nk, layout.query_offset,
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
         FORCE_SINK=inputs.force_sink_block, EXTRA=extra is not None,
     )
-    return BlockMask(counts=counts, indices=indices, layout=layout), vertical
+    return BlockMask(counts=counts, indices=indices, layout=layout, full_counts=full_counts), scores[0]
 
 
 def union_select(config, inputs) -> BlockMask | torch.Tensor:
