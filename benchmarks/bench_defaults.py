@@ -5,8 +5,10 @@ For each length, on two kinds of input:
     structured  ``pbs.testing.make_qkv`` (sparse from 16K on)
 it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the timed call) and
 ``pbs.attention`` with the default config, two ways:
-    events      CUDA events around each call, L2 flushed before it (``pbs.testing.benchmark_cuda``;
-                host overhead shows where it exceeds the flush)
+    events      CUDA events around each call, L2 flushed before it, cuDNN and pbs taking turns call by
+                call (``pbs.testing.benchmark_cuda_interleaved``; host overhead shows where it
+                exceeds the flush); a second cuDNN entry in the same rotation (``aa``, cuDNN against
+                itself) shows the protocol's own spread
     wall        back-to-back calls, wall time over the batch divided by the calls (what a loop
                 over layers sees; a host sync inside a call shows here)
 the density probe alone (``probe``: its two launches and its host read, events), and records
@@ -34,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
 import pbs  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
-from pbs.testing import benchmark_cuda  # noqa: E402
+from pbs.testing import benchmark_cuda, benchmark_cuda_interleaved  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
@@ -94,22 +96,27 @@ def measure(kind: str, n: int) -> dict:
         return dense_attention_sdpa(q, k, v, scale=HEAD_DIM**-0.5)
 
     row = {"input": kind, "seq_len": n, "path": path_of(q, k, v)}
-    # cuDNN and pbs alternate, so that clock drift over the run does not favour either.
-    events = {"cudnn": [], "pbs": []}
+    # Events: every call timed in turn with the others (drift falls on all alike); "cudnn_again"
+    # is cuDNN once more, the A/A control. Wall: batches alternate over repeats.
+    timed = {"cudnn": cudnn, "pbs": defaults, "cudnn_again": cudnn}
+    if n < 16384:  # the dense path alone, without pbs.attention's checks (host overhead vs kernel)
+        timed["sdpa_path"] = sdpa_path
+    # cuDNN is forced around the whole rotation, outside the timed calls; pbs runs its own code
+    # unchanged (its dense path would pick cuDNN anyway).
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        events = benchmark_cuda_interleaved(timed, warmup=1, iters=iters * repeats)
     walls = {"cudnn": [], "pbs": []}
     for _ in range(repeats):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            events["cudnn"].append(benchmark_cuda(cudnn, warmup=1, iters=iters))
             walls["cudnn"].append(wall_ms(cudnn, calls))
-        events["pbs"].append(benchmark_cuda(defaults, warmup=1, iters=iters))
         walls["pbs"].append(wall_ms(defaults, calls))
-        if n < 16384:  # the dense path alone, without pbs.attention's checks (host overhead vs kernel)
-            events.setdefault("sdpa_path", []).append(benchmark_cuda(sdpa_path, warmup=1, iters=iters))
     for name in ("cudnn", "pbs"):
-        row[f"{name}_events_ms"] = statistics.median(events[name])
+        row[f"{name}_events_ms"] = events[name]
         row[f"{name}_wall_ms"] = statistics.median(walls[name])
+    row["cudnn_again_events_ms"] = events["cudnn_again"]
+    row["ratio_events_aa"] = events["cudnn_again"] / events["cudnn"]
     if "sdpa_path" in events:
-        row["dense_sdpa_path_events_ms"] = statistics.median(events["sdpa_path"])
+        row["dense_sdpa_path_events_ms"] = events["sdpa_path"]
     if n >= pbs.PBSConfig().dense_fallback.min_seq_len:
         from pbs.kernels.density_probe import probe_density_triton
 
@@ -143,8 +150,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     rows = []
-    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} | {'cuDNN wall':>10} {'pbs wall':>9} {'x':>6} | "
-          f"{'probe':>6} | path")
+    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} {'A/A':>6} | {'cuDNN wall':>10} {'pbs wall':>9} "
+          f"{'x':>6} | {'probe':>6} | path")
     for n in args.lengths:
         for kind in args.inputs:
             try:
@@ -156,7 +163,8 @@ def main() -> None:
             if "error" in row:
                 print(f"{kind:>10} {n:>7} | {row['error']}", flush=True)
                 continue
-            print(f"{kind:>10} {n:>7} | {row['cudnn_events_ms']:9.3f} {row['pbs_events_ms']:9.3f} {row['ratio_events']:6.3f} | "
+            print(f"{kind:>10} {n:>7} | {row['cudnn_events_ms']:9.3f} {row['pbs_events_ms']:9.3f} {row['ratio_events']:6.3f} "
+                  f"{row['ratio_events_aa']:6.3f} | "
                   f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | "
                   f"{row.get('probe_events_ms', float('nan')):6.3f} | {row['path']}", flush=True)
     q, k, v = inputs("structured", 4096)
@@ -171,8 +179,9 @@ def main() -> None:
         "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                   "causal": True},
         "config": pbs.PBSConfig().model_dump(mode="json"),
-        "timing": "cuDNN and pbs alternate over repeats; events: median over repeats of the median CUDA-event "
-                  "time (L2 flushed before each call); wall: median over repeats of back-to-back wall time / calls",
+        "timing": "events: median CUDA-event time, L2 flushed before each call, cuDNN, pbs and cuDNN again "
+                  "(the A/A control, ratio_events_aa) timed call by call in a rotating order; wall: median over "
+                  "repeats of back-to-back wall time / calls, cuDNN and pbs batches alternating",
         "rows": rows,
         "kernels_4k": {"cudnn": cudnn_kernels, "pbs_defaults": pbs_kernels},
         "worst_ratio": worst,

@@ -170,3 +170,34 @@ def benchmark_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20, f
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def benchmark_cuda_interleaved(fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20,
+                               flush_l2: bool = True) -> dict[str, float]:
+    """Median CUDA-event time in milliseconds of each of ``fns``, timed call by call in turn.
+
+    Like `benchmark_cuda` (L2 flushed before each timed call), but the functions take turns within
+    every iteration, in an order that rotates, so that clock and thermal drift during the
+    measurement fall on all of them alike. Timing two identical functions this way shows the
+    protocol's own spread (an A/A comparison).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("benchmark_cuda_interleaved needs a CUDA device")
+    scratch = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda") if flush_l2 else None
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if scratch is not None:
+                scratch.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}

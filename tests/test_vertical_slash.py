@@ -247,8 +247,12 @@ def _triton_inputs(seq_len, seq_len_q, dtype, seed=0, block=32, causal=True):
 
 
 @pytest.mark.parametrize("seq_len,seq_len_q", [(300, None), (300, 130), (256, None)])
-def test_triton_scores_match_the_reference(seq_len, seq_len_q):
+@pytest.mark.parametrize("skew_by_gather", [True, False])
+def test_triton_scores_match_the_reference(seq_len, seq_len_q, skew_by_gather, monkeypatch):
+    from pbs.kernels import vertical_slash as kernel
     from pbs.kernels.vertical_slash import last_rows_scores
+
+    monkeypatch.setattr(kernel, "SKEW_BY_GATHER", skew_by_gather)
     from pbs.selectors.vertical_slash import _scores_of_reversed_rows, last_rows_attention
 
     inputs = _triton_inputs(seq_len, seq_len_q, torch.float32)

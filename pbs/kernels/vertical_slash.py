@@ -32,6 +32,9 @@ from pbs.types import BlockMask, block_index_dtype
 
 PROGRAMS_PER_SM = 4
 KEY_TILE = 64
+SKEW_BY_GATHER = True
+"""`_row_lines` skews each tile of probabilities with ``tl.gather`` in registers; False: through
+a per-program scratch tile in L2 (the earlier way, kept for the A/B measurement)."""
 
 
 @triton.jit
@@ -118,7 +121,8 @@ def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr, scratch_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+               GATHER: tl.constexpr):
     # Persistent: each program walks (head, key tile) pairs and owns one ROWS x BLOCK_N scratch tile,
     # small enough to stay in L2, instead of writing every row's probabilities out to memory.
     pid = tl.program_id(0)
@@ -145,10 +149,13 @@ def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr, scratch_ptr,
         p = tl.where(o_r[:, None] < rows, p, 0.0)
         line = pid_bh.to(tl.int64) * seq_len_k
         tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
-        tl.debug_barrier()  # the previous tile's skewed reads are done
-        tl.store(scratch + o_r[:, None] * BLOCK_N + o_n[None, :], p)
-        tl.debug_barrier()
-        skewed = tl.load(scratch + o_r[:, None] * BLOCK_N + column, mask=on_tile, other=0.0, cache_modifier=".cg")
+        if GATHER:  # skewed inside the registers
+            skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
+        else:  # through the scratch tile
+            tl.debug_barrier()  # the previous tile's skewed reads are done
+            tl.store(scratch + o_r[:, None] * BLOCK_N + o_n[None, :], p)
+            tl.debug_barrier()
+            skewed = tl.load(scratch + o_r[:, None] * BLOCK_N + column, mask=on_tile, other=0.0, cache_modifier=".cg")
         # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
         # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
         # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
@@ -271,10 +278,10 @@ def line_scores(inputs, last_rows: int) -> torch.Tensor:
     key_tiles = triton.cdiv(nk, block_n)
     total_tiles = b * hq * key_tiles
     programs = min(total_tiles, PROGRAMS_PER_SM * _sm_count(q.device))
-    scratch = torch.empty(programs, rows_pad * block_n, dtype=torch.float32, device=q.device)
+    scratch = torch.empty(1 if SKEW_BY_GATHER else programs * rows_pad * block_n, dtype=torch.float32, device=q.device)
     _row_lines[(programs,)](q, k, part_max, part_sum, vertical, slash, scratch, *common, nk, layout.query_offset,
                             key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
-                            SPLITS=triton.next_power_of_2(splits), **meta)
+                            SPLITS=triton.next_power_of_2(splits), GATHER=SKEW_BY_GATHER, **meta)
     slash.div_(rows)
     return scores
 
