@@ -32,6 +32,7 @@ from pbs.types import BlockMask, block_index_dtype
 
 PROGRAMS_PER_SM = 4
 KEY_TILE = 64
+KEPT_LINES_TILE = 2048
 SKEW_BY_GATHER = True
 """`_row_lines` skews each tile of probabilities with ``tl.gather`` in registers; False: through
 a per-program scratch tile in L2 (the earlier way, kept for the A/B measurement)."""
@@ -287,16 +288,17 @@ def line_scores(inputs, last_rows: int) -> torch.Tensor:
 
 
 @triton.jit
-def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, CANDIDATES: tl.constexpr, SHIFT: tl.constexpr):
-    """Per candidate ``c = cut + k << SHIFT`` (k < CANDIDATES): the sum of the row's scores whose
-    float bits are ``>= c`` (non-negative floats order like their bits)."""
-    o_c = tl.arange(0, CANDIDATES).to(tl.int64)
-    cands = cut + (o_c << SHIFT)
-    sums = tl.zeros([CANDIDATES], tl.float32)
+def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, SHIFT: tl.constexpr):
+    """Per candidate ``c = cut + k << SHIFT`` (k < 16): the sum of the row's scores whose float bits
+    are ``>= c`` (non-negative floats order like their bits; candidates past the largest int32
+    are clamped to it, which no score reaches)."""
+    o_c = tl.arange(0, 16)
+    cands = tl.minimum(cut.to(tl.int64) + (o_c.to(tl.int64) << SHIFT), 0x7FFFFFFF).to(tl.int32)
+    sums = tl.zeros([16], tl.float32)
     for t0 in range(0, seq_len, TILE):
         cols = t0 + tl.arange(0, TILE)
         x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
-        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = x.to(tl.int32, bitcast=True)
         sums += tl.sum(tl.where(bits[None, :] >= cands[:, None], x[None, :], 0.0), 1)
     return sums
 
@@ -312,30 +314,35 @@ def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, lines, seq_len, num
     kind = tl.program_id(1)  # 0: keys (vertical scores), 1: offsets (slash scores)
     share = tl.where(kind == 0, vertical_share, slash_share)
     row_ptr = scores_ptr + (kind * lines + row).to(tl.int64) * seq_len
-    total = tl.sum(_share_at_or_above(row_ptr, seq_len, tl.zeros([], tl.int64), TILE, 2, 40), 0)
-    keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
-    cut = tl.zeros([], tl.int64)
+    o_c = tl.arange(0, 16)
+    cut = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.float32)  # the sum of the scores at or above the next candidate over the cut
+    total = tl.zeros([], tl.float32)
     for digit in tl.static_range(8):
-        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, 16, 28 - 4 * digit)
-        cut += (tl.sum((sums >= share).to(tl.int64), 0) - 1) << (28 - 4 * digit)
-    above = tl.sum(_share_at_or_above(row_ptr, seq_len, cut + 1, TILE, 2, 40), 0)
-    cut_value = cut.to(tl.int32).to(tl.float32, bitcast=True)
+        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, 28 - 4 * digit)
+        if digit == 0:
+            total = tl.sum(tl.where(o_c == 0, sums, 0.0), 0)  # candidate 0 of the first pass: every score
+        k = tl.sum((sums >= share).to(tl.int32), 0) - 1
+        above = tl.where(k < 15, tl.sum(tl.where(o_c == k + 1, sums, 0.0), 0), above)
+        cut += tl.maximum(k, 0) << (28 - 4 * digit)
+    keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
+    cut_value = cut.to(tl.float32, bitcast=True)
     # Scores equal to the cut are taken in index order (the reference's stable sort) until the share is reached.
-    ties = tl.minimum(tl.maximum(tl.ceil((share - above) / tl.maximum(cut_value, 1e-38)), 1.0), 2.0**40).to(tl.int64)
+    ties = tl.minimum(tl.maximum(tl.ceil((share - above) / tl.maximum(cut_value, 1e-38)), 1.0), 2.0**30).to(tl.int32)
     if keep_all:
-        cut = tl.zeros([], tl.int64)
-        ties = tl.zeros([], tl.int64)
-    seen = tl.zeros([], tl.int64)
+        cut = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+    seen = tl.zeros([], tl.int32)
     kept_before = tl.zeros([], tl.int32)
     out = row.to(tl.int64)
     for t0 in range(0, seq_len, TILE):
         cols = t0 + tl.arange(0, TILE)
         x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
-        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = x.to(tl.int32, bitcast=True)
         tie = bits == cut
-        rank = seen + tl.cumsum(tie.to(tl.int64), 0) - 1
+        rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
         keep = (bits > cut) | (tie & (rank < ties) & (x > 0))
-        seen += tl.sum(tie.to(tl.int64), 0)
+        seen += tl.sum(tie.to(tl.int32), 0)
         if kind == 0:
             # Key blocks that hold a kept key (tiles start on block boundaries).
             per_block = tl.max(tl.reshape(keep.to(tl.int8), (TILE // BLOCK, BLOCK)), 1)
@@ -366,7 +373,7 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     tk = triton.cdiv(nk, block_size)
     vertical_blocks = torch.empty(b, hq, tk, dtype=torch.int8, device=scores.device)
     prefix = torch.empty(b, hq, nk + 1, dtype=torch.int32, device=scores.device)
-    tile = max(block_size, 1024 if interpreting() else 4096)
+    tile = max(block_size, 1024 if interpreting() else KEPT_LINES_TILE)
     _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, b * hq, nk, tk,
                              float(vertical_threshold or threshold), float(threshold),
                              TILE=tile, BLOCK=block_size, num_warps=8)
