@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pbs.layout import Layout
-from pbs.types import BlockMask, Permutation
+from pbs.types import BlockMask, Permutation, full_block_counts
 
 
 def _layout(nq=300, nk=300, block=32, segment=64, causal=True, b=2, h=3):
@@ -204,6 +204,16 @@ def test_full_counts_travel_with_the_mask():
     assert torch.equal(claimed.to("cpu").full_counts, mask.counts)
     with pytest.raises(ValueError, match="full_counts must have the shape of counts"):
         BlockMask(mask.counts, mask.indices, layout, full_counts=mask.counts[:, :1])
+
+
+def test_full_counts_are_derived_on_first_read_and_kept():
+    layout = _layout()
+    dense = layout.allowed_blocks().expand(2, 3, -1, -1).clone()
+    mask = BlockMask.from_dense(dense, layout)
+    assert mask.__dict__.get("_full_counts") is None  # nothing derived for a mask nobody reads
+    first = mask.full_counts
+    assert first is mask.full_counts  # derived once
+    assert torch.equal(first, full_block_counts(mask.counts, mask.indices, layout))
 
 
 def test_the_masking_rule_is_written_once():
