@@ -1,19 +1,23 @@
 """``vertical_slash`` selection on the GPU: the fast twin of `pbs.selectors.vertical_slash`.
 
-Three launches and a few PyTorch reductions instead of the reference's dozens of ops:
+Four launches and a few allocations instead of the reference's dozens of ops:
 
 1. ``_row_stats``: the log-sum-exp of the last ``R`` queries' rows, split over the keys (one
-   program per query head and key split, online softmax), combined on the device;
-2. ``_row_lines``: each row's softmax over a key tile; the per-key sum (vertical score) is stored
-   directly, and the per-offset sums (slash scores) come from the same tile: written to a small
-   per-program scratch tile that stays in L2 and read back skewed, so that a sum over rows is a
-   sum along one offset, then added into the offsets with atomics (persistent grid; the
-   probabilities themselves never go to memory);
-3. the thresholds are the reference's own (`kept_lines`: a sort and a scan per head),
-   and ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
-   or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`; a union's
-   other member is merged there too (`union_select`), and `head_choice_select` picks per head,
-   on the device, between the pooled selection alone and that merge.
+   program per query head and key split, online softmax);
+2. ``_row_lines``: combines those partial statistics, then takes each row's softmax over a key
+   tile; the per-key sum (vertical score) is stored directly, and the per-offset sums (slash
+   scores) come from the same tile read skewed (``tl.gather`` in registers, or through a small
+   per-program scratch tile in L2), so that a sum over rows is a sum along one offset, added into
+   the offsets with atomics (persistent grid; the probabilities never go to memory);
+3. ``_kept_lines``: the reference's cumulative threshold (`kept_lines`: the fewest keys and
+   offsets whose shares reach the threshold) without sorting: the cut below which scores are
+   dropped is found four bits of its float pattern at a time, then one pass writes which key
+   blocks hold a kept key and the running count of kept offsets;
+4. ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
+   or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`, and counts
+   the list's full/masked split on the way; a union's other member is merged there too
+   (`union_select`), and `head_choice_select` picks per head, on the device, between the pooled
+   selection alone and that merge.
 
 It runs for unsegmented layouts whose keys and queries are in their original order (the
 ``none`` permuter, the selector's intended use); anything else falls back to the reference.
