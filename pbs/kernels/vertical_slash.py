@@ -21,8 +21,9 @@ Four launches and a few allocations instead of the reference's dozens of ops:
 
 It runs for unsegmented layouts whose keys and queries are in their original order (the
 ``none`` permuter, the selector's intended use); anything else falls back to the reference.
-Differences to the reference come only from the logits' rounding (``tl.dot`` against an fp32
-einsum), which can flip a key or offset that sits exactly at a threshold.
+Differences to the reference come only from rounding, the logits' (``tl.dot`` against an fp32
+einsum) and the order in which shares are summed (per cut candidate here, a running sum after
+the sort there): either can flip a key or offset that sits exactly at a threshold.
 """
 
 from __future__ import annotations
