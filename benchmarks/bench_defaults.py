@@ -7,8 +7,8 @@ it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the 
 ``pbs.attention`` with the default config, two ways:
     events      CUDA events around each call, L2 flushed before it, cuDNN and pbs taking turns call by
                 call (``pbs.testing.benchmark_cuda_interleaved``; host overhead shows where it
-                exceeds the flush); a second cuDNN entry in the same rotation (``aa``, cuDNN against
-                itself) shows the protocol's own spread
+                exceeds the flush); a second cuDNN entry in the same rotation (``cudnn_again``,
+                cuDNN against itself, ratio ``ratio_events_aa``) shows the protocol's own spread
     wall        back-to-back calls, wall time over the batch divided by the calls (what a loop
                 over layers sees; a host sync inside a call shows here)
 the density probe alone (``probe``: its two launches and its host read, events), and records

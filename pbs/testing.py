@@ -154,22 +154,7 @@ def benchmark_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20, f
     """
     if not torch.cuda.is_available():
         raise RuntimeError("benchmark_cuda needs a CUDA device")
-    scratch = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda") if flush_l2 else None
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if scratch is not None:
-            scratch.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return benchmark_cuda_interleaved({"fn": fn}, warmup=warmup, iters=iters, flush_l2=flush_l2)["fn"]
 
 
 def benchmark_cuda_interleaved(fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20,
