@@ -9,6 +9,9 @@ it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the 
                 call (``pbs.testing.benchmark_cuda_interleaved``; host overhead shows where it
                 exceeds the flush); a second cuDNN entry in the same rotation (``cudnn_again``,
                 cuDNN against itself, ratio ``ratio_events_aa``) shows the protocol's own spread
+    busy        the same rotation with about 5 ms of GPU busy work queued after the flush (the
+                GPU busy while the host launches, as in a model's layer loop): device time, plus
+                any host time after a sync inside the call (the density probe's read)
     wall        back-to-back calls, wall time over the batch divided by the calls (what a loop
                 over layers sees; a host sync inside a call shows here)
 the density probe alone (``probe``: its two launches and its host read, events), and records
@@ -39,6 +42,7 @@ from pbs.dense import dense_attention_sdpa  # noqa: E402
 from pbs.testing import benchmark_cuda, benchmark_cuda_interleaved  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+BUSY_GPU_CYCLES = 10_000_000  # about 5 ms on an H100: longer than pbs's host time before its launches
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
 
 
@@ -105,6 +109,8 @@ def measure(kind: str, n: int) -> dict:
     # unchanged (its dense path would pick cuDNN anyway).
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         events = benchmark_cuda_interleaved(timed, warmup=1, iters=iters * repeats)
+        busy = benchmark_cuda_interleaved({"cudnn": cudnn, "pbs": defaults, "cudnn_again": cudnn}, warmup=1,
+                                          iters=iters * repeats, busy_gpu_cycles=BUSY_GPU_CYCLES)
     walls = {"cudnn": [], "pbs": []}
     for _ in range(repeats):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -115,6 +121,10 @@ def measure(kind: str, n: int) -> dict:
         row[f"{name}_wall_ms"] = statistics.median(walls[name])
     row["cudnn_again_events_ms"] = events["cudnn_again"]
     row["ratio_events_aa"] = events["cudnn_again"] / events["cudnn"]
+    for name in ("cudnn", "pbs", "cudnn_again"):
+        row[f"{name}_busy_events_ms"] = busy[name]
+    row["ratio_busy"] = busy["pbs"] / busy["cudnn"]
+    row["ratio_busy_aa"] = busy["cudnn_again"] / busy["cudnn"]
     if "sdpa_path" in events:
         row["dense_sdpa_path_events_ms"] = events["sdpa_path"]
     if n >= pbs.PBSConfig().dense_fallback.min_seq_len:
@@ -150,8 +160,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     rows = []
-    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} {'A/A':>6} | {'cuDNN wall':>10} {'pbs wall':>9} "
-          f"{'x':>6} | {'probe':>6} | path")
+    print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} {'A/A':>6} | {'cuDNN busy':>10} "
+          f"{'pbs busy':>9} {'x':>6} {'A/A':>6} | {'cuDNN wall':>10} {'pbs wall':>9} {'x':>6} | {'probe':>6} | path")
     for n in args.lengths:
         for kind in args.inputs:
             try:
@@ -164,7 +174,8 @@ def main() -> None:
                 print(f"{kind:>10} {n:>7} | {row['error']}", flush=True)
                 continue
             print(f"{kind:>10} {n:>7} | {row['cudnn_events_ms']:9.3f} {row['pbs_events_ms']:9.3f} {row['ratio_events']:6.3f} "
-                  f"{row['ratio_events_aa']:6.3f} | "
+                  f"{row['ratio_events_aa']:6.3f} | {row['cudnn_busy_events_ms']:10.3f} {row['pbs_busy_events_ms']:9.3f} "
+                  f"{row['ratio_busy']:6.3f} {row['ratio_busy_aa']:6.3f} | "
                   f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | "
                   f"{row.get('probe_events_ms', float('nan')):6.3f} | {row['path']}", flush=True)
     q, k, v = inputs("structured", 4096)
@@ -172,16 +183,19 @@ def main() -> None:
         cudnn_kernels = kernels_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     pbs_kernels = kernels_of(lambda: pbs.attention(q, k, v))
     print("kernels at 4K, cuDNN:", cudnn_kernels, "\nkernels at 4K, pbs defaults:", pbs_kernels)
-    worst = {m: max((r[f"ratio_{m}"] for r in rows if "error" not in r), default=None) for m in ("events", "wall")}
-    print(f"worst ratio to cuDNN: events {worst['events']:.3f}, wall {worst['wall']:.3f} (target 1.03)")
+    worst = {m: max((r[f"ratio_{m}"] for r in rows if "error" not in r), default=None) for m in ("events", "busy", "wall")}
+    print(f"worst ratio to cuDNN: events {worst['events']:.3f}, busy-GPU events {worst['busy']:.3f}, "
+          f"wall {worst['wall']:.3f} (target 1.03)")
     result = {
         **environment("cuda"),
         "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                   "causal": True},
         "config": pbs.PBSConfig().model_dump(mode="json"),
         "timing": "events: median CUDA-event time, L2 flushed before each call, cuDNN, pbs and cuDNN again "
-                  "(the A/A control, ratio_events_aa) timed call by call in a rotating order; wall: median over "
-                  "repeats of back-to-back wall time / calls, cuDNN and pbs batches alternating",
+                  "(the A/A control, ratio_events_aa) timed call by call in a rotating order on an idle GPU; "
+                  f"busy: the same with {BUSY_GPU_CYCLES} GPU cycles of torch.cuda._sleep queued after the flush "
+                  "(ratio_busy, A/A ratio_busy_aa); wall: median over repeats of back-to-back wall time / calls, "
+                  "cuDNN and pbs batches alternating",
         "rows": rows,
         "kernels_4k": {"cudnn": cudnn_kernels, "pbs_defaults": pbs_kernels},
         "worst_ratio": worst,

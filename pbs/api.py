@@ -9,7 +9,7 @@ import torch
 
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
-from pbs.dense import dense_attention_sdpa, density_fallback_reason, length_fallback_reason, probe_fallback_reason
+from pbs.dense import dense_attention_sdpa, density_fallback_reason, probe_fallback_reason, runs_dense_by_length
 from pbs.planning import build_plan, permute_keys_and_values
 from pbs.types import Plan
 from pbs.validation import check_qkv
@@ -129,7 +129,7 @@ def attention(
     config = PBSConfig.coerce(config)
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     s = _scale(q, scale)
-    if length_fallback_reason(config, q, k) is not None or probe_fallback_reason(config, q, k, s) is not None:
+    if runs_dense_by_length(config, q, k) or probe_fallback_reason(config, q, k, s) is not None:
         out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
         return (out, None) if return_plan else out
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)

@@ -29,26 +29,29 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-_CUDNN = None
+# The last priority order seen and its cuDNN-first form: the order rarely changes, so most calls
+# compare two short lists instead of building a new one.
+_LAST_ORDER: tuple[list[int], list[int] | None] = ([], None)
 
 
-def _cudnn_priority_order() -> list[int] | None:
-    """SDPA's backend priority with cuDNN moved first, or None if it is first already.
+def _cudnn_first(order: list[int]) -> list[int] | None:
+    """SDPA's backend priority ``order`` with cuDNN moved first, or None if it is first already.
 
     cuDNN is the fastest dense causal prefill on Hopper (docs/benchmarks.md), but
     PyTorch does not rank it first. Only the order changes: a backend the user disabled stays
     disabled. (``torch.nn.attention.sdpa_kernel`` would do the same at ~20 us of host time per
     call, which shows at 2K tokens, where cuDNN itself takes ~0.1 ms.)
     """
-    global _CUDNN
-    if _CUDNN is None:
-        from torch.nn.attention import SDPBackend
+    global _LAST_ORDER
+    seen, cudnn_first = _LAST_ORDER
+    if order == seen:
+        return cudnn_first
+    from torch.nn.attention import SDPBackend
 
-        _CUDNN = int(SDPBackend.CUDNN_ATTENTION)
-    order = torch._C._get_sdp_priority_order()
-    if order[0] == _CUDNN:
-        return None
-    return [_CUDNN] + [b for b in order if b != _CUDNN]
+    cudnn = int(SDPBackend.CUDNN_ATTENTION)
+    cudnn_first = None if order[0] == cudnn else [cudnn] + [b for b in order if b != cudnn]
+    _LAST_ORDER = (order, cudnn_first)
+    return cudnn_first
 
 
 def dense_attention_sdpa(
@@ -65,25 +68,26 @@ def dense_attention_sdpa(
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype.
     """
-    nq, nk = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    _, heads_q, nq, _ = q.shape
+    _, heads_kv, nk, _ = k.shape
     mask = None
-    is_causal = causal and nq == nk
     if causal and nq != nk:
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(nq, nk)
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    order = _cudnn_priority_order()
-    if order is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    previous = torch._C._get_sdp_priority_order()
-    torch._C._set_sdp_priority_order(order)
-    try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    finally:
-        torch._C._set_sdp_priority_order(previous)
+    is_causal = causal and mask is None
+    gqa = heads_q != heads_kv
+    if q.is_cuda:
+        previous = torch._C._get_sdp_priority_order()
+        order = _cudnn_first(previous)
+        if order is not None:
+            torch._C._set_sdp_priority_order(order)
+            try:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                      enable_gqa=gqa)
+            finally:
+                torch._C._set_sdp_priority_order(previous)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
 def policy_applies(config: PBSConfig, device: torch.device) -> bool:
@@ -91,14 +95,19 @@ def policy_applies(config: PBSConfig, device: torch.device) -> bool:
     return config.backend == "auto" and device.type in config.dense_fallback.devices
 
 
+def runs_dense_by_length(config: PBSConfig, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether dense attention runs before any planning because there are too few keys.
+
+    Decided from shapes alone, in few Python steps: it is the whole decision of every short call.
+    """
+    return k.shape[2] < config.dense_fallback.min_seq_len and policy_applies(config, q.device)
+
+
 def length_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why dense attention should run before any planning (too few keys), or None."""
-    if not policy_applies(config, q.device):
+    if not runs_dense_by_length(config, q, k):
         return None
-    limit = config.dense_fallback.min_seq_len
-    if k.shape[2] < limit:
-        return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {limit}"
-    return None
+    return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {config.dense_fallback.min_seq_len}"
 
 
 def _capturing(device: torch.device, rule: str) -> bool:
@@ -129,6 +138,12 @@ def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
     return None
 
 
+# probe_threshold per config object: it walks the selector's fields (~8 us on an H100 host, far
+# more right after a host sync), and it runs in every call that reaches the probe. Configs are
+# frozen, so an entry stays right; it holds its config so that the id is not reused.
+_PROBE_SHARES: dict[int, tuple[PBSConfig, float | None]] = {}
+
+
 def probe_threshold(config: PBSConfig) -> float | None:
     """The mass share the density probe covers: the selector's ``threshold`` (or ``coverage``).
 
@@ -138,7 +153,14 @@ def probe_threshold(config: PBSConfig) -> float | None:
     as ``budget``, whose density is fixed by the config rather than by the attention (and for a
     union of such selectors); the probe does not run for it.
     """
-    return _selector_probe_threshold(config.selector)
+    entry = _PROBE_SHARES.get(id(config))
+    if entry is not None and entry[0] is config:
+        return entry[1]
+    share = _selector_probe_threshold(config.selector)
+    if len(_PROBE_SHARES) >= 64:
+        _PROBE_SHARES.clear()
+    _PROBE_SHARES[id(config)] = (config, share)
+    return share
 
 
 def _selector_probe_threshold(selector: Any) -> float | None:

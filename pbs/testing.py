@@ -158,16 +158,24 @@ def benchmark_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20, f
 
 
 def benchmark_cuda_interleaved(fns: dict[str, Callable[[], object]], warmup: int = 3, iters: int = 20,
-                               flush_l2: bool = True) -> dict[str, float]:
+                               flush_l2: bool = True, busy_gpu_cycles: int = 0) -> dict[str, float]:
     """Median CUDA-event time in milliseconds of each of ``fns``, timed call by call in turn.
 
     Like `benchmark_cuda` (L2 flushed before each timed call), but the functions take turns within
     every iteration, in an order that rotates, so that clock and thermal drift during the
     measurement fall on all of them alike. Timing two identical functions this way shows the
     protocol's own spread (an A/A comparison).
+
+    On an idle GPU the events also hold whatever host time a call spends before its first launch
+    beyond what the flush hides. ``busy_gpu_cycles`` queues that many GPU clock cycles of busy
+    work (``torch.cuda._sleep``; 2e6 cycles are about a millisecond on an H100) after the flush,
+    before the start event: the host then launches while the GPU is busy, as in a model's layer
+    loop, and the events hold device time only (plus any host time after a sync inside the call).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("benchmark_cuda_interleaved needs a CUDA device")
+    if busy_gpu_cycles < 0:
+        raise ValueError(f"busy_gpu_cycles must be >= 0, got {busy_gpu_cycles}")
     scratch = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda") if flush_l2 else None
     names = list(fns)
     for _ in range(warmup):
@@ -179,6 +187,8 @@ def benchmark_cuda_interleaved(fns: dict[str, Callable[[], object]], warmup: int
         for name in names[i % len(names):] + names[:i % len(names)]:
             if scratch is not None:
                 scratch.zero_()
+            if busy_gpu_cycles:
+                torch.cuda._sleep(busy_gpu_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fns[name]()

@@ -73,11 +73,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--iters", type=int, default=150)
+    parser.add_argument("--inputs", nargs="+", default=["flat", "structured"], choices=["flat", "structured"])
+    parser.add_argument("--spin-inputs", nargs="*", default=["structured"], choices=["flat", "structured"],
+                        help="inputs timed a second time with the GPU spin")
     args = parser.parse_args()
     for n in args.lengths:
-        for kind in ("flat", "structured"):
+        for kind in args.inputs:
             measure(n, kind, False, args.iters)
-        measure(n, "structured", True, args.iters)
+        for kind in args.spin_inputs:
+            measure(n, kind, True, args.iters)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,17 @@ def test_the_probe_covers_a_union_at_its_members_largest_share():
     assert pbs.dense.probe_threshold(pbs.PBSConfig(selector=mixed)) == 0.8
 
 
+def test_the_probe_share_is_kept_per_config_object():
+    # probe_threshold remembers its answer per config object (it runs in every long call): each of
+    # many configs, alive at once or built and dropped in turn, still gets its own share.
+    thresholds = [0.5 + i / 200 for i in range(80)]
+    configs = [pbs.PBSConfig(selector={"name": "mean_pool", "threshold": t}) for t in thresholds]
+    for _ in range(2):
+        assert [pbs.dense.probe_threshold(c) for c in configs] == thresholds
+    for t in (0.61, 0.72, 0.83):
+        assert pbs.dense.probe_threshold(pbs.PBSConfig(selector={"name": "mean_pool", "threshold": t})) == t
+
+
 def test_the_default_config_is_built_once():
     assert pbs.PBSConfig.coerce(None) is pbs.PBSConfig.coerce(None)
     assert pbs.PBSConfig.coerce(None) == pbs.PBSConfig()

@@ -97,3 +97,17 @@ def test_gpu_probe_matches_its_eager_twin(seq_len):
     assert probe_density_triton(q, k, **args) == pytest.approx(float(probe_density(q, k, **args)), abs=2e-3)
     flat_q, flat_k = torch.randn_like(q), torch.randn_like(k)
     assert probe_density_triton(flat_q, flat_k, **args) > 0.85
+
+
+def test_triton_probe_reads_keys_of_any_layout():
+    # The pooled keys come from a view of k split into blocks: a (B, N, H, D) cache seen as
+    # (B, H, N, D) must give the estimate of its contiguous copy.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)")
+    from pbs.kernels.density_probe import probe_density_triton
+
+    q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
+    k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not k_strided.is_contiguous()
+    args = dict(block_size=32, num_blocks=4, threshold=0.9, scale=32**-0.5)
+    assert probe_density_triton(q, k_strided, **args) == pytest.approx(float(probe_density(q, k, **args)), abs=1e-6)

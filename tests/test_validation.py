@@ -76,3 +76,52 @@ def test_check_finite_default_scans_off_cuda_only():
     assert not config.checks_finite(torch.device("cuda"))
     assert pbs.PBSConfig(check_finite=True).checks_finite(torch.device("cuda"))
     assert not pbs.PBSConfig(check_finite=False).checks_finite(torch.device("cpu"))
+
+
+def _input_variants():
+    """(label, q, k, v, grad_enabled): valid calls and one of each kind of invalid one."""
+    q, k, v = _qkv()
+    yield "valid", q, k, v, True
+    yield "valid GQA 1 kv head", q, k[:, :1], v[:, :1], True
+    yield "valid Nq < Nk", q[:, :, 16:], k, v, True
+    yield "valid Dv != D", q, k, torch.randn(1, 2, 64, 8), True
+    yield "valid fp16", q.half(), k.half(), v.half(), True
+    yield "valid parameter subclass", torch.nn.Parameter(q, requires_grad=False), k, v, True
+    yield "valid needs grad under no_grad", q.clone().requires_grad_(), k, v, False
+    q, k, v = _qkv()
+    yield "needs grad", q.clone().requires_grad_(), k, v, True
+    yield "non-tensor", q.numpy(), k, v, True
+    yield "int dtype", q, k, v.int(), True
+    yield "mixed dtypes", q.half(), k, v, True
+    yield "rank 3", q[0], k, v, True
+    yield "rank 5 v", q, k, v[None], True
+    yield "empty batch", q[:0], k[:0], v[:0], True
+    yield "zero heads", q[:, :0], k, v, True
+    yield "zero kv heads", q, k[:, :0], v[:, :0], True
+    yield "heads not a multiple", q[:, :3], k, v, True
+    yield "batch differs", torch.cat([q, q]), k, v, True
+    yield "k, v lengths differ", q[:, :, :16], k[:, :, :32], v, True
+    yield "k, v heads differ", q, k, v[:, :1], True
+    yield "head dims differ", q, k[..., :8], v, True
+    yield "zero head dim", q[..., :0], k[..., :0], v, True
+    yield "zero value dim", q, k, v[..., :0], True
+    yield "Nq > Nk", q, k[:, :, :32], v[:, :, :32], True
+    yield "empty sequence", q[:, :, :0], k, v, True
+    yield "meta k", q, k.to("meta"), v, True
+    yield "all meta", q.to("meta"), k.to("meta"), v.to("meta"), True
+
+
+@pytest.mark.parametrize("label, q, k, v, grad_enabled", list(_input_variants()), ids=lambda x: x if isinstance(x, str) else "")
+def test_fast_check_agrees_with_the_named_checks(label, q, k, v, grad_enabled):
+    # check_qkv runs one fast predicate and, only when it fails, the checks that name the problem:
+    # the two must accept exactly the same inputs, or a valid call would hit the "unreachable" line
+    # and an invalid one would slip through.
+    from pbs.validation import _passes_all_checks, _raise_first_problem
+
+    with torch.set_grad_enabled(grad_enabled):
+        fast = _passes_all_checks(q, k, v)
+        with pytest.raises((TypeError, ValueError, AssertionError)) as raised:
+            _raise_first_problem(q, k, v)
+    named_accepts = raised.type is AssertionError and "unreachable" in str(raised.value)
+    assert fast == named_accepts, (label, raised.value)
+    assert fast == label.startswith("valid"), label

@@ -1,11 +1,14 @@
-"""The density probe in two launches: the fast twin of `pbs.reference.density_probe.probe_density`.
+"""The density probe in three launches: the fast twin of `pbs.reference.density_probe.probe_density`.
 
 The eager twin takes about twenty small PyTorch ops; at 16K tokens their launch cost alone is a
 few percent of cuDNN's whole attention, which is the margin the probe must fit in (flat attention
 runs the probe and then dense attention). Here:
 
-1. `pbs.kernels.block_means.block_means` pools every key block (one read of K);
-2. ``_probe_kernel``: one program per (sampled query block, batch x query head) pools its query
+1. every key block is mean-pooled (one read of K): by one PyTorch reduction when ``Nk`` is a
+   multiple of the block size, else by `pbs.kernels.block_means.block_means`; right after a host
+   sync a Triton launch cost ~200 us of host time on an H100 machine, a PyTorch launch far less;
+2. one zeroed buffer holds the two counters and the kernel's scratch rows;
+3. ``_probe_kernel``: one program per (sampled query block, batch x query head) pools its query
    block, scores it against the visible key blocks, and counts the blocks that cover
    ``threshold`` of the row's pooled mass, sink and diagonal blocks first. The count needs the
    other blocks in descending order; instead of sorting, it bisects for the smallest kept
@@ -28,6 +31,7 @@ from pbs.kernels.block_means import block_means
 _CHUNK = 128  # key blocks per step of the scans
 _SCORE_CHUNK = 32  # key blocks per step of the scoring pass (a 32 x D fp32 tile stays in registers)
 _BISECTION_STEPS = 24  # resolution 2^-24 of a probability
+_SCRATCH_OFFSET = 32  # int32 slots before the scratch rows: the two counters, padded to 128 bytes
 
 
 @triton.jit
@@ -45,15 +49,16 @@ def _free_block_probabilities(p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_
 
 @triton.jit
 def _probe_kernel(
-    q_ptr, kmean_ptr, scratch_ptr, counter_ptr,
+    q_ptr, kmean_ptr, counter_ptr,
     stride_qb, stride_qh, stride_qn,
     heads_q, group, seq_len_q, seq_len_k, dim, num_key_blocks, num_query_blocks, num_samples,
     scale_log2, threshold,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr,
+    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, SCRATCH_OFFSET: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
+    scratch_ptr = (counter_ptr + SCRATCH_OFFSET).to(tl.pointer_type(tl.float32))
     i_b = i_bh // heads_q
     i_h = i_bh % heads_q
     # The same blocks as sampled_query_blocks: round(i (Tq - 1) / (P - 1)), halves up.
@@ -147,7 +152,7 @@ def probe_density_triton(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
     causal: bool = True,
 ) -> float:
-    """`pbs.reference.density_probe.probe_density` in two launches and one read of two numbers.
+    """`pbs.reference.density_probe.probe_density` in three launches and one read of two numbers.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (unit stride along D is not required).
@@ -158,22 +163,28 @@ def probe_density_triton(
     if threshold >= 1.0:
         return 1.0
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    _, hkv, nk, _ = k.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    k_means = block_means(k, block_size)  # (B, Hkv, Tk, D) fp32
     tq, tk = triton.cdiv(nq, block_size), triton.cdiv(nk, block_size)
+    if nk % block_size == 0:
+        # One PyTorch reduction: its launch costs a fraction of a Triton launch's host time, which
+        # is most of the probe's cost (the probe sits between the call and dense attention).
+        k_means = k.unflatten(2, (tk, block_size)).mean(3, dtype=torch.float32).contiguous()
+    else:
+        k_means = block_means(k, block_size)  # (B, Hkv, Tk, D) fp32, the partial last block too
     samples = min(num_blocks, tq)
-    scratch = torch.empty(b * hq * samples * tk, dtype=torch.float32, device=q.device)
-    counter = torch.zeros(2, dtype=torch.int32, device=q.device)
+    # The two counters and the kernel's scratch rows in one zeroed allocation (one launch fewer).
+    counters_and_scratch = torch.zeros(_SCRATCH_OFFSET + b * hq * samples * tk, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
     _probe_kernel[(samples, b * hq)](
-        q, k_means, scratch, counter,
+        q, k_means, counters_and_scratch,
         q.stride(0), q.stride(1), q.stride(2),
         hq, hq // hkv, nq, nk, d, tk, tq, samples,
         scale * LOG2_E, threshold,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=_CHUNK,
-        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, num_warps=4,
+        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, SCRATCH_OFFSET=_SCRATCH_OFFSET,
+        num_warps=4,
     )
-    kept, visible = counter.tolist()
+    kept, visible = counters_and_scratch[:2].tolist()
     return kept / visible
