@@ -68,12 +68,19 @@ def wall_ms(fn, calls: int) -> float:
 
 
 def counts_for(n: int) -> tuple[int, int, int]:
-    """(event iterations, event repeats, wall calls): fewer at long lengths to bound the run."""
+    """(event iterations, event repeats, wall calls): fewer at long lengths to bound the run.
+
+    A wall batch starts right after a host sync, when the host is slow for a while (on the H100
+    machines a call's host time was 5-10x its time in a loop); 200 calls at 2K-8K (20-200 ms) keep
+    that start from weighing on the per-call time, as it would not in a long layer loop.
+    """
     if n >= 262144:
         return 3, 1, 3
     if n >= 65536:
         return 5, 3, 5
-    return 20, 5, 30
+    if n >= 16384:
+        return 20, 5, 30
+    return 20, 5, 200
 
 
 def path_of(q, k, v) -> str:
