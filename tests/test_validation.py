@@ -9,6 +9,11 @@ import pbs
 from tests.helpers import random_qkv
 
 
+# The dense-by-length rule on the CPU (it applies on CUDA by default): 64 tokens are far below
+# min_seq_len, so these calls take the dense path that launches SDPA before the checks.
+DENSE_BY_LENGTH_ON_CPU = {"dense_fallback": {"devices": ["cpu"]}}
+
+
 def _qkv():
     return random_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=64)
 
@@ -31,10 +36,13 @@ def _qkv():
         (lambda q, k, v: (q[:, :, :0], k, v), ValueError, r"sequence lengths must be positive"),
     ],
 )
-def test_bad_tensors(mutate, error, message):
+@pytest.mark.parametrize("config", [None, DENSE_BY_LENGTH_ON_CPU], ids=["planned", "dense_by_length"])
+def test_bad_tensors(mutate, error, message, config):
+    # Both paths name the problem: planning checks first; a call too short to plan launches SDPA
+    # first and checks after (its errors must be the same).
     q, k, v = mutate(*_qkv())
     with pytest.raises(error, match=message):
-        pbs.attention(q, k, v)
+        pbs.attention(q, k, v, config)
 
 
 def test_device_mismatch_is_named():
@@ -125,3 +133,32 @@ def test_fast_check_agrees_with_the_named_checks(label, q, k, v, grad_enabled):
     named_accepts = raised.type is AssertionError and "unreachable" in str(raised.value)
     assert fast == named_accepts, (label, raised.value)
     assert fast == label.startswith("valid"), label
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda q, k, v: (q.clone().requires_grad_(), k, v), r"forward-only"),
+    (lambda q, k, v: (q[:, :0], k, v), r"at least one head"),
+    (lambda q, k, v: (q[:0], k[:0], v[:0]), r"batch size must be positive"),
+    (lambda q, k, v: (q, k, v[..., :0]), r"head dims must be positive"),
+    (lambda q, k, v: (q, k, v.to("meta")), r"one device"),
+])
+def test_dense_by_length_refuses_what_sdpa_would_accept(mutate, message):
+    # SDPA runs these (or fails its own way); PBS still refuses them with its own error.
+    q, k, v = mutate(*_qkv())
+    with pytest.raises(ValueError, match=message):
+        pbs.attention(q, k, v, DENSE_BY_LENGTH_ON_CPU)
+
+
+def test_dense_by_length_launches_before_it_checks(monkeypatch):
+    # The checks run while the GPU computes: SDPA is called first, the checks after, and the
+    # result is dense attention.
+    import pbs.api
+
+    order = []
+    real_sdpa, real_check = pbs.api.dense_attention_sdpa, pbs.api.check_qkv
+    monkeypatch.setattr(pbs.api, "dense_attention_sdpa", lambda *a, **kw: order.append("sdpa") or real_sdpa(*a, **kw))
+    monkeypatch.setattr(pbs.api, "check_qkv", lambda *a, **kw: order.append("checks") or real_check(*a, **kw))
+    q, k, v = _qkv()
+    out, plan = pbs.attention(q, k, v, DENSE_BY_LENGTH_ON_CPU, return_plan=True)
+    assert order == ["sdpa", "checks"] and plan is None
+    torch.testing.assert_close(out, pbs.reference.dense_attention(q, k, v).to(q.dtype), atol=1e-5, rtol=1e-5)
