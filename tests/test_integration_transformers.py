@@ -536,6 +536,39 @@ def test_fallbacks_are_warned_once_per_reason_and_per_model(caplog):
     assert len([r for r in caplog.records if r.name == "pbs.integrations.transformers"]) == 1
 
 
+def test_the_fallback_detail_is_built_only_where_it_is_read(monkeypatch, caplog):
+    # A short prompt falls back in every layer of every call; the detail text is built for the
+    # first log of its reason (and for traces), not for every layer.
+    pbs_hf.register(EXACT, min_seq_len=200, min_query_len=2)
+    built = []
+    real = pbs_hf._fallback_detail
+    monkeypatch.setattr(pbs_hf, "_fallback_detail", lambda *a: built.append(a[0]) or real(*a))
+    model = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):
+        for _ in range(3):
+            forward(model, "pbs", input_ids=prompt())
+    assert built == ["short_sequence"]
+    assert any("100 < min_seq_len=200" in r.getMessage() for r in caplog.records)
+    with pbs_hf.trace_dispatch() as calls:
+        forward(model, "pbs", input_ids=prompt())
+    assert calls and all(c.detail == "100 < min_seq_len=200" for c in calls)
+
+
+def test_no_process_group_means_no_shard_and_no_walk_over_parameters():
+    # Without torch.distributed initialized no DTensor can be sharded: the layer's parameters
+    # (walked in every call otherwise) are not read.
+    from pbs.integrations.tensor_parallel import head_shard_of
+
+    import torch.distributed.tensor  # noqa: F401 - makes DTensor importable, as transformers does
+
+    class Untouchable(torch.nn.Module):
+        def parameters(self, recurse=True):
+            raise AssertionError("parameters were walked")
+
+    assert not torch.distributed.is_initialized()
+    assert head_shard_of(Untouchable(), 4) is None
+
+
 def test_decode_and_configured_dense_layers_are_info(model, caplog):
     pbs_hf.register(EXACT, min_seq_len=32, skip_first_layers=1)
     ids = prompt()

@@ -86,7 +86,9 @@ def head_shard_of(module: torch.nn.Module, heads_q: int) -> HeadShard | None:
         heads_q: query heads of this call.
     """
     dtensor = _dtensor_type()
-    if dtensor is None:
+    # A sharded DTensor lives on a device mesh, which needs an initialized process group; without
+    # one, skip the walk over the layer's parameters (it runs in every layer of every call).
+    if dtensor is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     mesh = None
     for param in module.parameters():

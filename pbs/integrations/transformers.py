@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -277,9 +277,13 @@ def pbs_attention_forward(
     tp = (shard.rank, shard.size) if shard is not None else (None, None)
     if pbs_config is None:
         assert reason is not None
-        detail = _fallback_detail(reason, layer_idx, q_len, kv_len, config)
-        _log_fallback_once(module, reason, detail, layer_idx, q_len, kv_len, shard)
-        _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail, tp_rank=tp[0], tp_size=tp[1]))
+        # The detail text is built only where it is read (the first log of a reason, a trace): this
+        # branch runs in every layer of every short prompt.
+        _log_fallback_once(module, reason, lambda: _fallback_detail(reason, layer_idx, q_len, kv_len, config),
+                           layer_idx, q_len, kv_len, shard)
+        if _active_traces:
+            detail = _fallback_detail(reason, layer_idx, q_len, kv_len, config)
+            _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail, tp_rank=tp[0], tp_size=tp[1]))
         out, weights = _dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
         return wrap(out), weights
     # pbs.attention, or its tensor-parallel twin, may itself run dense SDPA (PBSConfig.dense_fallback):
@@ -318,7 +322,7 @@ def _min_seq_len(config: PBSIntegrationConfig, layer_idx: int | None) -> int | N
 def _log_fallback_once(
     module: torch.nn.Module,
     reason: str,
-    detail: str | None,
+    detail: str | Callable[[], str | None] | None,
     layer_idx: int | None,
     q_len: int,
     kv_len: int,
@@ -342,6 +346,8 @@ def _log_fallback_once(
     if reason in entry[1]:
         return
     entry[1].add(reason)
+    if callable(detail):
+        detail = detail()
     name = getattr(model_config, "name_or_path", None) or getattr(model_config, "model_type", None)
     for_model = f" in {name}" if name else ""
     on_rank = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None else ""
