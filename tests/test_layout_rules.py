@@ -8,6 +8,7 @@ A permuter or selector file holds its config and reference implementation; the m
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,25 @@ def test_benchmark_results_take_the_revision_passed_in_over_a_copied_git(monkeyp
     monkeypatch.delenv("PBS_GIT_REVISION")
     revision, _ = git_revision()
     assert revision != "0123abcd"
+
+
+def test_the_defaults_plot_draws_every_protocol_of_a_result(tmp_path):
+    # benchmarks/plot_defaults.py turns a bench_defaults.py result into the docs' picture; each of
+    # its protocols must be a line (a result without one of them simply has no such line).
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import subprocess
+    import sys
+
+    from benchmarks.plot_defaults import PROTOCOLS, series
+
+    result = json.loads((BENCHMARKS / "results" / "defaults_h100_launch_first.json").read_text())
+    for kind in ("flat", "structured"):
+        for key in PROTOCOLS:
+            lengths, ratios = series(result["rows"], kind, key)
+            assert lengths == sorted(lengths) and len(lengths) == 7 and all(0.5 < x < 1.5 for x in ratios)
+    out = tmp_path / "plot.png"
+    subprocess.run([sys.executable, str(BENCHMARKS / "plot_defaults.py"),
+                    str(BENCHMARKS / "results" / "defaults_h100_launch_first.json"), "--out", str(out)], check=True)
+    assert out.stat().st_size > 10_000
