@@ -6,7 +6,8 @@
 # then the kernel benchmark;
 # selection: every GPU test, then the planning benchmark (about 10 minutes);
 # ttft: end-to-end time to first token, then the planning memory benchmark;
-# defaults: the GPU tests of the dense fallback and the density probe, then bench_defaults.py
+# defaults: the GPU tests of the dense fallback and the density probe, the host time of each step
+# of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
 # The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
 # .device-wheels (git-ignored), downloaded beforehand on a machine with network access for the GPU
@@ -46,6 +47,7 @@ if [[ $mode == defaults ]]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_dense_fallback.py tests/test_density_probe.py -m gpu -q -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests_defaults.log" | tail -n 30
   status=${PIPESTATUS[0]}
+  timeout 120 python3 scripts/host_overhead.py --seq-len 2048 --probe-seq-len 32768 2>&1 | tee "$OUT/host_overhead.log"
   timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" "$@" 2>&1 | tee "$OUT/defaults.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
