@@ -110,6 +110,24 @@ def probe_steps(n: int) -> None:
     print(f"N={n} flat, density probe steps")
     for name, (fn, launches) in steps.items():
         print(f"{name:40s} {host_us(fn, 200, launches):8.2f} us", flush=True)
+    print(f"N={n} flat, right after a host sync (the idle-GPU case), median of 50, GPU time included")
+    for name in ("two ints read (sync, idle GPU)", "probe_density_triton (with its sync)", "probe_estimate (with its sync)"):
+        print(f"{name:40s} {after_sync_us(steps[name][0]):8.2f} us", flush=True)
+
+
+def after_sync_us(fn, calls: int = 50) -> float:
+    """Wall time of ``fn`` started right after the host waited on the GPU, as a call in a timed
+    loop of single calls (or the first after a probe's read) starts."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        torch.cuda._sleep(2_000_000)  # about 1 ms of GPU work the host then waits for
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
