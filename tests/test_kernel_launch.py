@@ -16,6 +16,7 @@ class FakeCompiled:
         self.log = log
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, "Triton's compiled-kernel launcher reads grid[0], grid[1] and grid[2]"
         return lambda *args: self.log.append(("direct", grid, args))
 
 
@@ -51,7 +52,7 @@ def test_the_second_call_of_a_specialization_skips_tritons_binder(on_gpu):
     assert [entry[0] for entry in fn.log] == ["triton", "direct"]
     assert fn.log[0][3] == {"BLOCK": 128, "CAUSAL": True, "num_warps": 4}
     # Signature order, the constexprs after the runtime arguments, the new grid.
-    assert fn.log[1] == ("direct", (8, 2), (x, 48, 0.25, 128, True))
+    assert fn.log[1] == ("direct", (8, 2, 1), (x, 48, 0.25, 128, True))
     assert launch.direct_launches == 1
 
 

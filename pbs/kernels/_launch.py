@@ -72,8 +72,9 @@ class Relauncher:
         key = specialization_key(args, constexprs, options, torch.cuda.current_device())
         compiled = self._compiled.get(key)
         if compiled is not None:
-            # The launcher takes the arguments in signature order, constexprs included (it skips them).
-            compiled[grid](*args, *constexprs.values())
+            # The launcher takes a 3-D grid and the arguments in signature order, constexprs
+            # included (it skips them).
+            compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
             self.direct_launches += 1
             return
         compiled = self.fn[grid](*args, **constexprs, **options)
