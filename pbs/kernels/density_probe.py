@@ -34,7 +34,7 @@ from pbs.kernels._common import LOG2_E
 from pbs.kernels._launch import Relauncher
 from pbs.kernels.block_means import block_means
 
-_CHUNK = 128  # key blocks per step of the scans
+_MAX_CHUNK = 4096  # key blocks per step of the scans: a whole row up to 512K tokens at block 128
 _SCORE_CHUNK = 32  # key blocks per step of the scoring pass (a 32 x D fp32 tile stays in registers)
 _BISECTION_STEPS = 24  # resolution 2^-24 of a probability
 _SCRATCH_ALIGN = 32  # the scratch rows start on a 128-byte boundary after the counts
@@ -60,7 +60,7 @@ def _probe_kernel(
     heads_q, group, seq_len_q, seq_len_k, dim, num_key_blocks, num_query_blocks, num_samples, scratch_offset,
     scale_log2, threshold,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr,
+    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, WHOLE_ROW: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -131,25 +131,41 @@ def _probe_kernel(
     need = threshold - forced_mass
     lo = 0.0
     hi = 1.0
-    for _ in range(STEPS):
-        mid = (lo + hi) * 0.5
-        total = 0.0
-        for j0 in range(0, num_key_blocks, CHUNK):
-            p, free = _free_block_probabilities(
-                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
-            )
-            total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
-        if total >= need:
-            lo = mid
-        else:
-            hi = mid
     n_kept = 0
-    if need > 0:
-        for j0 in range(0, num_key_blocks, CHUNK):
-            p, free = _free_block_probabilities(
-                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
-            )
-            n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
+    if WHOLE_ROW:
+        # The row fits one chunk: read it once and bisect in registers (a read per step, each
+        # waiting on L2, was most of the kernel's time).
+        p, free = _free_block_probabilities(
+            p_s, 0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+        )
+        p = tl.where(free, p, 0.0)
+        for _ in range(STEPS):
+            mid = (lo + hi) * 0.5
+            if tl.sum(tl.where(p >= mid, p, 0.0), 0) >= need:
+                lo = mid
+            else:
+                hi = mid
+        if need > 0:
+            n_kept = tl.sum((free & (p >= lo)).to(tl.int32), 0)
+    else:
+        for _ in range(STEPS):
+            mid = (lo + hi) * 0.5
+            total = 0.0
+            for j0 in range(0, num_key_blocks, CHUNK):
+                p, free = _free_block_probabilities(
+                    p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+                )
+                total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
+            if total >= need:
+                lo = mid
+            else:
+                hi = mid
+        if need > 0:
+            for j0 in range(0, num_key_blocks, CHUNK):
+                p, free = _free_block_probabilities(
+                    p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+                )
+                n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
     p_counts = counts_ptr + 2 * (i_bh * num_samples + i_s)
     tl.store(p_counts, n_forced + n_kept)
     tl.store(p_counts + 1, n_visible)
@@ -189,6 +205,7 @@ def probe_density_triton(
     # The counts and the scratch rows in one allocation, not filled: every slot is written first.
     counts_and_scratch = torch.empty(scratch_offset + programs * tk, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
+    chunk = min(max(triton.next_power_of_2(tk), 16), _MAX_CHUNK)
     _relaunch_probe(
         (samples, b * hq),
         q, k_means, counts_and_scratch,
@@ -196,8 +213,8 @@ def probe_density_triton(
         hq, hq // hkv, nq, nk, d, tk, tq, samples, scratch_offset,
         float(scale * LOG2_E), float(threshold),
         options={"num_warps": 4},
-        BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=_CHUNK,
-        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS,
+        BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=chunk,
+        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, WHOLE_ROW=tk <= chunk,
     )
     kept, visible = counts_and_scratch[: 2 * programs].cpu().view(-1, 2).sum(0, dtype=torch.int64).tolist()
     return kept / visible
