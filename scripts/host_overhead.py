@@ -14,8 +14,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pbs
@@ -45,7 +43,6 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--probe-seq-len", type=int, default=0, help="also time the density probe's steps at this length")
     args = parser.parse_args()
-    launch_paths()
     if args.probe_seq_len:
         probe_steps(args.probe_seq_len)
     n = args.seq_len
@@ -89,30 +86,6 @@ def main() -> None:
     print(f"{'SDPAParams + can_use_cudnn_attention':40s} "
           f"{host_us(lambda: torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)), 2000, False):8.2f} us",
           torch.backends.cuda.can_use_cudnn_attention(params))
-
-
-@triton.jit
-def seventeen_arguments(x_ptr, y_ptr, z_ptr, a, b, c, d, e, f, g, h, i, j, k, l, s1, s2,
-                        C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
-                        C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr):
-    tl.store(z_ptr + tl.program_id(0), (a + b).to(tl.float32))
-
-
-def launch_paths() -> None:
-    """Host time of one Triton launch of a kernel with the density probe's argument list (17 runtime
-    arguments, 8 constexprs), through Triton's binder and through `Relauncher`."""
-    from pbs.kernels._launch import Relauncher
-
-    x = torch.zeros(4096, device="cuda")
-    args = (x, x, x, 4096, 1024, 128, 32, 8, 4, 32768, 32768, 128, 256, 256, 16, 0.5, 0.9)
-    constexprs = dict(C1=128, C2=128, C3=32, C4=256, C5=32, C6=True, C7=24, C8=True)
-    relaunch = Relauncher(seventeen_arguments)
-    print("one Triton launch, 17 runtime arguments and 8 constexprs")
-    print(f"{'through Triton (fn[grid](...))':40s} "
-          f"{host_us(lambda: seventeen_arguments[(16, 32)](*args, **constexprs, num_warps=4), 500, True):8.2f} us")
-    print(f"{'through Relauncher':40s} "
-          f"{host_us(lambda: relaunch((16, 32), *args, options={'num_warps': 4}, **constexprs), 500, True):8.2f} us"
-          f"  (direct launches: {relaunch.direct_launches})")
 
 
 def probe_steps(n: int) -> None:

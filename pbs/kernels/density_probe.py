@@ -1,4 +1,4 @@
-"""The density probe in three launches: the fast twin of `pbs.reference.density_probe.probe_density`.
+"""The density probe in two launches: the fast twin of `pbs.reference.density_probe.probe_density`.
 
 The eager twin takes about twenty small PyTorch ops; at 16K tokens their launch cost alone is a
 few percent of cuDNN's whole attention, which is the margin the probe must fit in (flat attention
@@ -13,12 +13,10 @@ runs the probe and then dense attention). Here:
    block, scores it against the visible key blocks, and counts the blocks that cover
    ``threshold`` of the row's pooled mass, sink and diagonal blocks first. The count needs the
    other blocks in descending order; instead of sorting, it bisects for the smallest kept
-   probability (a row has at most a few thousand key blocks, read from L2 on every step).
+   probability, on the row held in registers up to 4096 key blocks (512K tokens at block 128),
+   longer rows read from L2 on every step.
    Each program writes two int32 counts (kept, visible); the host reads them all (a few KB) in
    its one sync and sums them.
-
-The kernel is relaunched through `pbs.kernels._launch.Relauncher`: after a host sync a launch
-through Triton's argument binder cost ~200 us of host time on an H100 machine.
 
 The bisection keeps exactly the blocks the sort would keep, except at probabilities equal to
 within 2^-24; the test compares the two twins.
@@ -31,7 +29,6 @@ import triton
 import triton.language as tl
 
 from pbs.kernels._common import LOG2_E
-from pbs.kernels._launch import Relauncher
 from pbs.kernels.block_means import block_means
 
 _MAX_CHUNK = 4096  # key blocks per step of the scans: a whole row up to 512K tokens at block 128
@@ -171,14 +168,12 @@ def _probe_kernel(
     tl.store(p_counts + 1, n_visible)
 
 
-_relaunch_probe = Relauncher(_probe_kernel)
-
 
 def probe_density_triton(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
     causal: bool = True,
 ) -> float:
-    """`pbs.reference.density_probe.probe_density` in three launches and one read of two numbers.
+    """`pbs.reference.density_probe.probe_density` in two launches and one read of the counts.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (unit stride along D is not required).
@@ -206,15 +201,13 @@ def probe_density_triton(
     counts_and_scratch = torch.empty(scratch_offset + programs * tk, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
     chunk = min(max(triton.next_power_of_2(tk), 16), _MAX_CHUNK)
-    _relaunch_probe(
-        (samples, b * hq),
+    _probe_kernel[(samples, b * hq)](
         q, k_means, counts_and_scratch,
         q.stride(0), q.stride(1), q.stride(2),
         hq, hq // hkv, nq, nk, d, tk, tq, samples, scratch_offset,
-        float(scale * LOG2_E), float(threshold),
-        options={"num_warps": 4},
+        scale * LOG2_E, threshold,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=chunk,
-        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, WHOLE_ROW=tk <= chunk,
+        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, WHOLE_ROW=tk <= chunk, num_warps=4,
     )
     kept, visible = counts_and_scratch[: 2 * programs].cpu().view(-1, 2).sum(0, dtype=torch.int64).tolist()
     return kept / visible
