@@ -1,4 +1,4 @@
-"""The density probe in two launches: the fast twin of `pbs.reference.density_probe.probe_density`.
+"""The density probe in three launches: the fast twin of `pbs.reference.density_probe.probe_density`.
 
 The eager twin takes about twenty small PyTorch ops; at 16K tokens their launch cost alone is a
 few percent of cuDNN's whole attention, which is the margin the probe must fit in (flat attention
@@ -7,16 +7,13 @@ runs the probe and then dense attention). Here:
 1. every key block is mean-pooled (one read of K): by one PyTorch reduction when ``Nk`` is a
    multiple of the block size, else by `pbs.kernels.block_means.block_means`; right after a host
    sync a Triton launch cost ~200 us of host time on an H100 machine, a PyTorch launch far less;
-2. one uninitialized buffer holds every program's two counts and the kernel's scratch rows (no
-   fill launch: each program writes its own slots before anything reads them);
+2. one zeroed buffer holds the two counters and the kernel's scratch rows;
 3. ``_probe_kernel``: one program per (sampled query block, batch x query head) pools its query
    block, scores it against the visible key blocks, and counts the blocks that cover
    ``threshold`` of the row's pooled mass, sink and diagonal blocks first. The count needs the
    other blocks in descending order; instead of sorting, it bisects for the smallest kept
-   probability, on the row held in registers up to 4096 key blocks (512K tokens at block 128),
-   longer rows read from L2 on every step.
-   Each program writes two int32 counts (kept, visible); the host reads them all (a few KB) in
-   its one sync and sums them.
+   probability (a row has at most a few thousand key blocks, read from L2 on every step).
+   Two int32 counters (kept, visible) are summed with atomics, so the host reads two numbers.
 
 The bisection keeps exactly the blocks the sort would keep, except at probabilities equal to
 within 2^-24; the test compares the two twins.
@@ -31,10 +28,10 @@ import triton.language as tl
 from pbs.kernels._common import LOG2_E
 from pbs.kernels.block_means import block_means
 
-_MAX_CHUNK = 4096  # key blocks per step of the scans: a whole row up to 512K tokens at block 128
+_CHUNK = 128  # key blocks per step of the scans
 _SCORE_CHUNK = 32  # key blocks per step of the scoring pass (a 32 x D fp32 tile stays in registers)
 _BISECTION_STEPS = 24  # resolution 2^-24 of a probability
-_SCRATCH_ALIGN = 32  # the scratch rows start on a 128-byte boundary after the counts
+_SCRATCH_OFFSET = 32  # int32 slots before the scratch rows: the two counters, padded to 128 bytes
 
 
 @triton.jit
@@ -52,16 +49,16 @@ def _free_block_probabilities(p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_
 
 @triton.jit
 def _probe_kernel(
-    q_ptr, kmean_ptr, counts_ptr,
+    q_ptr, kmean_ptr, counter_ptr,
     stride_qb, stride_qh, stride_qn,
-    heads_q, group, seq_len_q, seq_len_k, dim, num_key_blocks, num_query_blocks, num_samples, scratch_offset,
+    heads_q, group, seq_len_q, seq_len_k, dim, num_key_blocks, num_query_blocks, num_samples,
     scale_log2, threshold,
     BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    SCORE_CHUNK: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, SCRATCH_OFFSET: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
-    scratch_ptr = (counts_ptr + scratch_offset).to(tl.pointer_type(tl.float32))
+    scratch_ptr = (counter_ptr + SCRATCH_OFFSET).to(tl.pointer_type(tl.float32))
     i_b = i_bh // heads_q
     i_h = i_bh % heads_q
     # The same blocks as sampled_query_blocks: round(i (Tq - 1) / (P - 1)), halves up.
@@ -128,52 +125,34 @@ def _probe_kernel(
     need = threshold - forced_mass
     lo = 0.0
     hi = 1.0
+    for _ in range(STEPS):
+        mid = (lo + hi) * 0.5
+        total = 0.0
+        for j0 in range(0, num_key_blocks, CHUNK):
+            p, free = _free_block_probabilities(
+                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+            )
+            total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
+        if total >= need:
+            lo = mid
+        else:
+            hi = mid
     n_kept = 0
-    if WHOLE_ROW:
-        # The row fits one chunk: read it once and bisect in registers (a read per step, each
-        # waiting on L2, was most of the kernel's time).
-        p, free = _free_block_probabilities(
-            p_s, 0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
-        )
-        p = tl.where(free, p, 0.0)
-        for _ in range(STEPS):
-            mid = (lo + hi) * 0.5
-            if tl.sum(tl.where(p >= mid, p, 0.0), 0) >= need:
-                lo = mid
-            else:
-                hi = mid
-        if need > 0:
-            n_kept = tl.sum((free & (p >= lo)).to(tl.int32), 0)
-    else:
-        for _ in range(STEPS):
-            mid = (lo + hi) * 0.5
-            total = 0.0
-            for j0 in range(0, num_key_blocks, CHUNK):
-                p, free = _free_block_probabilities(
-                    p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
-                )
-                total += tl.sum(tl.where(free & (p >= mid), p, 0.0), 0)
-            if total >= need:
-                lo = mid
-            else:
-                hi = mid
-        if need > 0:
-            for j0 in range(0, num_key_blocks, CHUNK):
-                p, free = _free_block_probabilities(
-                    p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
-                )
-                n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
-    p_counts = counts_ptr + 2 * (i_bh * num_samples + i_s)
-    tl.store(p_counts, n_forced + n_kept)
-    tl.store(p_counts + 1, n_visible)
-
+    if need > 0:
+        for j0 in range(0, num_key_blocks, CHUNK):
+            p, free = _free_block_probabilities(
+                p_s, j0, num_key_blocks, first_q, m_i, l_i, BLOCK_SIZE=BLOCK_SIZE, CHUNK=CHUNK, CAUSAL=CAUSAL
+            )
+            n_kept += tl.sum((free & (p >= lo)).to(tl.int32), 0)
+    tl.atomic_add(counter_ptr, n_forced + n_kept)
+    tl.atomic_add(counter_ptr + 1, n_visible)
 
 
 def probe_density_triton(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
     causal: bool = True,
 ) -> float:
-    """`pbs.reference.density_probe.probe_density` in two launches and one read of the counts.
+    """`pbs.reference.density_probe.probe_density` in three launches and one read of two numbers.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (unit stride along D is not required).
@@ -195,19 +174,17 @@ def probe_density_triton(
     else:
         k_means = block_means(k, block_size)  # (B, Hkv, Tk, D) fp32, the partial last block too
     samples = min(num_blocks, tq)
-    programs = samples * b * hq
-    scratch_offset = triton.cdiv(2 * programs, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    # The counts and the scratch rows in one allocation, not filled: every slot is written first.
-    counts_and_scratch = torch.empty(scratch_offset + programs * tk, dtype=torch.int32, device=q.device)
+    # The two counters and the kernel's scratch rows in one zeroed allocation (one launch fewer).
+    counters_and_scratch = torch.zeros(_SCRATCH_OFFSET + b * hq * samples * tk, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
-    chunk = min(max(triton.next_power_of_2(tk), 16), _MAX_CHUNK)
     _probe_kernel[(samples, b * hq)](
-        q, k_means, counts_and_scratch,
+        q, k_means, counters_and_scratch,
         q.stride(0), q.stride(1), q.stride(2),
-        hq, hq // hkv, nq, nk, d, tk, tq, samples, scratch_offset,
+        hq, hq // hkv, nq, nk, d, tk, tq, samples,
         scale * LOG2_E, threshold,
-        BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=chunk,
-        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, WHOLE_ROW=tk <= chunk, num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=_CHUNK,
+        SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, SCRATCH_OFFSET=_SCRATCH_OFFSET,
+        num_warps=4,
     )
-    kept, visible = counts_and_scratch[: 2 * programs].cpu().view(-1, 2).sum(0, dtype=torch.int64).tolist()
+    kept, visible = counters_and_scratch[:2].tolist()
     return kept / visible
