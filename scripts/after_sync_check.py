@@ -4,7 +4,9 @@ The density probe ends in a host read; dense attention can start only once the h
 estimate and launched it. This times, in CUDA events on an otherwise idle GPU, a short GPU job (as
 long as the probe), the host's wait for it, and the cuDNN launch that follows, for several ways of
 waiting: a blocking copy to the host (what ``.tolist()`` / ``.cpu()`` do), ``torch.cuda.synchronize``,
-and a copy into pinned memory followed by a Python spin on an event (the thread never sleeps).
+a copy into pinned memory followed by a Python spin on an event (the thread never sleeps), and the
+stream gate the density probe reads through (`pbs.kernels.stream_gate`: the stream stays held by a
+polling kernel while the host reads and launches cuDNN, then the host opens it).
 Prints medians in microseconds; the gap is the events' time minus the GPU job and cuDNN alone.
 
     python3 scripts/after_sync_check.py --seq-len 32768
@@ -62,9 +64,18 @@ def main() -> None:
             time.sleep(0)
         return int(pinned[0])
 
+    from pbs.kernels.stream_gate import StreamGate
+
+    gate = StreamGate(torch.device("cuda"))
+
+    def read_through_gate():
+        # The stream stays held (the gate kernel polls) while the host reads and launches cuDNN.
+        return gate.read(counts[:2])[0]
+
     waits = {"no wait (GPU job, then cuDNN)": None, ".cpu() of 1024 ints": read_blocking, ".tolist() of 2 ints": read_tolist,
              "torch.cuda.synchronize()": read_synchronize, "pinned copy + spin on event.query()": read_pinned_spin,
-             "pinned copy + spin with sleep(0)": read_pinned_spin_sleep0}
+             "pinned copy + spin with sleep(0)": read_pinned_spin_sleep0,
+             "stream gate (pbs.kernels.stream_gate)": read_through_gate}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         attention()
         for wait in waits.values():
@@ -86,6 +97,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     attention()
                     hosts.append((time.perf_counter() - t0) * 1e6)
+                    gate.release()
                     end.record()
                     end.synchronize()
                     times.append(start.elapsed_time(end) * 1e3)
