@@ -62,6 +62,8 @@ def test_gpu_probe_reads_through_the_gate_and_releases_it():
     k = torch.randn((1, 2, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     gate = stream_gate(q.device)
+    pbs.attention(q, k, v)  # the first call builds cuDNN's graph: longer than the gate waits
+    torch.cuda.synchronize()
     ticket = gate._ticket
     out, plan = pbs.attention(q, k, v, return_plan=True)
     assert plan is None  # flat attention: the probe sent it to dense attention

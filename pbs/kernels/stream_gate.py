@@ -13,8 +13,9 @@ queued that polls a pinned host word until the host writes a ticket there. The h
 writes the ticket: the launch meets a busy queue, and the gate opens as soon as it is queued.
 
 The gate only delays; it never changes a result. It gives up on its own after ``max_polls``
-reads of the host word (a fraction of a second), so a host that never opens it (an exception
-between hold and release that escaped `release`, a killed thread) costs that much GPU time once.
+reads of the host word, so a host that never opens it (a killed thread) costs that much GPU time
+once, and a host that takes longer (the first call of a shape, where cuDNN builds its graph) finds
+the gate already open, as if there were none.
 """
 
 from __future__ import annotations
