@@ -63,10 +63,11 @@ if [[ $mode == gate ]]; then
   timeout 150 python3 scripts/gate_ab.py --lengths 32768 --json "$OUT/gate_ab_32k.json" 2>&1 | tee "$OUT/gate_ab.log"
   timeout 60 python3 scripts/gate_ab.py --lengths 65536 --inputs flat --iters 12 --wall-calls 6 \
     --json "$OUT/gate_ab_64k.json" 2>&1 | tee -a "$OUT/gate_ab.log"
-  timeout ${DEFAULTS_TIMEOUT:-230} python3 benchmarks/bench_defaults.py --lengths 2048 4096 8192 16384 32768 65536 131072 \
+  timeout ${DEFAULTS_TIMEOUT:-230} python3 benchmarks/bench_defaults.py --lengths ${GATE_DEFAULT_LENGTHS:-2048 4096 8192 16384 32768 65536 131072} \
     --json "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log"
-  timeout ${TTFT_TIMEOUT:-100} python3 benchmarks/bench_ttft.py --lengths 32768 131072 --rows sdpa_cudnn pbs_default \
-    --repeats 2 --long-repeats 1 --budget-s 90 --out "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -n 20
+  [[ -n ${GATE_SKIP_TTFT:-} ]] || timeout ${TTFT_TIMEOUT:-100} python3 benchmarks/bench_ttft.py --lengths 32768 131072 \
+    --rows sdpa_cudnn pbs_default --repeats 2 --long-repeats 1 --budget-s 90 --out "$OUT/ttft.json" 2>&1 \
+    | tee "$OUT/ttft.log" | tail -n 20
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -36,8 +36,10 @@ def test_gate_is_released_on_exit_and_refuses_a_second_hold():
         with pytest.raises(RuntimeError, match="already held"):
             gate.hold()
     assert not gate.held
-    with pytest.raises(ValueError, match="1-d tensor of at most 8"):
+    with pytest.raises(ValueError, match="1-d int32 tensor of at most 8"):
         gate.read(torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="got torch.int64"):  # a converting copy would wait
+        gate.read(torch.zeros(2, dtype=torch.int64))
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ class StreamGate:
         pinned = torch.cuda.is_available()  # False only under the Triton interpreter's CPU tests
         self._word = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         self._word_view = self._word.numpy()  # host writes without a torch op
-        self._values = torch.zeros(8, dtype=torch.int64, pin_memory=pinned)
+        self._values = torch.zeros(8, dtype=torch.int32, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None
         self._ticket = 0
         self._held = False
@@ -85,15 +85,17 @@ class StreamGate:
         self._held = True
 
     def read(self, values: torch.Tensor) -> list[int]:
-        """The integers of ``values`` (a 1-d int tensor on the device, at most 8) on the host, with
-        the stream held after them.
+        """The integers of ``values`` (a 1-d int32 tensor on the device, at most 8) on the host,
+        with the stream held after them.
 
         Waits for the values only (an event recorded after their copy), not for the gate.
         """
         count = values.numel()
-        if values.dim() != 1 or count > self._values.numel():
-            raise ValueError(f"StreamGate.read: values must be a 1-d tensor of at most {self._values.numel()} "
-                             f"integers, got shape {tuple(values.shape)}")
+        if values.dim() != 1 or count > self._values.numel() or values.dtype != torch.int32:
+            # Same dtype on both sides: a copy that converts is not asynchronous, and a read that
+            # waits before the gate is queued would leave the stream empty, the thing it avoids.
+            raise ValueError(f"StreamGate.read: values must be a 1-d int32 tensor of at most {self._values.numel()} "
+                             f"integers, got {values.dtype} of shape {tuple(values.shape)}")
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._values[:count].copy_(values, non_blocking=True)
