@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -134,11 +133,9 @@ def attention(
         return (out, None) if return_plan else out
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     s = _scale(q, scale)
-    with _probe_gate(q) as gate:
-        if probe_fallback_reason(config, q, k, s, gate) is not None:
-            # Queued behind the gate, which opens when the block exits: the GPU goes straight on.
-            out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
-            return (out, None) if return_plan else out
+    if probe_fallback_reason(config, q, k, s) is not None:
+        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
+        return (out, None) if return_plan else out
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
     reason = density_fallback_reason(config, p)
     if reason is not None:
@@ -146,16 +143,6 @@ def attention(
         return (out, dataclasses.replace(p, fallback=reason)) if return_plan else out
     out = _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s)
     return (out, p) if return_plan else out
-
-
-def _probe_gate(q: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The stream gate the density probe reads through on CUDA (`pbs.kernels.stream_gate`): the GPU
-    stays busy while the host reads the estimate and launches what follows. None elsewhere."""
-    if not q.is_cuda:
-        return contextlib.nullcontext(None)
-    from pbs.kernels.stream_gate import stream_gate
-
-    return stream_gate(q.device)
 
 
 def _is_4d_tensor(x: object) -> bool:

@@ -195,15 +195,12 @@ def _probe_device_reasons(device_index: int) -> tuple[str, ...]:
     return ()
 
 
-def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float,
-                   gate: Any = None) -> torch.Tensor | float | None:
+def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
     """The density probe's estimate for ``config`` (`pbs.reference.density_probe.probe_density`),
     or None where it does not run (``probe_blocks == 0`` or no `probe_threshold`).
 
     A float from the Triton kernel on CUDA (it reads its two counters on the host), else a 0-d
     tensor that the caller reads (or first reduces, as tensor parallelism does over its ranks).
-    With a `pbs.kernels.stream_gate.StreamGate`, the Triton path reads through it: the stream
-    stays held after the probe until the caller releases the gate.
     """
     threshold = probe_threshold(config)
     if config.dense_fallback.probe_blocks == 0 or threshold is None:
@@ -211,26 +208,19 @@ def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: f
     args = dict(block_size=config.block_size, num_blocks=config.dense_fallback.probe_blocks, threshold=threshold,
                 scale=scale, causal=config.causal)
     if q.is_cuda and not triton_not_supported_reasons_for_probe(q):
-        from pbs.kernels.density_probe import probe_counters, probe_density_triton
+        from pbs.kernels.density_probe import probe_density_triton
 
-        if gate is None or threshold >= 1.0:
-            return probe_density_triton(q, k, **args)
-        kept, visible = gate.read(probe_counters(q, k, **args))
-        return kept / visible
+        return probe_density_triton(q, k, **args)
     return probe_density(q, k, **args)
 
 
-def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float,
-                          gate: Any = None) -> str | None:
+def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
     """Why dense attention should run before planning (the density probe is above
-    ``dense_fallback.max_density``), or None. One host read; skipped inside a CUDA graph capture.
-
-    ``gate``: a `pbs.kernels.stream_gate.StreamGate` to read through (`probe_estimate`); the caller
-    launches what comes next, then releases it."""
+    ``dense_fallback.max_density``), or None. One host sync; skipped inside a CUDA graph capture."""
     policy = config.dense_fallback
     if policy.max_density is None or not policy_applies(config, q.device) or _capturing(q.device, "max_density"):
         return None
-    estimate = probe_estimate(config, q, k, scale, gate)
+    estimate = probe_estimate(config, q, k, scale)
     if estimate is not None and float(estimate) > policy.max_density:
         return f"the density probe estimates {float(estimate):.3f}, above dense_fallback.max_density = {policy.max_density}"
     return None

@@ -4,9 +4,7 @@ The density probe ends in a host read; dense attention can start only once the h
 estimate and launched it. This times, in CUDA events on an otherwise idle GPU, a short GPU job (as
 long as the probe), the host's wait for it, and the cuDNN launch that follows, for several ways of
 waiting: a blocking copy to the host (what ``.tolist()`` / ``.cpu()`` do), ``torch.cuda.synchronize``,
-a copy into pinned memory followed by a Python spin on an event (the thread never sleeps), and the
-stream gate the density probe reads through (`pbs.kernels.stream_gate`: the stream stays held by a
-polling kernel while the host reads and launches cuDNN, then the host opens it).
+and a copy into pinned memory followed by a Python spin on an event (the thread never sleeps).
 Prints medians in microseconds; the gap is the events' time minus the GPU job and cuDNN alone.
 
     python3 scripts/after_sync_check.py --seq-len 32768
@@ -64,18 +62,9 @@ def main() -> None:
             time.sleep(0)
         return int(pinned[0])
 
-    from pbs.kernels.stream_gate import StreamGate
-
-    gate = StreamGate(torch.device("cuda"))
-
-    def read_through_gate():
-        # The stream stays held (the gate kernel polls) while the host reads and launches cuDNN.
-        return gate.read(counts[:2])[0]
-
     waits = {"no wait (GPU job, then cuDNN)": None, ".cpu() of 1024 ints": read_blocking, ".tolist() of 2 ints": read_tolist,
              "torch.cuda.synchronize()": read_synchronize, "pinned copy + spin on event.query()": read_pinned_spin,
-             "pinned copy + spin with sleep(0)": read_pinned_spin_sleep0,
-             "stream gate (pbs.kernels.stream_gate)": read_through_gate}
+             "pinned copy + spin with sleep(0)": read_pinned_spin_sleep0}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         attention()
         for wait in waits.values():
@@ -97,7 +86,6 @@ def main() -> None:
                     t0 = time.perf_counter()
                     attention()
                     hosts.append((time.perf_counter() - t0) * 1e6)
-                    gate.release()
                     end.record()
                     end.synchronize()
                     times.append(start.elapsed_time(end) * 1e3)
@@ -105,7 +93,6 @@ def main() -> None:
         base = results["no wait (GPU job, then cuDNN)"][0]
         for name, (us, host) in results.items():
             print(f"{name:40s} events {us:10.1f} us  (+{us - base:7.1f} over no wait)  cuDNN call's host time {host:7.1f} us")
-        print(f"the last stream gate polled the host word {gate.last_polls} times before it opened")
 
 
 if __name__ == "__main__":

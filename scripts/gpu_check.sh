@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|gate] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -8,8 +8,7 @@
 # ttft: end-to-end time to first token, then the planning memory benchmark;
 # defaults: the GPU tests of the dense fallback and the density probe, the host time of each step
 # of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
-# (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs);
-# gate: the density probe's stream gate (tests, after_sync_check, gate_ab A/B), then defaults 2K-128K and TTFT.
+# (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
 # The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
 # .device-wheels (git-ignored), downloaded beforehand on a machine with network access for the GPU
 # machine's Python (3.12 there) and carried with the working tree:
@@ -50,24 +49,6 @@ if [[ $mode == defaults ]]; then
   status=${PIPESTATUS[0]}
   timeout 120 python3 scripts/host_overhead.py --seq-len 2048 --probe-seq-len 32768 2>&1 | tee "$OUT/host_overhead.log"
   timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" "$@" 2>&1 | tee "$OUT/defaults.log"
-fi
-if [[ $mode == gate ]]; then
-  # The stream gate of the density probe: its GPU tests (stop here if they fail), how long the GPU
-  # waits after the read by each way of reading, the same-instance A/B with and without the gate,
-  # then the defaults against cuDNN (2K-128K) and TTFT of the defaults.
-  timeout 200 python3 -m pytest tests/test_stream_gate.py tests/test_density_probe.py tests/test_dense_fallback.py \
-    -m gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests_gate.log" | tail -n 30
-  status=${PIPESTATUS[0]}
-  [[ $status == 0 ]] || exit $status
-  timeout 90 python3 scripts/after_sync_check.py --seq-len 32768 2>&1 | tee "$OUT/after_sync.log"
-  timeout 150 python3 scripts/gate_ab.py --lengths 32768 --json "$OUT/gate_ab_32k.json" 2>&1 | tee "$OUT/gate_ab.log"
-  timeout 60 python3 scripts/gate_ab.py --lengths 65536 --inputs flat --iters 12 --wall-calls 6 \
-    --json "$OUT/gate_ab_64k.json" 2>&1 | tee -a "$OUT/gate_ab.log"
-  timeout ${DEFAULTS_TIMEOUT:-230} python3 benchmarks/bench_defaults.py --lengths ${GATE_DEFAULT_LENGTHS:-2048 4096 8192 16384 32768 65536 131072} \
-    --json "$OUT/defaults.json" 2>&1 | tee "$OUT/defaults.log"
-  [[ -n ${GATE_SKIP_TTFT:-} ]] || timeout ${TTFT_TIMEOUT:-100} python3 benchmarks/bench_ttft.py --lengths 32768 131072 \
-    --rows sdpa_cudnn pbs_default --repeats 2 --long-repeats 1 --budget-s 90 --out "$OUT/ttft.json" 2>&1 \
-    | tee "$OUT/ttft.log" | tail -n 20
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -162,18 +162,6 @@ def probe_density_triton(
     """
     if threshold >= 1.0:
         return 1.0
-    kept, visible = probe_counters(q, k, block_size=block_size, num_blocks=num_blocks, threshold=threshold,
-                                   scale=scale, causal=causal).tolist()
-    return kept / visible
-
-
-def probe_counters(
-    q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
-    causal: bool = True,
-) -> torch.Tensor:
-    """The probe's two counters on the device, not read: ``(2,)`` int32 (kept blocks, visible
-    blocks); the estimate is their ratio. ``threshold`` must be below 1 (at 1 every block is kept
-    and `probe_density_triton` answers 1 without a launch)."""
     b, hq, nq, d = q.shape
     _, hkv, nk, _ = k.shape
     if q.stride(-1) != 1:
@@ -198,4 +186,5 @@ def probe_counters(
         SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, SCRATCH_OFFSET=_SCRATCH_OFFSET,
         num_warps=4,
     )
-    return counters_and_scratch[:2]
+    kept, visible = counters_and_scratch[:2].tolist()
+    return kept / visible
