@@ -1,11 +1,16 @@
-"""Copy-recall frontier of every measured method on the held-out 7000-token copy probe.
+"""Quality-density frontiers of the measured methods, from the ``pbs quality`` reports in benchmarks/results.
 
-Reads the held-out ``pbs quality`` reports in benchmarks/results (``quality_heldout*_smollm2.json``)
-and plots, per method, the excess loss on the repeated passage (5000 filler tokens) against the
-density of that same sample, with the quality goal of docs/quality.md (density <= 0.27, excess <= 0.10)
-shaded.
+Default (held-out): per method, the excess loss on the repeated passage of the held-out 7000-token
+copy probe (5000 filler tokens) against the density of that same sample, with the quality goal of
+docs/quality.md (density <= 0.27, excess <= 0.10) shaded.
+
+``--tuning``: the line-based methods on the tuning set, every report that measured the three copy
+probes and the 4K documents. Two panels against each method's average density: the excess loss
+on the copy with 3000 filler tokens (the probe that binds the lines) and on the documents, with
+the goal's bars (+0.10, +0.03).
 
     python benchmarks/plot_quality_frontier.py --out docs/images/quality_frontier_heldout_copy.png
+    python benchmarks/plot_quality_frontier.py --tuning --out docs/images/quality_frontier_tuning_lines.png
 """
 
 from __future__ import annotations
@@ -36,10 +41,87 @@ def points() -> list[tuple[str, float, float]]:
     return out
 
 
+def short_label(config: dict) -> str:
+    """A few characters for a method's selector: ``vs0.75+mp0.9``, ``lines cap0.05+mp0.9``, ..."""
+    pbs = config.get("pbs", config)
+
+    def selector(sel: dict) -> str:
+        name = sel["name"]
+        if name == "union":
+            return "+".join(selector(member) for member in sel["selectors"])
+        if name == "vertical_slash":
+            vertical = f"/v{sel['vertical_threshold']}" if sel.get("vertical_threshold") else ""
+            return f"vs{sel.get('threshold', 0.9)}{vertical}"
+        if name == "mean_pool":
+            return f"mp{sel.get('threshold', 0.9)}"
+        if name == "line_cap":
+            kind = "lines" if sel.get("cap_keys", True) else "offsets"
+            if sel.get("cap_fraction") is not None:
+                return f"{kind} cap{sel['cap_fraction']}"
+            return f"lines >={sel['min_share_ratio']}x uniform"
+        if name == "head_choice":
+            return f"head_choice {sel.get('min_coverage')}"
+        return name
+
+    block = pbs.get("block_size", 128)
+    return selector(pbs["selector"]) + (f", B={block}" if block != 128 else "")
+
+
+def tuning_points(filler: str = "3000") -> list[tuple[str, float, float, float]]:
+    """``(label, density, excess copy loss at filler, excess loss on 4K documents)`` on the tuning set."""
+    out = []
+    for path in sorted(RESULTS.glob("quality_tuning*_smollm2.json")):
+        report = json.loads(path.read_text())
+        settings = report["meta"]["settings"]
+        if sorted(settings["fillers"]) != [1000, 3000, 5000] or settings["lengths"] != [4096]:
+            continue
+        summary = {row["method"]: row for row in report["summary"]}
+        dense = summary["dense"]
+        for method in report["methods"]:
+            if method["config"] is None:
+                continue
+            row = summary[method["label"]]
+            out.append((short_label(method["config"]), row["density"],
+                        row["copy_loss"][filler] - dense["copy_loss"][filler], row["loss"]["4096"] - dense["loss"]["4096"]))
+    return out
+
+
+def plot_tuning(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = tuning_points()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, column, bar, what in ((axes[0], 2, 0.10, "copy with 3000 filler tokens"), (axes[1], 3, 0.03, "4K documents")):
+        ax.axhline(bar, color="tab:red", lw=1, ls="--", label=f"goal: at most +{bar:.2f}")
+        for row in rows:
+            defaults = row[0] == "vs0.75+mp0.9"
+            ax.scatter(row[1], row[column], marker="*" if defaults else "o", s=140 if defaults else 40,
+                       color="tab:green" if defaults else ("tab:purple" if "cap" in row[0] or ">=" in row[0] else "tab:blue"),
+                       zorder=3)
+            ax.annotate(row[0], (row[1], row[column]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("average density (tuning set: 4K documents and the three copy probes)")
+        ax.set_ylabel(f"excess loss on the {what} (nats, vs dense)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    fig.suptitle("Line-based selections on the tuning set, SmolLM2-135M, CPU reference path; star: the defaults; "
+                 "purple: capped lines", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    print(f"{len(rows)} points -> {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/images/quality_frontier_heldout_copy.png"))
+    parser.add_argument("--tuning", action="store_true", help="the tuning-set frontier of the line-based methods")
     args = parser.parse_args()
+    if args.tuning:
+        plot_tuning(args.out)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
