@@ -51,7 +51,8 @@ def short_label(config: dict) -> str:
             return "+".join(selector(member) for member in sel["selectors"])
         if name == "vertical_slash":
             vertical = f"/v{sel['vertical_threshold']}" if sel.get("vertical_threshold") else ""
-            return f"vs{sel.get('threshold', 0.9)}{vertical}"
+            rows = f" {sel['last_rows']} rows" if sel.get("last_rows", 64) != 64 else ""
+            return f"vs{sel.get('threshold', 0.9)}{vertical}{rows}"
         if name == "mean_pool":
             return f"mp{sel.get('threshold', 0.9)}"
         if name == "line_cap":
