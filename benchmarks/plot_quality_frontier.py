@@ -102,9 +102,13 @@ def plot_tuning(out: Path) -> None:
             ax.scatter(row[1], row[column], marker="*" if defaults else "o", s=140 if defaults else 40,
                        color="tab:green" if defaults else ("tab:purple" if "cap" in row[0] or ">=" in row[0] else "tab:blue"),
                        zorder=3)
-            ax.annotate(row[0], (row[1], row[column]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            if column == 2 or row[column] > bar:  # below the documents' bar the points crowd: unlabelled
+                ax.annotate(row[0], (row[1], row[column]), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel("average density (tuning set: 4K documents and the three copy probes)")
         ax.set_ylabel(f"excess loss on the {what} (nats, vs dense)")
+        if column == 3:
+            ax.text(0.02, 0.02, "unlabelled points: the left panel's, all within the bar", transform=ax.transAxes,
+                    fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     fig.suptitle("Line-based selections on the tuning set, SmolLM2-135M, CPU reference path; star: the defaults; "
