@@ -65,7 +65,15 @@ def short_label(config: dict) -> str:
         return name
 
     block = pbs.get("block_size", 128)
-    return selector(pbs["selector"]) + (f", B={block}" if block != 128 else "")
+    label = selector(pbs["selector"]) + (f", B={block}" if block != 128 else "")
+    if config.get("skip_first_layers"):
+        label += f", layers 0-{config['skip_first_layers'] - 1} dense"
+    overrides = config.get("layer_overrides") or {}
+    if overrides:
+        layers = sorted(int(i) for i in overrides)
+        first = next(iter(overrides.values()))
+        label += f", layers {layers[0]}-{layers[-1]}: " + ("dense" if first is None else selector(first["selector"]))
+    return label
 
 
 def tuning_points(filler: str = "3000") -> list[tuple[str, float, float, float]]:
@@ -99,9 +107,11 @@ def plot_tuning(out: Path) -> None:
         ax.axhline(bar, color="tab:red", lw=1, ls="--", label=f"goal: at most +{bar:.2f}")
         for row in rows:
             defaults = row[0] == "vs0.75+mp0.9"
-            ax.scatter(row[1], row[column], marker="*" if defaults else "o", s=140 if defaults else 40,
-                       color="tab:green" if defaults else ("tab:purple" if "cap" in row[0] or ">=" in row[0] else "tab:blue"),
-                       zorder=3)
+            per_layer = "layers" in row[0]
+            capped = "cap" in row[0] or ">=" in row[0]
+            ax.scatter(row[1], row[column], marker="*" if defaults else ("D" if per_layer else "o"),
+                       s=140 if defaults else 40, zorder=3,
+                       color="tab:green" if defaults else ("tab:red" if per_layer else ("tab:purple" if capped else "tab:blue")))
             if column == 2 or row[column] > bar:  # below the documents' bar the points crowd: unlabelled
                 ax.annotate(row[0], (row[1], row[column]), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel("average density (tuning set: 4K documents and the three copy probes)")
@@ -112,7 +122,7 @@ def plot_tuning(out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     fig.suptitle("Line-based selections on the tuning set, SmolLM2-135M, CPU reference path; star: the defaults; "
-                 "purple: capped lines", fontsize=10)
+                 "purple: capped lines; red diamonds: per-layer lines", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
