@@ -145,3 +145,11 @@ def cudnn_dense(
             group = q.shape[1] // k.shape[1]
             ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return timer(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)), "expanded K/V"
+
+
+def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
+    """Lays out a matplotlib figure, writes it to ``path`` (creating its folder) and says so."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    print(f"{what} -> {path}")

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/<this file>.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import save_figure  # noqa: E402
 
 PROTOCOLS = {  # row key -> label
     "ratio_events": "events, idle GPU",
@@ -64,10 +70,7 @@ def main() -> None:
     axes[1].legend(fontsize=8, loc="lower left")
     fig.suptitle(f"pbs.attention(q, k, v) with the defaults against cuDNN SDPA, {result.get('device', '')}, "
                  f"revision {result.get('git_revision', '?')}", fontsize=10)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"{len(rows)} rows -> {args.out}")
+    save_figure(fig, args.out, f"{len(rows)} rows", dpi=120)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/<this file>.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import save_figure  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FILLER = "5000"
@@ -123,10 +129,7 @@ def plot_tuning(out: Path) -> None:
         ax.legend(loc="upper right", fontsize=8)
     fig.suptitle("Line-based selections on the tuning set, SmolLM2-135M, CPU reference path; star: the defaults; "
                  "purple: capped lines; red diamonds: per-layer lines", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    print(f"{len(rows)} points -> {out}")
+    save_figure(fig, out, f"{len(rows)} points")
 
 
 def main() -> None:
@@ -162,10 +165,7 @@ def main() -> None:
                  "stars: oracle (true mass); squares: block 64; diamonds: vertical_slash; circles: other, block 128", fontsize=9)
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=130)
-    print(f"{len(rows)} points -> {args.out}")
+    save_figure(fig, args.out, f"{len(rows)} points")
 
 
 if __name__ == "__main__":
