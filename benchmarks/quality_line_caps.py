@@ -11,7 +11,7 @@ registers ``line_cap``, the ``vertical_slash`` selection with either
 
 and hands the rest of its command line to ``pbs quality`` (a ``--methods`` file may then name
 ``line_cap``). The variant is not part of the library: it lost the copy on the tuning set
-(docs/quality.md, "Capping the lines: a negative result").
+(docs/quality.md, "Lowering the union's density: negative results").
 
     python3 benchmarks/quality_line_caps.py --print-methods > line_caps_methods.json   # or: --print-methods second
     python3 benchmarks/quality_line_caps.py quality --texts tuning --lengths 4096 --fillers 1000 3000 5000 \\
@@ -34,22 +34,19 @@ from pbs.components import SelectionInputs, SelectorConfig, register_selector  #
 from pbs.reference.threshold_select import select_by_cumulative_threshold  # noqa: E402
 from pbs.selectors import vertical_slash  # noqa: E402
 
-METHODS = [
-    "dense",
-    *({"config": {"permuter": "none", "selector": {"name": "union", "selectors": [
-        {"name": "line_cap", **knob}, {"name": "mean_pool", "threshold": 0.9}]}}, "label": label, "family": "line_cap"}
-      for label, knob in (("U cap0.05", {"cap_fraction": 0.05}), ("U cap0.02", {"cap_fraction": 0.02}),
-                          ("U peak8", {"min_share_ratio": 8.0}))),
-]
+def _capped_unions(runs: tuple[tuple[str, dict], ...]) -> list:
+    """``dense``, then the union of ``line_cap`` (with each run's knobs) and ``mean_pool`` 0.9."""
+    return ["dense", *({"config": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "line_cap", **knobs}, {"name": "mean_pool", "threshold": 0.9}]}}, "label": label, "family": "line_cap"}
+        for label, knobs in runs)]
+
+
+METHODS = _capped_unions((("U cap0.05", {"cap_fraction": 0.05}), ("U cap0.02", {"cap_fraction": 0.02}),
+                          ("U peak8", {"min_share_ratio": 8.0})))
 """The methods of the first measured run (write them to a file with ``--print-methods``)."""
 
-METHODS_SECOND = [
-    "dense",
-    *({"config": {"permuter": "none", "selector": {"name": "union", "selectors": [
-        {"name": "line_cap", **knob}, {"name": "mean_pool", "threshold": 0.9}]}}, "label": label, "family": "line_cap"}
-      for label, knob in (("U offsets cap0.05", {"cap_fraction": 0.05, "cap_keys": False}),
-                          ("U cap0.1", {"cap_fraction": 0.1}))),
-]
+METHODS_SECOND = _capped_unions((("U offsets cap0.05", {"cap_fraction": 0.05, "cap_keys": False}),
+                                 ("U cap0.1", {"cap_fraction": 0.1})))
 """The second run: offsets capped with every kept key, and a looser cap (``--print-methods second``)."""
 
 
@@ -83,9 +80,10 @@ class LineCapSelector(SelectorConfig):
         probs, last_position = vertical_slash.last_rows_attention(inputs, self.last_rows, heads, reversed_source_k)
         # last_rows_attention returns the keys reversed; the public scores take them in order.
         scores = vertical_slash.vertical_and_slash_scores(probs.flip(-1), last_position)
-        keys, offsets = (capped_lines(s, self.threshold, self.cap_fraction, self.min_share_ratio) for s in scores)
-        if not self.cap_keys:
-            keys, _ = vertical_slash.kept_lines(scores[0], scores[1], self.threshold)
+        vertical, slash = scores
+        offsets = capped_lines(slash, self.threshold, self.cap_fraction, self.min_share_ratio)
+        keys = (capped_lines(vertical, self.threshold, self.cap_fraction, self.min_share_ratio) if self.cap_keys
+                else capped_lines(vertical, self.threshold, None, None))  # the plain cumulative rule
         return vertical_slash.blocks_of_lines(keys, offsets, inputs, heads)
 
 
