@@ -240,6 +240,27 @@ def test_fallback_to_dense_is_an_error(tiny, samples):
     assert layer0[0]["rel_error"] == 0.0
 
 
+def test_sliding_window_layers_are_neither_counted_nor_a_fallback(samples):
+    """A Gemma-3-style model: its local layers run dense by design, so only its full layers count."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=128, max_position_embeddings=1024, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    gemma = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    assert q.attention_layers(gemma) == [0, 1, 2]
+    assert q.full_attention_layers(gemma) == [1]
+    method = q.make_method({"pbs": MEAN_POOL, "min_seq_len": 1})
+    result = q.run_quality(gemma, samples[:1], [method], layer_samples=["tuning doc"], progress=False)
+    row = rows(result, method.label)[0]
+    assert result.meta["layers"] == [1]  # the order of every row's layer_density
+    assert len(row["layer_density"]) == 1 and row["layer_density"][0] < 1.0
+    assert {r["layer"] for r in rows(result, method.label, "layers")} == {1}
+    with pytest.raises(ValueError, match="not full-attention layers"):
+        q.run_quality(gemma, samples[:1], [method], layer_samples=["tuning doc"], probe_layers=[0], progress=False)
+
+
 def test_run_restores_the_model_and_the_integration(tiny, samples):
     pbs_hf.register({"selector": "mean_pool"}, min_seq_len=7)
     before = pbs_hf.registered_config()

@@ -344,6 +344,26 @@ def attention_layers(model: torch.nn.Module) -> list[int]:
     return sorted(int(m.layer_idx) for m in attention_modules(model))
 
 
+def full_attention_layers(model: torch.nn.Module) -> list[int]:
+    """Layer ids of the attention modules that attend to the whole prefix: the layers PBS can run in.
+
+    Sliding-window layers (Gemma 2/3, Mistral-style local layers; a module with a ``sliding_window``
+    or a ``config.layer_types`` entry ``"sliding_attention"``) are local by design: the integration
+    runs them dense once the sequence is longer than the window, so the harness neither counts them
+    in the density nor treats their dense calls as a method falling back.
+    """
+    from pbs.analysis.hf_capture import attention_modules
+
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    full = []
+    for module in attention_modules(model):
+        idx = int(module.layer_idx)
+        declared = layer_types[idx] if idx < len(layer_types) else None
+        if getattr(module, "sliding_window", None) is None and declared != "sliding_attention":
+            full.append(idx)
+    return sorted(full)
+
+
 def token_losses(model: torch.nn.Module, input_ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Next-token losses ``(N - 1,)`` float32 of one sequence; ``[j]`` is the loss of token ``j + 1``.
 
@@ -427,7 +447,7 @@ def dense_forward(model: torch.nn.Module, sample: Sample) -> ForwardResult:
     start = time.perf_counter()
     with _attention_implementation(model, "sdpa"):
         losses = token_losses(model, sample.input_ids)
-    return ForwardResult(losses, {i: 1.0 for i in attention_layers(model)}, time.perf_counter() - start)
+    return ForwardResult(losses, {i: 1.0 for i in full_attention_layers(model)}, time.perf_counter() - start)
 
 
 def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrationConfig, label: str = "") -> ForwardResult:
@@ -458,9 +478,10 @@ def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrat
             f"{label or 'method'} on {sample.name!r}: layers {sorted(set(layers) - seen)} made no call through "
             "the 'pbs' attention implementation (does this model dispatch through AttentionInterface?)"
         )
+    full = set(full_attention_layers(model))
     fell_back = [
         (r.layer_idx, r.reason) for r in records
-        if r.path != "pbs" and integration.config_for_layer(r.layer_idx) is not None
+        if r.path != "pbs" and r.layer_idx in full and integration.config_for_layer(r.layer_idx) is not None
     ]
     if fell_back:
         raise DenseFallbackError(
@@ -469,7 +490,7 @@ def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrat
             "min_seq_len / the dense-fallback limits of the config, or make those layers dense on purpose "
             "(skip_first_layers / layer_overrides)."
         )
-    density = {int(r.layer_idx): (float(r.density) if r.path == "pbs" else 1.0) for r in records}
+    density = {int(r.layer_idx): (float(r.density) if r.path == "pbs" else 1.0) for r in records if r.layer_idx in full}
     return ForwardResult(losses, density, seconds)
 
 
@@ -637,7 +658,7 @@ def run_quality(
         layer_samples: names of the samples on which every method's per-layer error and coverage
             are measured (each costs a dense pass plus, per layer and method, a plan, a reference
             attention and, per distinct permutation, an exact block-mass pass).
-        probe_layers: the layer ids probed there (default all).
+        probe_layers: the layer ids probed there (default: every full-attention layer).
         gpu_check: also run each PBS method with ``backend="auto"`` and compare; default: when the
             model is on CUDA.
         progress: progress lines on stderr.
@@ -659,10 +680,13 @@ def run_quality(
         gpu_check = device.type == "cuda"
     if gpu_check and device.type != "cuda":
         raise ValueError("gpu_check needs the model on a CUDA device")
-    layers = attention_layers(model)
+    layers = full_attention_layers(model)
     probed = layers if probe_layers is None else sorted({int(i) for i in probe_layers})
     if not set(probed) <= set(layers):
-        raise ValueError(f"probe_layers: {sorted(set(probed) - set(layers))} are not attention layers of the model")
+        raise ValueError(
+            f"probe_layers: {sorted(set(probed) - set(layers))} are not full-attention layers of the model "
+            f"(those are {layers}; sliding-window layers are not probed)"
+        )
     report = QualityReport(
         meta={**(meta or {}), "environment": _environment(), "device": str(device), "layers": layers,
               "layer_samples": list(layer_samples), "probe_layers": probed, "gpu_check": bool(gpu_check)},
@@ -705,7 +729,7 @@ def _dense_with_layer_probe(
 ) -> ForwardResult:
     if not probe:
         return dense_forward(model, sample)
-    layers = attention_layers(model)
+    layers = full_attention_layers(model)
     wanted = set(probe)
     bar = ProgressBar(len(wanted), f"layer probe {sample.name}", enabled=progress)
 
