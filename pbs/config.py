@@ -236,5 +236,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # pooling the text. The defaults (DEFAULT_PRESET): PBSConfig() equals this preset.
     "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
+    # The same union with the lines cut at 0.6: for the layers after the first sixth of a model
+    # (`PBSIntegrationConfig.by_depth`). In every layer it loses the copy (docs/quality.md, "Lines
+    # per layer"); after the first sixth it kept both quality bars on held-out texts of two models.
+    "vertical_slash_pooled_deep": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "vertical_slash", "threshold": 0.6}, {"name": "mean_pool", "threshold": 0.9}]}},
 }
 """Named configurations: ``PBSConfig.from_preset(name)``. Fields not named keep their defaults."""

@@ -17,7 +17,8 @@ FENCE = re.compile(r"```python\n(.*?)^\s*```", re.S | re.M)
 
 def _documented():
     objects = {"pbs": pbs, "PBSConfig.from_preset": pbs.PBSConfig.from_preset,
-               "PBSIntegrationConfig": pbs.integrations.dispatch.PBSIntegrationConfig}
+               "PBSIntegrationConfig": pbs.integrations.dispatch.PBSIntegrationConfig,
+               "PBSIntegrationConfig.by_depth": pbs.integrations.dispatch.PBSIntegrationConfig.by_depth}
     for name in pbs.__all__:
         objects[f"pbs.{name}"] = getattr(pbs, name)
     for name in getattr(pbs.analysis, "__all__", []):

@@ -339,6 +339,30 @@ def test_config_coercion_and_errors():
     assert set(FALLBACK_REASONS) >= {"decode", "attention_mask", "sliding_window", "softcap", "short_sequence"}
 
 
+def test_by_depth_gives_the_first_sixth_the_defaults_and_the_rest_the_deep_preset():
+    deep = pbs.PBSConfig.from_preset("vertical_slash_pooled_deep")
+    assert deep.selector.selectors[0].threshold == 0.6 and deep.selector.selectors[1] == pbs.PBSConfig().selector.selectors[1]
+    smollm2 = PBSIntegrationConfig.by_depth(30)  # the model the rule was read off: layers 0-4 keep 0.75
+    assert [smollm2.config_for_layer(i) == pbs.PBSConfig() for i in (0, 4, 5, 29)] == [True, True, False, False]
+    assert smollm2.config_for_layer(5) == deep and smollm2.config_for_layer(None) == deep
+    assert sorted(PBSIntegrationConfig.by_depth(18).layer_overrides) == [0, 1, 2]  # ceil(18 / 6)
+    assert sorted(PBSIntegrationConfig.by_depth(32).layer_overrides) == [0, 1, 2, 3, 4, 5]  # ceil(32 / 6)
+    assert PBSIntegrationConfig.by_depth(4, leading_share=0).layer_overrides == {}
+    # The other fields pass through: the one length knob reaches the leading layers too, and an
+    # explicit override wins over a leading layer's entry.
+    custom = PBSIntegrationConfig.by_depth(12, deep=EXACT, leading="pbs_paper", min_seq_len=64, layer_overrides={1: None})
+    assert custom.config_for_layer(0).dense_fallback.min_seq_len == 64 and custom.config_for_layer(0).gqa == "per_head"
+    assert custom.config_for_layer(1) is None and custom.config_for_layer(2) == pbs.PBSConfig(
+        **EXACT, dense_fallback={"min_seq_len": 64})
+    assert PBSIntegrationConfig.model_validate_json(custom.model_dump_json()) == custom
+    for bad, match in (({"num_layers": 0}, "num_layers must be an int >= 1"),
+                       ({"num_layers": 6.0}, "num_layers must be an int >= 1"),
+                       ({"num_layers": 6, "leading_share": 1.5}, r"leading_share must be a number in \[0, 1\]"),
+                       ({"num_layers": 6, "pbs": EXACT}, "deep= and leading=, not pbs=")):
+        with pytest.raises(ValueError, match=match):
+            PBSIntegrationConfig.by_depth(**bad)
+
+
 def test_import_pbs_does_not_import_transformers():
     code = (
         "import sys; sys.modules['transformers'] = None\n"  # makes any import of it fail

@@ -7,11 +7,12 @@ be imported, validated and tested without transformers installed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pbs.config import DenseFallback, PBSConfig
+from pbs.config import PRESETS, DenseFallback, PBSConfig
 
 # Why a call fell back to dense attention. The keys are stable (tests and logs use them); the
 # explanations are written once per key to the log.
@@ -130,6 +131,59 @@ class PBSIntegrationConfig(BaseModel):
                 raise ValueError(f"{where}.causal must be True: the transformers integration serves causal decoders")
         return self
 
+    @classmethod
+    def by_depth(
+        cls,
+        num_layers: int,
+        *,
+        deep: PBSConfig | dict[str, Any] | str | None = "vertical_slash_pooled_deep",
+        leading: PBSConfig | dict[str, Any] | str | None = None,
+        leading_share: float = 1 / 6,
+        **fields: Any,
+    ) -> "PBSIntegrationConfig":
+        """One selection for a model's first layers and another for the rest.
+
+        The first ``ceil(leading_share * num_layers)`` layers get ``leading`` (default: the
+        defaults, `PBSConfig()`), every later layer ``deep`` (default: the preset
+        ``vertical_slash_pooled_deep``, the defaults' lines cut at 0.6 instead of 0.75). On
+        SmolLM2-135M the first layers are where sparse lines lose the long-range copy, and the later
+        ones take the lower threshold at no cost; see docs/quality.md ("Lines per layer").
+
+        Args:
+            num_layers: the model's decoder layers (``model.config.num_hidden_layers``).
+            deep: the config of the layers after the leading ones: a `PBSConfig`, a dict, a JSON
+                string or a name in `pbs.config.PRESETS`.
+            leading: the config of the leading layers; ``None`` means `PBSConfig()`.
+            leading_share: the share of the layers that are leading, in ``[0, 1]``.
+            **fields: the other fields (``min_seq_len``, ``min_query_len``, ``skip_first_layers``);
+                ``layer_overrides`` given here win over the leading layers' entries.
+
+        Example:
+            ```python
+            import pbs
+            from pbs.integrations.dispatch import PBSIntegrationConfig
+
+            cfg = PBSIntegrationConfig.by_depth(30)
+            assert cfg.config_for_layer(4).selector == pbs.PBSConfig().selector
+            assert cfg.config_for_layer(5) == pbs.PBSConfig.from_preset("vertical_slash_pooled_deep")
+            ```
+
+        Raises:
+            ValueError: ``num_layers`` < 1, ``leading_share`` outside ``[0, 1]``, or a field the
+                config rejects.
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1 (model.config.num_hidden_layers), got {num_layers!r}")
+        if isinstance(leading_share, bool) or not isinstance(leading_share, (int, float)) or not 0 <= leading_share <= 1:
+            raise ValueError(f"leading_share must be a number in [0, 1], got {leading_share!r}")
+        if "pbs" in fields:
+            raise ValueError("by_depth: give the layers' configs as deep= and leading=, not pbs=")
+        leading_config = _config_or_preset(leading)
+        count = math.ceil(round(leading_share * num_layers, 9))  # 1/6 * 30 is 5.000000000000001
+        overrides = {i: leading_config for i in range(count)}
+        overrides.update(fields.pop("layer_overrides", None) or {})
+        return cls(pbs=_config_or_preset(deep), layer_overrides=overrides, **fields)
+
     def config_for_layer(self, layer_idx: int | None) -> PBSConfig | None:
         """The PBS config of layer ``layer_idx`` (``None`` for an unknown layer), or ``None`` if dense."""
         if layer_idx is None:
@@ -139,6 +193,13 @@ class PBSIntegrationConfig(BaseModel):
         if layer_idx < self.skip_first_layers:
             return None
         return self.pbs
+
+
+def _config_or_preset(config: PBSConfig | dict[str, Any] | str | None) -> PBSConfig:
+    """`PBSConfig.coerce`, and a preset name as `PBSConfig.from_preset`."""
+    if isinstance(config, str) and config in PRESETS:
+        return PBSConfig.from_preset(config)
+    return PBSConfig.coerce(config)
 
 
 def _with_min_seq_len(config: Any, min_seq_len: int, where: str) -> Any:
