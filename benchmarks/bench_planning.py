@@ -78,10 +78,13 @@ METHODS = {
     "last_block+antidiagonal": {"permuter": "last_block", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
     "sampled_rows4": {"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
     "last_block+sampled_rows4": {"permuter": "last_block", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
-    # The two presets of the same names (pbs.config.PRESETS): lines alone, and lines OR pooled blocks.
+    # The presets of the same names (pbs.config.PRESETS): lines alone, lines OR pooled blocks, and
+    # the same with the lines at 0.6 (the later layers of PBSIntegrationConfig.by_depth).
     "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.75}},
     "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
+    "vertical_slash_pooled_deep": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "vertical_slash", "threshold": 0.6}, {"name": "mean_pool", "threshold": 0.9}]}},
 }
 TARGET_METHOD = "vertical_slash_pooled"  # the defaults (PBSConfig()): target (a) is required of them, reported for the rest
 PAPER_METHOD = "last_block+mean_pool"  # compared with the paper's own table

@@ -2,7 +2,7 @@
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
 #   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
-# and memory benchmarks (bench_planning.py, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
+# and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
 # selection: every GPU test, then the planning benchmark (about 10 minutes);
 # ttft: end-to-end time to first token, then the planning memory benchmark;
@@ -54,7 +54,9 @@ if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
 if [[ $mode == all || $mode == planning || $mode == selection ]]; then
-  timeout ${PLANNING_TIMEOUT:-330} python3 benchmarks/bench_planning.py --json "$OUT/planning.json" 2>&1 | tee "$OUT/planning.log"
+  planning_args=()
+  [[ $mode == planning ]] && planning_args=("$@")
+  timeout ${PLANNING_TIMEOUT:-330} python3 benchmarks/bench_planning.py --json "$OUT/planning.json" "${planning_args[@]}" 2>&1 | tee "$OUT/planning.log"
 fi
 if [[ $mode == all || $mode == planning || $mode == ttft ]]; then
   timeout ${MEMORY_TIMEOUT:-120} python3 benchmarks/bench_plan_memory.py --json "$OUT/plan_memory.json" 2>&1 | tee "$OUT/plan_memory.log"

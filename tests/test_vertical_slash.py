@@ -166,12 +166,12 @@ def test_a_separate_vertical_threshold_keeps_more_keys():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
 @pytest.mark.parametrize("seq_len,seq_len_q", [(4096, None), (3000, 1000), (8333, None)])
 @pytest.mark.parametrize("selector", [{"name": "vertical_slash", "threshold": 0.6}, "vertical_slash_pooled",
-                                      {"name": "head_choice", "min_coverage": 0.8}])
+                                      "vertical_slash_pooled_deep", {"name": "head_choice", "min_coverage": 0.8}])
 def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, selector):
     # fp32 inputs so that ties in the rankings mostly match the CPU's.
     q, k, v = pbs.testing.make_qkv(batch=2, heads_q=8, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q,
                                    head_dim=64, dtype=torch.float32, device="cuda", seed=5)
-    if selector == "vertical_slash_pooled":  # the preset: the union goes through the fused merge
+    if isinstance(selector, str):  # a preset: the union goes through the fused merge
         selector = pbs.PBSConfig.from_preset(selector).selector
     config = pbs.PBSConfig(selector=selector, permuter="none", dense_fallback={"min_seq_len": 0, "max_density": None})
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
