@@ -348,6 +348,8 @@ def test_by_depth_gives_the_first_sixth_the_defaults_and_the_rest_the_deep_prese
     assert sorted(PBSIntegrationConfig.by_depth(18).layer_overrides) == [0, 1, 2]  # ceil(18 / 6)
     assert sorted(PBSIntegrationConfig.by_depth(32).layer_overrides) == [0, 1, 2, 3, 4, 5]  # ceil(32 / 6)
     assert PBSIntegrationConfig.by_depth(4, leading_share=0).layer_overrides == {}
+    skipping = PBSIntegrationConfig.by_depth(30, skip_first_layers=2)  # skipped layers stay dense
+    assert [skipping.config_for_layer(i) for i in (0, 1)] == [None, None] and skipping.config_for_layer(2) == pbs.PBSConfig()
     # The other fields pass through: the one length knob reaches the leading layers too, and an
     # explicit override wins over a leading layer's entry.
     custom = PBSIntegrationConfig.by_depth(12, deep=EXACT, leading="pbs_paper", min_seq_len=64, layer_overrides={1: None})

@@ -156,7 +156,8 @@ class PBSIntegrationConfig(BaseModel):
             leading: the config of the leading layers; ``None`` means `PBSConfig()`.
             leading_share: the share of the layers that are leading, in ``[0, 1]``.
             **fields: the other fields (``min_seq_len``, ``min_query_len``, ``skip_first_layers``);
-                ``layer_overrides`` given here win over the leading layers' entries.
+                layers skipped by ``skip_first_layers`` stay dense, and ``layer_overrides`` given
+                here win over the leading layers' entries.
 
         Example:
             ```python
@@ -180,7 +181,8 @@ class PBSIntegrationConfig(BaseModel):
             raise ValueError("by_depth: give the layers' configs as deep= and leading=, not pbs=")
         leading_config = _config_or_preset(leading)
         count = math.ceil(round(leading_share * num_layers, 9))  # 1/6 * 30 is 5.000000000000001
-        overrides = {i: leading_config for i in range(count)}
+        skipped = fields.get("skip_first_layers", 0)  # overrides win over skipping: skipped layers get none
+        overrides = {i: leading_config for i in range(skipped if isinstance(skipped, int) else 0, count)}
         overrides.update(fields.pop("layer_overrides", None) or {})
         return cls(pbs=_config_or_preset(deep), layer_overrides=overrides, **fields)
 
