@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen.add_argument("--skip-first-layers", type=int, help="run the first N layers dense")
     gen.add_argument("--min-seq-len", type=positive_int,
                      help="sequences shorter than this run dense (sets dense_fallback.min_seq_len of every "
-                          "layer's config; default: the config's, 16384)")
+                          "layer's config; default: the config's, 32768)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     gen.add_argument(

@@ -54,7 +54,7 @@ class PBSIntegrationConfig(BaseModel):
             ``layer_overrides`` config, the one knob for length: calls whose key length (prompt
             plus cached prefix) is below a layer's ``dense_fallback.min_seq_len`` run dense, as
             short sequences are faster dense than planned. ``None`` (default) keeps each config's
-            own value (`DenseFallback`'s default, 16384). A config that sets
+            own value (`DenseFallback`'s default, 32768). A config that sets
             ``dense_fallback.min_seq_len`` itself to another value is an error. In the
             integration the length rule holds on every device and backend (the fallback is
             transformers' SDPA), not only where ``dense_fallback.devices`` lets `pbs.attention`
