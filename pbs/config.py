@@ -199,7 +199,7 @@ class PBSConfig(BaseModel):
 
     @classmethod
     def coerce(cls, config: "PBSConfig | dict[str, Any] | str | None") -> "PBSConfig":
-        """Accepts a config, a dict, a JSON string or None (defaults)."""
+        """Accepts a config, a dict, a JSON string, a preset name (`PRESETS`) or None (defaults)."""
         if config is None:
             return _default_config(cls)
         if isinstance(config, cls):
@@ -207,8 +207,14 @@ class PBSConfig(BaseModel):
         if isinstance(config, dict):
             return cls.model_validate(config)
         if isinstance(config, str):
+            if config in PRESETS:
+                return cls.from_preset(config)
+            if not config.lstrip().startswith("{"):
+                raise ValueError(f"config: a string must be a JSON object or a preset name {sorted(PRESETS)}, got {config!r}")
             return cls.model_validate_json(config)
-        raise TypeError(f"config must be a PBSConfig, dict, JSON string or None, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a PBSConfig, dict, JSON string, preset name or None, got {type(config).__name__}"
+        )
 
 
 @functools.lru_cache(maxsize=None)

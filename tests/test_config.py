@@ -129,6 +129,17 @@ def test_config_is_frozen_and_strict():
         pbs.PBSConfig.coerce(42)  # type: ignore[arg-type]
 
 
+def test_a_preset_name_is_a_config_wherever_a_config_is_taken():
+    for name in pbs.config.PRESETS:
+        assert pbs.PBSConfig.coerce(name) == pbs.PBSConfig.from_preset(name)
+    with pytest.raises(ValueError, match=r"a JSON object or a preset name \[.*'pbs_paper'"):
+        pbs.PBSConfig.coerce("pbs-paper")
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=2, heads_kv=1, seq_len=512, head_dim=16, seed=0)
+    by_name, plan = pbs.attention(q, k, v, "pbs_paper", return_plan=True)
+    assert plan.config == pbs.PBSConfig.from_preset("pbs_paper")
+    torch.testing.assert_close(by_name, pbs.attention(q, k, v, pbs.PBSConfig.from_preset("pbs_paper")))
+
+
 def test_component_registered_after_import_validates_and_runs():
     @pbs.register_selector
     class EveryOtherBlock(pbs.SelectorConfig):

@@ -324,6 +324,10 @@ def test_config_coercion_and_errors():
     assert pbs_hf.register(pbs.PBSConfig(**EXACT)).pbs == pbs.PBSConfig(**EXACT)
     assert pbs_hf.register(json.dumps(EXACT), skip_first_layers=3).skip_first_layers == 3
     assert pbs_hf.register({"pbs": EXACT, "min_seq_len": 64}).min_seq_len == 64
+    assert pbs_hf.register("pbs_paper", min_seq_len=64).pbs == pbs.PBSConfig.from_preset(
+        "pbs_paper", dense_fallback={"min_seq_len": 64})
+    with pytest.raises(ValueError, match="neither a preset name"):
+        pbs_hf.register("pbs-paper")
     with pytest.raises(ValueError, match="mixes PBSIntegrationConfig fields"):
         pbs_hf.register({"block_size": 16, "min_seq_len": 64})
     with pytest.raises(TypeError, match="unknown keyword arguments"):

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pbs.config import PRESETS, DenseFallback, PBSConfig
+from pbs.config import DenseFallback, PBSConfig
 
 # Why a call fell back to dense attention. The keys are stable (tests and logs use them); the
 # explanations are written once per key to the log.
@@ -179,12 +179,12 @@ class PBSIntegrationConfig(BaseModel):
             raise ValueError(f"leading_share must be a number in [0, 1], got {leading_share!r}")
         if "pbs" in fields:
             raise ValueError("by_depth: give the layers' configs as deep= and leading=, not pbs=")
-        leading_config = _config_or_preset(leading)
+        leading_config = PBSConfig.coerce(leading)
         count = math.ceil(round(leading_share * num_layers, 9))  # 1/6 * 30 is 5.000000000000001
         skipped = fields.get("skip_first_layers", 0)  # overrides win over skipping: skipped layers get none
         overrides = {i: leading_config for i in range(skipped if isinstance(skipped, int) else 0, count)}
         overrides.update(fields.pop("layer_overrides", None) or {})
-        return cls(pbs=_config_or_preset(deep), layer_overrides=overrides, **fields)
+        return cls(pbs=PBSConfig.coerce(deep), layer_overrides=overrides, **fields)
 
     def config_for_layer(self, layer_idx: int | None) -> PBSConfig | None:
         """The PBS config of layer ``layer_idx`` (``None`` for an unknown layer), or ``None`` if dense."""
@@ -195,13 +195,6 @@ class PBSIntegrationConfig(BaseModel):
         if layer_idx < self.skip_first_layers:
             return None
         return self.pbs
-
-
-def _config_or_preset(config: PBSConfig | dict[str, Any] | str | None) -> PBSConfig:
-    """`PBSConfig.coerce`, and a preset name as `PBSConfig.from_preset`."""
-    if isinstance(config, str) and config in PRESETS:
-        return PBSConfig.from_preset(config)
-    return PBSConfig.coerce(config)
 
 
 def _with_min_seq_len(config: Any, min_seq_len: int, where: str) -> Any:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from pbs.config import PBSConfig
+from pbs.config import PRESETS, PBSConfig
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig, choose_attention
 from pbs.integrations.tensor_parallel import HeadShard, attention_on_shard, head_shard_of, local_heads
 
@@ -111,11 +111,15 @@ def trace_dispatch() -> Iterator[list[Dispatch]]:
 
 
 def _coerce_config(config: Any, fields: dict[str, Any]) -> PBSIntegrationConfig:
+    if isinstance(config, str) and config in PRESETS:
+        config = PBSConfig.from_preset(config)
     if isinstance(config, str):
         try:
             config = json.loads(config)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"config is a string but not valid JSON: {exc}") from exc
+            raise ValueError(
+                f"config is a string but neither a preset name {sorted(PRESETS)} nor valid JSON: {exc}"
+            ) from exc
     if config is None:
         base = PBSIntegrationConfig()
     elif isinstance(config, PBSIntegrationConfig):
@@ -136,7 +140,8 @@ def _coerce_config(config: Any, fields: dict[str, Any]) -> PBSIntegrationConfig:
             base = PBSIntegrationConfig(pbs=PBSConfig.coerce(config))
     else:
         raise TypeError(
-            "config must be a PBSIntegrationConfig, a PBSConfig, a dict or JSON string of either, or None; "
+            "config must be a PBSIntegrationConfig, a PBSConfig, a dict or JSON string of either, a preset name, "
+            "or None; "
             f"got {type(config).__name__}"
         )
     if fields:
