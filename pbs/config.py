@@ -243,8 +243,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vertical_slash_pooled": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}},
     # The same union with the lines cut at 0.6: for the layers after the first sixth of a model
-    # (`PBSIntegrationConfig.by_depth`). In every layer it loses the copy (docs/quality.md, "Lines
-    # per layer"); after the first sixth it kept both quality bars on held-out texts of two models.
+    # (`PBSIntegrationConfig.by_depth`). In every layer of SmolLM2 it loses the copy; after its first
+    # sixth it kept both quality bars on held-out texts, but on Gemma 3 270M it costs +0.035 nats at
+    # 15K tokens (docs/quality.md, "Lines per layer" and "A second model").
     "vertical_slash_pooled_deep": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.6}, {"name": "mean_pool", "threshold": 0.9}]}},
 }
