@@ -9,7 +9,7 @@ import torch
 
 from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
-from pbs.dense import dense_attention_sdpa, density_fallback_reason, probe_fallback_reason, runs_dense_by_length
+from pbs.dense import dense_attention_sdpa, dense_by_probe, density_fallback_reason, runs_dense_by_length
 from pbs.planning import build_plan, permute_keys_and_values
 from pbs.types import Plan
 from pbs.validation import check_qkv
@@ -133,8 +133,8 @@ def attention(
         return (out, None) if return_plan else out
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     s = _scale(q, scale)
-    if probe_fallback_reason(config, q, k, s) is not None:
-        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
+    out = dense_by_probe(config, q, k, v, s)
+    if out is not None:
         return (out, None) if return_plan else out
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
     reason = density_fallback_reason(config, p)

@@ -214,13 +214,101 @@ def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: f
     return probe_density(q, k, **args)
 
 
-def probe_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> str | None:
-    """Why dense attention should run before planning (the density probe is above
-    ``dense_fallback.max_density``), or None. One host sync; skipped inside a CUDA graph capture."""
+# The dense-mode kernel's gate compares the probe's counters in integers (a float threshold
+# rounded the same way on host and device is harder to guarantee than an integer product).
+_GATE_UNIT = 1 << 20
+
+
+def probe_gate_limit(max_density: float) -> int:
+    """``max_density`` in units of 2**-20: the integer the dense-mode kernel's gate compares."""
+    return round(max_density * _GATE_UNIT)
+
+
+def probe_says_dense(kept: int, visible: int, max_density: float) -> bool:
+    """The probe's verdict from its two counters: ``kept / visible > max_density``, computed as
+    ``kept * 2**20 > probe_gate_limit(max_density) * visible`` in integers, exactly as the gated
+    dense kernel computes it on the GPU (`pbs.kernels.hopper_attn.launch_hopper_dense`)."""
+    return kept * _GATE_UNIT > probe_gate_limit(max_density) * visible
+
+
+def dense_by_probe(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Dense attention when the density probe finds the input too dense to plan
+    (above ``dense_fallback.max_density``), else None (plan sparse).
+
+    On a Hopper GPU with inputs the Gluon kernel takes (fp16/bf16, head dim 64 or 128), the dense
+    attention is launched *before* the host reads the probe: the probe leaves its two counters on
+    the GPU, the Gluon kernel in dense mode checks them itself and computes only if they say dense
+    (else it exits at once), and the host reads the counters while that kernel runs. So on a dense
+    input the GPU goes straight from the probe to attention, and the host read costs nothing; on a
+    sparse one it costs one empty launch. Elsewhere the host reads the probe first and then runs
+    `dense_attention_sdpa` (cuDNN first). Skipped, with None, inside a CUDA graph capture.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype, or None.
+    """
     policy = config.dense_fallback
     if policy.max_density is None or not policy_applies(config, q.device) or _capturing(q.device, "max_density"):
         return None
+    threshold = probe_threshold(config)
+    if policy.probe_blocks == 0 or threshold is None:
+        return None
+    if threshold < 1.0 and not gated_dense_not_supported_reasons(q, v):
+        return _probe_with_gated_dense(config, q, k, v, scale, threshold)
     estimate = probe_estimate(config, q, k, scale)
     if estimate is not None and float(estimate) > policy.max_density:
-        return f"the density probe estimates {float(estimate):.3f}, above dense_fallback.max_density = {policy.max_density}"
+        return dense_attention_sdpa(q, k, v, scale=scale, causal=config.causal)
     return None
+
+
+def gated_dense_not_supported_reasons(q: torch.Tensor, v: torch.Tensor) -> list[str]:
+    """Why `dense_by_probe` cannot start the Gluon kernel before reading the probe on these
+    inputs (empty: it can)."""
+    if q.device.type != "cuda":
+        return ["needs CUDA tensors"]
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    reasons = list(_gated_dense_reasons(index, q.dtype, q.shape[-1], v.shape[-1]))
+    return reasons + triton_not_supported_reasons_for_probe(q)
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_dense_reasons(device_index: int, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> tuple[str, ...]:
+    # Cached: asked in every call that reaches the probe.
+    from pbs.kernels._common import interpreting
+
+    if interpreting():
+        return ("the Triton interpreter cannot run Gluon",)
+    try:
+        from pbs.kernels.hopper_attn import BLOCK_SIZE, hopper_not_supported_reasons
+    except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
+        return (f"this Triton has no usable Gluon ({exc})",)
+    probe = torch.empty(0, 1, 1, head_dim, dtype=dtype, device=torch.device("cuda", device_index))
+    values = torch.empty(0, 1, 1, head_dim_v, dtype=dtype, device=probe.device)
+    return tuple(hopper_not_supported_reasons(probe, probe, values, BLOCK_SIZE))
+
+
+def _probe_with_gated_dense(
+    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, threshold: float
+) -> torch.Tensor | None:
+    from pbs.kernels._common import descriptor_ready
+    from pbs.kernels.block_sparse_attn import sm_count
+    from pbs.kernels.density_probe import probe_counters_triton
+    from pbs.kernels.hopper_attn import launch_hopper_dense
+
+    policy = config.dense_fallback
+    counters = probe_counters_triton(q, k, block_size=config.block_size, num_blocks=policy.probe_blocks,
+                                     threshold=threshold, scale=scale, causal=config.causal)
+    # The counters go to pinned memory behind the probe, and the host waits for that copy only,
+    # not for the dense kernel queued after it.
+    host_counters = torch.empty(2, dtype=torch.int32, pin_memory=True)
+    host_counters.copy_(counters[:2], non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=scale, causal=config.causal,
+                        sm_count=sm_count(q.device), gate=counters, gate_limit=probe_gate_limit(policy.max_density))
+    copied.synchronize()
+    kept, visible = host_counters.tolist()
+    return out if probe_says_dense(kept, visible, policy.max_density) else None

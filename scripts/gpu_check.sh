@@ -6,7 +6,7 @@
 # then the kernel benchmark;
 # selection: every GPU test, then the planning benchmark (about 10 minutes);
 # ttft: end-to-end time to first token, then the planning memory benchmark;
-# defaults: the GPU tests of the dense fallback and the density probe, the host time of each step
+# defaults: the GPU tests of the dense fallback, the density probe and the Gluon kernel, the host time of each step
 # of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
 # The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
@@ -44,7 +44,7 @@ if [[ $mode == hopper ]]; then
   [[ $status == 0 ]] || exit $status
 fi
 if [[ $mode == defaults ]]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_dense_fallback.py tests/test_density_probe.py -m gpu -q -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_dense_fallback.py tests/test_density_probe.py tests/test_hopper_attn.py -m gpu -q -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests_defaults.log" | tail -n 30
   status=${PIPESTATUS[0]}
   timeout 120 python3 scripts/host_overhead.py --seq-len 2048 --probe-seq-len 32768 2>&1 | tee "$OUT/host_overhead.log"

@@ -148,6 +148,29 @@ def test_dense_fallback_config_is_validated_and_round_trips():
         pbs.PBSConfig(dense_fallback={"min_seq_len": -1})
 
 
+def test_the_probes_integer_verdict_is_the_ratio_rule():
+    """Host and GPU kernel decide from the probe's counters with one integer rule; it is
+    ``kept / visible > max_density`` wherever the two are more than 2**-20 apart."""
+    from pbs.dense import probe_says_dense
+
+    gen = torch.Generator().manual_seed(0)
+    for max_density in (0.8, 0.5, 0.95, 1.0, 0.123456):
+        visible = torch.randint(1, 3_000_000, (400,), generator=gen).tolist()
+        kept = [int(x * r) for x, r in zip(visible, torch.rand(400, generator=gen).tolist())]
+        for a, b in zip(kept, visible):
+            if abs(a / b - max_density) > 2**-20:
+                assert probe_says_dense(a, b, max_density) == (a / b > max_density), (a, b, max_density)
+    assert not probe_says_dense(80, 100, 0.8) and probe_says_dense(81, 100, 0.8)
+    assert not probe_says_dense(100, 100, 1.0)
+
+
+def test_the_gated_dense_path_needs_a_hopper_gpu_and_says_why():
+    from pbs.dense import gated_dense_not_supported_reasons
+
+    q, _, v = _qkv()
+    assert gated_dense_not_supported_reasons(q, v) == ["needs CUDA tensors"]
+
+
 @pytest.mark.gpu
 def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
     q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=4096, head_dim=128,
@@ -161,29 +184,54 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
 
 
 @pytest.mark.gpu
-def test_gpu_defaults_send_flat_attention_to_cudnn_and_leave_sdpa_settings_alone():
+def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_settings_alone(monkeypatch):
+    from pbs.dense import gated_dense_not_supported_reasons
+    from pbs.kernels import hopper_attn
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = pbs.PBSConfig().dense_fallback.min_seq_len  # the shortest length the probe decides
     q = torch.randn((1, 8, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     k = torch.randn((1, 2, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    gated = not gated_dense_not_supported_reasons(q, v)  # a Hopper GPU: the Gluon kernel starts before the read
     before = torch._C._get_sdp_priority_order()
-    calls = []
-    real = pbs.api.build_plan
-    try:
-        pbs.api.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-        out, plan = pbs.attention(q, k, v, return_plan=True)
-    finally:
-        pbs.api.build_plan = real
-    assert plan is None and not calls  # the probe sent it to dense attention before planning
+    plans, dense_launches, sdpa_calls = [], [], []
+    real_plan, real_dense, real_sdpa = pbs.api.build_plan, hopper_attn.launch_hopper_dense, pbs.dense.dense_attention_sdpa
+    monkeypatch.setattr(pbs.api, "build_plan", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    monkeypatch.setattr(hopper_attn, "launch_hopper_dense", lambda *a, **kw: dense_launches.append(1) or real_dense(*a, **kw))
+    monkeypatch.setattr(pbs.dense, "dense_attention_sdpa", lambda *a, **kw: sdpa_calls.append(1) or real_sdpa(*a, **kw))
+    out, plan = pbs.attention(q, k, v, return_plan=True)
+    assert plan is None and not plans  # the probe sent it to dense attention before planning
+    assert (len(dense_launches), len(sdpa_calls)) == ((1, 0) if gated else (0, 1))
     assert torch._C._get_sdp_priority_order() == before
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
-    # Structured attention at the same length runs sparse.
+    # Structured attention at the same length runs sparse (the gated kernel, if launched, exits).
     q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=n, head_dim=128,
                                    dtype=torch.bfloat16, device="cuda")
-    _, plan = pbs.attention(q, k, v, return_plan=True)
-    assert plan is not None and plan.fallback is None
+    out, plan = pbs.attention(q, k, v, return_plan=True)
+    assert plan is not None and plan.fallback is None and len(plans) == 1
+    assert len(dense_launches) == (2 if gated else 0) and len(sdpa_calls) == (0 if gated else 1)
+    assert out.isfinite().all()
     # Half that length is dense by the length rule alone: no probe, no sync.
     half = n // 2
     _, plan = pbs.attention(q[:, :, :half], k[:, :, :half], v[:, :, :half], return_plan=True)
     assert plan is None
+
+
+@pytest.mark.gpu
+def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
+    """The probe's dense path on a Hopper GPU: batch 2, GQA 4:1, queries after a cached prefix,
+    lengths off the block size; within torch's max-abs error at bf16."""
+    from pbs.dense import dense_by_probe, gated_dense_not_supported_reasons
+    from tests.helpers import assert_max_abs_error_within_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn((2, 8, 3000 + 5, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((2, 2, 5000 + 11, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    if gated_dense_not_supported_reasons(q, v):
+        pytest.skip("needs a Hopper GPU: " + "; ".join(gated_dense_not_supported_reasons(q, v)))
+    config = pbs.PBSConfig(dense_fallback={"min_seq_len": 0})
+    out = dense_by_probe(config, q, k, v, 128**-0.5)
+    assert out is not None  # random q, k: flat attention
+    assert_max_abs_error_within_torch(out, q, k, v, causal=True)

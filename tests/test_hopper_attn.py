@@ -21,17 +21,24 @@ from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
-    """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers."""
+def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False) -> dict:
+    """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
+    ``dense``: the gated dense mode that `pbs.dense.dense_by_probe` launches."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
     q, k, v = make_qkv(heads_q=4, heads_kv=2, seq_len=1000, head_dim=head_dim, seed=0)
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
-    # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
-    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
-    call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
-    grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
+    if dense:
+        gate = torch.zeros(32, dtype=torch.int32)
+        grid, args, kwargs = hopper_attn.dense_launch_arguments(
+            q, k, v, torch.empty_like(q), scale=0.1, causal=causal, sm_count=132, gate=gate, gate_limit=1 << 19,
+            stages=stages)
+    else:
+        # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
+        plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
+        call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
+        grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
     cubin = compiled.asm["cubin"]
@@ -44,10 +51,13 @@ def compile_report(head_dim: int, causal: bool, stages: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, stages", [(128, True, 2), (128, True, 3), (64, False, 2)], ids=["d128-causal", "d128-3stages", "d64-noncausal"]
+    "head_dim, causal, stages, dense",
+    [(128, True, 2, False), (128, True, 3, False), (64, False, 2, False), (128, True, 3, True)],
+    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated"],
 )
-def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages):
-    report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal, stages=stages)
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense):
+    report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
+                                   stages=stages, dense=dense)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
@@ -176,3 +186,48 @@ def test_gpu_auto_picks_hopper_and_agrees_with_triton(monkeypatch):
     triton_out = block_sparse_attention(q, kp, vp, plan.mask, None, kpos, kernel="triton")
     assert len(calls) == 1
     assert (auto.float() - triton_out.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, seq_len, seq_len_q, heads_q, heads_kv, head_dim, causal",
+    [
+        (1, 4096 + 50, None, 8, 2, 128, True),
+        (2, 2048 + 17, 1000 + 3, 4, 2, 64, True),  # queries after a cached prefix
+        (2, 2048 + 17, None, 4, 4, 128, False),
+    ],
+)
+def test_gpu_dense_mode_matches_torch_and_its_gate_decides(batch, seq_len, seq_len_q, heads_q, heads_kv, head_dim,
+                                                           causal):
+    """The dense mode that `pbs.dense.dense_by_probe` starts before reading the probe: every
+    visible key with no mask read, within torch's error at the dtype; with a gate, it computes only
+    when the counters say dense, by the same integer rule as the host (`probe_says_dense`)."""
+    from pbs.dense import probe_gate_limit, probe_says_dense
+    from pbs.kernels.block_sparse_attn import sm_count
+    from pbs.kernels.hopper_attn import launch_hopper_dense
+    from tests.helpers import assert_max_abs_error_within_torch
+
+    q, k, v = _gpu_inputs(batch, heads_q, heads_kv, seq_len, head_dim, seq_len_q, seed=6)
+    scale = head_dim**-0.5
+    for dtype in (torch.bfloat16, torch.float16):
+        qd, kd, vd = (x.to(dtype) for x in (q, k, v))
+        out = torch.full_like(qd, float("nan"))
+        launch_hopper_dense(qd, kd, vd, out, scale=scale, causal=causal, sm_count=sm_count(q.device))
+        assert not out.isnan().any(), "some output element was never written"
+        assert_max_abs_error_within_torch(out, qd, kd, vd, causal=causal)
+
+    qd, kd, vd = (x.to(torch.bfloat16) for x in (q, k, v))
+    limit = probe_gate_limit(0.8)
+    for kept, visible in ((80, 100), (81, 100), (0, 7), (7, 7)):
+        gate = torch.zeros(32, dtype=torch.int32, device="cuda")
+        gate[0], gate[1] = kept, visible
+        out = torch.full_like(qd, float("nan"))
+        launch_hopper_dense(qd, kd, vd, out, scale=scale, causal=causal, sm_count=sm_count(q.device), gate=gate,
+                            gate_limit=limit)
+        if probe_says_dense(kept, visible, 0.8):
+            assert not out.isnan().any()
+            assert_max_abs_error_within_torch(out, qd, kd, vd, causal=causal)
+        else:
+            assert out.isnan().all(), f"a closed gate ({kept}/{visible}) must leave the output untouched"
+    assert [probe_says_dense(a, b, 0.8) for a, b in ((80, 100), (81, 100), (0, 7), (7, 7))] == [False, True, False, True]

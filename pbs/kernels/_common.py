@@ -60,3 +60,12 @@ def tma_descriptor(descriptor_type: type, x: torch.Tensor, rows: int, cols: int,
     Hopper one (which also takes ``layout=``, the shared-memory layout, in ``extra``).
     """
     return descriptor_type(x, list(x.shape), tma_strides(x), [1, 1, rows, cols], **extra)
+
+
+def descriptor_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if TMA can address it (16-byte aligned base and strides, unit last stride), else a contiguous copy."""
+    elem = x.element_size()
+    strides = tma_strides(x)
+    if strides[-1] == 1 and x.data_ptr() % 16 == 0 and all((s * elem) % 16 == 0 for s in strides[:-1]):
+        return x
+    return x.contiguous() if not x.is_contiguous() else x.clone()

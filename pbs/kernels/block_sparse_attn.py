@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pbs.kernels._common import (
-    FAR_FUTURE, LOG2_E, interpreting, pow2_at_least, tma_descriptor, tma_strides,
+    FAR_FUTURE, LOG2_E, descriptor_ready, interpreting, pow2_at_least, tma_descriptor,
 )
 from pbs.layout import cdiv
 from pbs.types import BlockMask
@@ -252,15 +252,6 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
 TUNED_CONFIGS: dict[tuple, KernelConfig] = {}
 
 
-def _descriptor_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself if TMA can address it (16-byte aligned base and strides, unit last stride), else a contiguous copy."""
-    elem = x.element_size()
-    strides = tma_strides(x)
-    if strides[-1] == 1 and x.data_ptr() % 16 == 0 and all((s * elem) % 16 == 0 for s in strides[:-1]):
-        return x
-    return x.contiguous() if not x.is_contiguous() else x.clone()
-
-
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -388,10 +379,10 @@ def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, o
     """The checked, TMA-ready arguments of one `block_sparse_attention` call, which both kernels launch on."""
     b, hq, nq, d = q.shape
     dv = v.shape[-1]
-    q, k, v = (_descriptor_ready(x) for x in (q, k, v))
+    q, k, v = (descriptor_ready(x) for x in (q, k, v))
     if out is None:
         out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
-    elif _descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
+    elif descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")
     if causal and not mask.layout.causal:
         # The mask's split (full_counts) was made without causality: its on-diagonal blocks are

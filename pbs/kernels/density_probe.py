@@ -162,6 +162,22 @@ def probe_density_triton(
     """
     if threshold >= 1.0:
         return 1.0
+    kept, visible = probe_counters_triton(
+        q, k, block_size=block_size, num_blocks=num_blocks, threshold=threshold, scale=scale, causal=causal
+    )[:2].tolist()
+    return kept / visible
+
+
+def probe_counters_triton(
+    q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """The probe's work without the read: an int32 buffer on ``q``'s device whose slots 0 and 1
+    will hold (kept, visible), the estimate being ``kept / visible``; slots 2-31 are zero and
+    free for a later kernel in the stream (`pbs.kernels.hopper_attn.launch_hopper_dense` takes
+    slot 2 as its tile counter). ``threshold`` must be below 1 (at 1 every visible block is kept)."""
+    if not threshold < 1.0:
+        raise ValueError(f"threshold must be below 1 for the probe to count anything, got {threshold}")
     b, hq, nq, d = q.shape
     _, hkv, nk, _ = k.shape
     if q.stride(-1) != 1:
@@ -186,5 +202,4 @@ def probe_density_triton(
         SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, SCRATCH_OFFSET=_SCRATCH_OFFSET,
         num_warps=4,
     )
-    kept, visible = counters_and_scratch[:2].tolist()
-    return kept / visible
+    return counters_and_scratch

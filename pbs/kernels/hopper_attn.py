@@ -75,25 +75,64 @@ def _tile_coords(rank, group, tiles_per_head, heads_k):
 
 
 @gluon.jit
-def _tile_list(rank, ptrs, strides, dims):
-    """Coordinates of tile ``rank``, its count of selected blocks and a pointer to its block list."""
+def _tile_list(rank, ptrs, strides, dims, DENSE: gl.constexpr, CAUSAL: gl.constexpr):
+    """Coordinates of tile ``rank``, its count of selected blocks and a pointer to its block list.
+
+    ``DENSE``: every visible key block, in order (block ``it`` is entry ``it``); no list is read."""
     counts_ptr, indices_ptr = ptrs[0], ptrs[1]
     stride_cb, stride_ch, stride_ci = strides[0], strides[1], strides[2]
     stride_ib, stride_ih, stride_ii = strides[3], strides[4], strides[5]
-    heads_k, group, tiles_per_head = dims[0], dims[1], dims[4]
+    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, query_offset = dims[0], dims[1], dims[2], dims[3], dims[4], dims[6]
     i_b, i_hk, i_hq, i_t = _tile_coords(rank, group, tiles_per_head, heads_k)
-    count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
-    p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
+    if DENSE:
+        if CAUSAL:
+            # Up to the block of the tile's last query position (queries are the last Nq of Nk).
+            count = (gl.minimum(i_t * BLOCK + BLOCK, seq_len_q) - 1 + query_offset) // BLOCK + 1
+        else:
+            count = (seq_len_k + BLOCK - 1) // BLOCK
+        p_list = indices_ptr
+    else:
+        count = gl.load(counts_ptr + i_b.to(gl.int64) * stride_cb + i_hq * stride_ch + i_t * stride_ci)
+        p_list = indices_ptr + i_b.to(gl.int64) * stride_ib + i_hq.to(gl.int64) * stride_ih + i_t.to(gl.int64) * stride_ii
     return i_b, i_hk, i_hq, i_t, count, p_list
 
 
 @gluon.jit
-def _full_count(i_b, i_hq, i_t, ptrs, strides):
+def _block_start(p_list, it, DENSE: gl.constexpr):
+    """First key slot of entry ``it`` of a tile's list."""
+    if DENSE:
+        start = it * BLOCK
+    else:
+        start = gl.load(p_list + it).to(gl.int32) * BLOCK
+    return start
+
+
+@gluon.jit
+def _full_count(i_b, i_hq, i_t, ptrs, strides, dims, DENSE: gl.constexpr, CAUSAL: gl.constexpr):
     """How many leading entries of the tile's list need no per-token check
-    (``BlockMask.full_counts``: a tile is one query block here)."""
-    full_ptr = ptrs[6]
-    stride_fb, stride_fh, stride_fi = strides[15], strides[16], strides[17]
-    return gl.load(full_ptr + i_b.to(gl.int64) * stride_fb + i_hq * stride_fh + i_t * stride_fi)
+    (``BlockMask.full_counts``: a tile is one query block here). ``DENSE``: the key blocks wholly
+    at or before the tile's first query (causal), or every whole key block (not causal)."""
+    if DENSE:
+        if CAUSAL:
+            full = (i_t * BLOCK + dims[6] + 1) // BLOCK
+        else:
+            full = dims[3] // BLOCK
+    else:
+        full_ptr = ptrs[6]
+        stride_fb, stride_fh, stride_fi = strides[15], strides[16], strides[17]
+        full = gl.load(full_ptr + i_b.to(gl.int64) * stride_fb + i_hq * stride_fh + i_t * stride_fi)
+    return full
+
+
+@gluon.jit
+def _gate_open(ptrs, dims):
+    """Whether the density probe's counters (kept, visible) say dense:
+    ``kept * 2**20 > limit * visible`` in integers, the rule `pbs.dense.probe_says_dense` applies on
+    the host to the same two numbers, so host and device never disagree."""
+    gate_ptr = ptrs[7]
+    kept = gl.load(gate_ptr).to(gl.int64)
+    visible = gl.load(gate_ptr + 1).to(gl.int64)
+    return kept * 1048576 > dims[8].to(gl.int64) * visible
 
 
 @gluon.jit
@@ -128,14 +167,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
+def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
+              GATED: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr = ptrs
-    (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi) = strides
-    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale) = dims
+    tile_counter_ptr = ptrs[5]
+    num_tiles = dims[5]
 
     kv_i = 0
     t = 0
@@ -143,9 +181,13 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
     # of them (the hardware's own balance for a non-persistent grid), while CTAs running at the
     # same time still work on neighbouring ranks, which share K/V in L2.
     rank = gl.atomic_add(tile_counter_ptr, 1)
+    if GATED:
+        # A closed gate: publish the end mark at once, and the whole CTA exits.
+        if not _gate_open(ptrs, dims):
+            rank = num_tiles
     while rank < num_tiles:
         _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
-        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims)
+        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
         row0 = i_t * BLOCK
 
         mbarrier.wait(q_empty, (t & 1) ^ 1)
@@ -154,7 +196,7 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
         _tma_load(q_desc, [i_b, i_hq, row0 + HALF, 0], q_ready, q_smem.index(1))
 
         for it in range(count):
-            start_n = gl.load(p_list + it).to(gl.int32) * BLOCK
+            start_n = _block_start(p_list, it, DENSE)
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
@@ -173,14 +215,14 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr):
 def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-              QUERIES_PERMUTED: gl.constexpr):
+              QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
-    counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr = ptrs
+    qpos_ptr, kpos_ptr, o_ptr = ptrs[2], ptrs[3], ptrs[4]
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
      stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi) = strides
-    (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale) = dims
+    seq_len_q, seq_len_k, num_tiles, query_offset, qk_scale = dims[2], dims[3], dims[5], dims[6], dims[7]
     NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
     dtype: gl.constexpr = q_desc.dtype
 
@@ -197,11 +239,11 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     t = 0
     rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
     while rank < num_tiles:
-        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims)
+        i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
         row0 = i_t * BLOCK
         n_unmasked = count
         if NEEDS_SPLIT:
-            n_unmasked = _full_count(i_b, i_hq, i_t, ptrs, strides)
+            n_unmasked = _full_count(i_b, i_hq, i_t, ptrs, strides, dims, DENSE, CAUSAL)
 
         o_m = row0 + WG * HALF + gl.arange(0, HALF, layout=s_rows)
         q_pos = o_m + query_offset
@@ -227,7 +269,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
             if n_unmasked == 0:
-                s = _mask_scores(s, gl.load(p_list).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn, seq_len_k,
+                s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
             m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             p = gl.convert_layout(p_f32.to(dtype), p_layout)
@@ -246,7 +288,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 s = warpgroup_mma_wait(1, deps=[s])
                 mbarrier.arrive(k_empty.index(slot))
                 if it >= n_unmasked:
-                    s = _mask_scores(s, gl.load(p_list + it).to(gl.int32) * BLOCK, q_pos, p_kpos, stride_kpn,
+                    s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
                 m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 acc, p = warpgroup_mma_wait(0, deps=[acc, p])
@@ -297,23 +339,24 @@ def _mask_scores(s, start_n, q_pos, p_kpos, stride_kpn, seq_len_k, s_cols: gl.co
 def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-               QUERIES_PERMUTED: gl.constexpr):
+               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
-        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES)
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
-    q_desc, k_desc, v_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr,
+    q_desc, k_desc, v_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, gate_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
-    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale,
+    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
+    DENSE: gl.constexpr, GATED: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -342,18 +385,18 @@ def _hopper_block_sparse_attn_fwd(
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
-    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
                stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi)
-    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale)
+    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit)
     gl.warp_specialize(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -383,31 +426,62 @@ def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
 def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
     (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
-    b, hq, nq, d = call.q.shape
-    hk, nk = call.k.shape[1], call.k.shape[2]
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=call.out.device)
+    return _arguments(
+        call.q, call.k, call.v, call.out, call.scale, call.causal, sm_count, stages,
+        lists=(call.counts, call.full_counts, call.indices, call.qpos, call.kpos),
+        list_strides=(*call.counts.stride(), *call.full_counts.stride(), *call.indices.stride()[:3],
+                      *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
+                      *(call.kpos.stride() if call.keys_permuted else (0, 0, 0))),
+        tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
+        keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
+    )
+
+
+def dense_launch_arguments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, causal: bool,
+    sm_count: int, gate: torch.Tensor | None = None, gate_limit: int = 0, stages: int = STAGES,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of a dense-mode launch (see `launch_hopper_dense`)."""
+    if gate is None:
+        tile_counter = torch.zeros(1, dtype=torch.int32, device=out.device)
+        gate_slots = tile_counter
+    else:
+        tile_counter, gate_slots = gate[2:3], gate
+    return _arguments(
+        q, k, v, out, scale, causal, sm_count, stages,
+        lists=(gate_slots,) * 5, list_strides=(0,) * 15,  # no lists are read in dense mode
+        tile_counter=tile_counter, gate=gate_slots, gate_limit=gate_limit,
+        keys_permuted=False, queries_permuted=False, dense=True, gated=gate is not None,
+    )
+
+
+def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
+               keys_permuted, queries_permuted, dense, gated) -> tuple[tuple, tuple, dict]:
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
-    out = call.out
+    counts, full_counts, indices, qpos, kpos = lists
     args = (
-        _nvmma_descriptor(call.q, HALF_ROWS),
-        _nvmma_descriptor(call.k, BLOCK_SIZE),
-        _nvmma_descriptor(call.v, BLOCK_SIZE),
-        call.counts, call.full_counts, call.indices, call.qpos, call.kpos, out,
-        torch.zeros(1, dtype=torch.int32, device=out.device),  # the tile counter
-        *call.counts.stride(), *call.full_counts.stride(), *call.indices.stride()[:3],
-        *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
-        *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
+        _nvmma_descriptor(q, HALF_ROWS),
+        _nvmma_descriptor(k, BLOCK_SIZE),
+        _nvmma_descriptor(v, BLOCK_SIZE),
+        counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
+        *list_strides,
         out.stride(0), out.stride(1), out.stride(2),
         hk, hq // hk, nq, nk, tiles_per_head, num_tiles, nk - nq,
-        call.scale * LOG2_E,
+        scale * LOG2_E, gate_limit,
     )
     kwargs = dict(
         HEAD_DIM=d,
         STAGES=stages,
-        CAUSAL=call.causal,
+        CAUSAL=causal,
         PARTIAL_LAST_KEY_BLOCK=nk % BLOCK_SIZE != 0,
-        KEYS_PERMUTED=call.keys_permuted,
-        QUERIES_PERMUTED=call.queries_permuted,
+        KEYS_PERMUTED=keys_permuted,
+        QUERIES_PERMUTED=queries_permuted,
+        DENSE=dense,
+        GATED=gated,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
@@ -419,4 +493,26 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, 
 def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
     """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
     grid, args, kwargs = launch_arguments(call, sm_count, stages)
+    _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
+
+
+def launch_hopper_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, causal: bool,
+    sm_count: int, gate: torch.Tensor | None = None, gate_limit: int = 0,
+) -> None:
+    """Dense attention (every visible key, original order) with this kernel, into ``out``.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``, k: ``(B, Hk, Nk, D)``, v: ``(B, Hk, Nk, D)``, TMA-ready
+            (`pbs.kernels._common.descriptor_ready`), queries the last ``Nq`` positions.
+        out: ``(B, Hq, Nq, D)`` in ``q``'s dtype.
+        gate: None, or the density probe's int32 buffer
+            (`pbs.kernels.density_probe.probe_counters_triton`): slots 0-1 hold its counters
+            (kept, visible), slot 2 a zero the kernel uses as its tile counter. The kernel then
+            computes only where ``kept * 2**20 > gate_limit * visible`` (`pbs.dense.probe_says_dense`)
+            and otherwise exits at once, leaving ``out`` untouched. This lets `pbs.attention` start
+            dense attention before the host has read the probe, so the GPU never waits for the read.
+    """
+    grid, args, kwargs = dense_launch_arguments(q, k, v, out, scale=scale, causal=causal, sm_count=sm_count,
+                                                gate=gate, gate_limit=gate_limit)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
