@@ -33,9 +33,13 @@ class DenseFallback(BaseModel):
             ``min_seq_len`` sets it) and applies it on every device and backend.
         max_density: run dense, without planning, when the density probe (`probe_blocks`)
             estimates more than this: flat attention goes dense without paying for the key
-            permutation and the full selection. The check reads one number on the host (one
+            permutation and the full selection. The check reads two numbers on the host (one
             device-to-host sync) and is skipped (with a log line) while a CUDA graph is being
-            captured. None turns both density checks (this one and ``max_planned_density``) off.
+            captured. On a Hopper GPU (fp16/bf16, head dim 64 or 128) the dense attention is
+            the Gluon kernel in dense mode, queued behind the probe before that read and gated on
+            the probe's counters on the GPU (`pbs.dense.dense_by_probe`), so the GPU does not
+            wait for the host; elsewhere SDPA runs after the read. None turns both density checks
+            (this one and ``max_planned_density``) off.
         max_planned_density: run dense when the *planned* density is above this (the same sync
             and capture rule). Planning is paid by then, so only the two attention times compare:
             the block-sparse kernel took at most about density x cuDNN's dense time from 32K on
