@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -23,6 +24,14 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     if not isinstance(scale, (int, float)) or not scale > 0 or scale != scale or scale == float("inf"):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
     return float(scale)
+
+
+def _on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Makes ``x``'s GPU the current one for the call: Triton launches on the current device, and a
+    model spread over GPUs (``device_map="auto"``) calls with tensors on the others."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None) -> Plan:
@@ -49,7 +58,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: 
     """
     config = PBSConfig.coerce(config)
     check_qkv(q, k, k, check_finite=config.checks_finite(q.device))
-    return build_plan(q, k, config, _scale(q, scale))[0]
+    with _on_device_of(q):
+        return build_plan(q, k, config, _scale(q, scale))[0]
 
 
 def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
@@ -78,9 +88,10 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             f"plan was made for q (B={layout.batch}, Hq={layout.heads_q}, Nq={layout.seq_len_q}) and "
             f"k (Hkv={layout.heads_kv}, Nk={layout.seq_len_k}), got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    q_perm = plan.query_permutation.apply(q)
-    k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k, v)
-    return _run_permuted(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
+    with _on_device_of(q):
+        q_perm = plan.query_permutation.apply(q)
+        k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k, v)
+        return _run_permuted(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
 
 
 def attention(
@@ -132,17 +143,22 @@ def attention(
         out = _dense_then_checks(config, q, k, v, scale)
         return (out, None) if return_plan else out
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
-    s = _scale(q, scale)
+    with _on_device_of(q):
+        out, p = _probe_plan_and_run(config, q, k, v, _scale(q, scale))
+    return (out, p) if return_plan else out
+
+
+def _probe_plan_and_run(
+    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: float
+) -> tuple[torch.Tensor, Plan | None]:
     out = dense_by_probe(config, q, k, v, s)
     if out is not None:
-        return (out, None) if return_plan else out
+        return out, None
     p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
     reason = density_fallback_reason(config, p)
     if reason is not None:
-        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
-        return (out, dataclasses.replace(p, fallback=reason)) if return_plan else out
-    out = _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s)
-    return (out, p) if return_plan else out
+        return dense_attention_sdpa(q, k, v, scale=s, causal=config.causal), dataclasses.replace(p, fallback=reason)
+    return _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s), p
 
 
 def _is_4d_tensor(x: object) -> bool:

@@ -235,3 +235,30 @@ def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
     out = dense_by_probe(config, q, k, v, 128**-0.5)
     assert out is not None  # random q, k: flat attention
     assert_max_abs_error_within_torch(out, q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_inputs_on_another_gpu_than_the_current_one():
+    """A model spread over GPUs (``device_map="auto"``) calls with tensors on a GPU that is not the
+    current one; Triton launches on the current one, so every path must switch to the tensors'."""
+    torch.cuda.set_device(0)
+    n = pbs.PBSConfig().dense_fallback.min_seq_len
+    gen = torch.Generator(device="cuda:1").manual_seed(0)
+    q = torch.randn((1, 8, n, 128), generator=gen, device="cuda:1", dtype=torch.bfloat16)
+    k = torch.randn((1, 2, n, 128), generator=gen, device="cuda:1", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out, plan = pbs.attention(q, k, v, return_plan=True)  # flat: dense by the probe
+    assert plan is None and out.device == q.device
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=n, head_dim=128, dtype=torch.bfloat16,
+                                   device="cuda:1")
+    out, plan = pbs.attention(q, k, v, return_plan=True)  # structured: planned and run sparse
+    assert plan is not None and plan.fallback is None and out.device == q.device
+    on_current, _ = pbs.attention(q.to("cuda:0"), k.to("cuda:0"), v.to("cuda:0"), return_plan=True)
+    assert (out.to("cuda:0").float() - on_current.float()).abs().max() < 1e-2
+    small = {"dense_fallback": {"min_seq_len": 0}}
+    p = pbs.plan(q[:, :, :4096], k[:, :, :4096], small)
+    ran = pbs.run(p, q[:, :, :4096], k[:, :, :4096], v[:, :, :4096])
+    assert ran.device == q.device and ran.isfinite().all()
+    assert torch.cuda.current_device() == 0
