@@ -281,12 +281,11 @@ def _gated_dense_reasons(device_index: int, dtype: torch.dtype, head_dim: int, h
     if interpreting():
         return ("the Triton interpreter cannot run Gluon",)
     try:
-        from pbs.kernels.hopper_attn import BLOCK_SIZE, hopper_not_supported_reasons
+        from pbs.kernels.hopper_attn import BLOCK_SIZE, hopper_not_supported_reasons_for
     except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
         return (f"this Triton has no usable Gluon ({exc})",)
-    probe = torch.empty(0, 1, 1, head_dim, dtype=dtype, device=torch.device("cuda", device_index))
-    values = torch.empty(0, 1, 1, head_dim_v, dtype=dtype, device=probe.device)
-    return tuple(hopper_not_supported_reasons(probe, probe, values, BLOCK_SIZE))
+    device = torch.device("cuda", device_index)
+    return tuple(hopper_not_supported_reasons_for(device, dtype, head_dim, head_dim_v, BLOCK_SIZE))
 
 
 def _probe_with_gated_dense(

@@ -405,13 +405,20 @@ def _hopper_block_sparse_attn_fwd(
 
 def hopper_not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_block: int) -> list[str]:
     """Why this kernel cannot take the call (empty: it can); the Triton kernel takes the rest."""
+    return hopper_not_supported_reasons_for(q.device, q.dtype, q.shape[-1], v.shape[-1], mask_block)
+
+
+def hopper_not_supported_reasons_for(
+    device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int, mask_block: int
+) -> list[str]:
+    """`hopper_not_supported_reasons` from the properties it reads (a cache key, no tensors)."""
     reasons = []
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         reasons.append("needs a Hopper GPU (compute capability 9.x)")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"dtype {q.dtype} is not float16 or bfloat16")
-    if q.shape[-1] not in (64, 128) or v.shape[-1] != q.shape[-1]:
-        reasons.append(f"head dims ({q.shape[-1]}, {v.shape[-1]}) are not both 64 or both 128")
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {dtype} is not float16 or bfloat16")
+    if head_dim not in (64, 128) or head_dim_v != head_dim:
+        reasons.append(f"head dims ({head_dim}, {head_dim_v}) are not both 64 or both 128")
     if mask_block != BLOCK_SIZE:
         reasons.append(f"mask block {mask_block} is not {BLOCK_SIZE}")
     return reasons
