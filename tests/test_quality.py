@@ -448,3 +448,17 @@ def test_real_model_pooled_lines_preset_and_by_depth_keep_the_copy_at_2k_tokens(
         assert sparse["copy_loss"] < dense["copy_loss"] + 0.10
         assert sparse["loss"] < dense["loss"] + 0.03
     assert rows(report, by_depth.label)[0]["density"] < rows(report, preset.label)[0]["density"] - 0.02
+
+
+def test_per_layer_columns_keep_every_method_without_a_threshold():
+    """The per-layer table and picture take one method per family, the one nearest the target
+    threshold; methods without a threshold (unions) are not points of a curve and each keep
+    their own column, even when a methods file gives them one family."""
+    from pbs.analysis.quality_report import _representative_methods
+
+    union = q.make_method(pbs.PBSConfig())
+    deep = q.make_method(pbs.PBSConfig.from_preset("vertical_slash_pooled_deep"))
+    union, deep = (q.Method(m.label, "union", None, m.config) for m in (union, deep))
+    curve = [q.make_method({"selector": {"name": "mean_pool", "threshold": t}}) for t in (0.8, 0.95, 0.88)]
+    chosen = _representative_methods([q.DENSE, union, deep, *curve], target=0.9)
+    assert [m.label for m in chosen] == [union.label, deep.label, curve[2].label]

@@ -170,14 +170,18 @@ def markdown_tables(report: "QualityReport", summary: list[dict[str, Any]] | Non
 
 
 def _representative_methods(methods: list["Method"], target: float = 0.9) -> list["Method"]:
-    """Per family, the method whose threshold is nearest ``target`` (dense excluded)."""
+    """Per family, the method whose threshold is nearest ``target`` (dense excluded). Methods
+    without a threshold (a ``union``, a fixed budget) are not points of one curve: each keeps its
+    own entry, even where several share a family name."""
     chosen: dict[str, Method] = {}
     for m in methods:
         if m.is_dense:
             continue
+        if m.threshold is None:
+            chosen[f"label:{m.label}"] = m
+            continue
         best = chosen.get(m.family)
-        distance = abs((m.threshold if m.threshold is not None else target) - target)
-        if best is None or distance < abs((best.threshold if best.threshold is not None else target) - target):
+        if best is None or abs(m.threshold - target) < abs(best.threshold - target):
             chosen[m.family] = m
     return list(chosen.values())
 
