@@ -221,12 +221,13 @@ def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_sett
 @pytest.mark.gpu
 def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
     """The probe's dense path on a Hopper GPU: batch 2, GQA 4:1, queries after a cached prefix,
-    lengths off the block size; within torch's max-abs error at bf16."""
+    lengths off the block size, strided queries; within torch's max-abs error at bf16."""
     from pbs.dense import dense_by_probe, gated_dense_not_supported_reasons
     from tests.helpers import assert_max_abs_error_within_torch
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn((2, 8, 3000 + 5, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    # q as transformers hands it over: a (B, N, H, D) projection viewed as (B, H, N, D).
+    q = torch.randn((2, 3000 + 5, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn((2, 2, 5000 + 11, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     if gated_dense_not_supported_reasons(q, v):
