@@ -7,6 +7,10 @@ Two views of the same methods:
 * **at equal density**: for each PBS row, the unpermuted selector is run again at the threshold
   that reaches the PBS row's density, so coverage and error compare at the same number of computed
   blocks. This is what permutation is for: more attention mass in the same blocks.
+
+Then one more row, **the library's defaults**: what ``pbs.attention(q, k, v)`` with no config
+selects here when it plans (the paper's rows above are not the defaults; the defaults were chosen
+for quality on a real model, docs/quality.md).
 """
 
 from __future__ import annotations
@@ -66,11 +70,14 @@ class DemoResult:
         equal_density: per selector, the unpermuted selector at the threshold matching the PBS
             row's density, followed by that PBS row (empty when the view is off).
         settings: the workload and the configs (block size, segment size, permuter, selectors).
+        defaults: the library's default `PBSConfig` on the same inputs (the demo's block size,
+            segment size and backend; its dense fallback off, so it plans), or None when skipped.
     """
 
     rows: list[DemoRow]
     equal_density: list[DemoRow] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    defaults: DemoRow | None = None
 
 
 DEMO_METHODS: tuple[tuple[str, str | None, str | None], ...] = (
@@ -103,6 +110,16 @@ def setting_field(selector: str) -> str | None:
     ``coverage``), or ``None`` if it has none of them."""
     fields = selector_registry.get(selector).model_fields
     return next((name for name in _SETTING_FIELDS if name in fields), None)
+
+
+DEFAULTS_LABEL = "pbs defaults: PBSConfig()"
+
+
+def defaults_config(*, block_size: int = 128, segment_size: int = 256, backend: str = "auto") -> PBSConfig:
+    """The library's default config with the demo's geometry and backend, and the dense fallback
+    off (so ``auto`` plans even where it would run dense on a GPU)."""
+    return PBSConfig(block_size=block_size, segment_size=segment_size, backend=backend,
+                     dense_fallback={"min_seq_len": 0, "max_density": None})
 
 
 def demo_config(
@@ -161,8 +178,10 @@ def run_demo(
     permuter: str = "last_block",
     selectors: Sequence[str] = DEFAULT_SELECTORS,
     equal_density: bool = True,
+    defaults: bool = True,
 ) -> DemoResult:
-    """Runs every method of `demo_methods` and, with ``equal_density``, the equal-density view.
+    """Runs every method of `demo_methods`, with ``equal_density`` the equal-density view, and with
+    ``defaults`` the library's default config (`defaults_config`).
 
     Coverage is the share of the exact attention mass inside the selected blocks; the error is
     ``||out - dense|| / ||dense||`` against fp32 dense attention. Every config is checked against
@@ -173,11 +192,12 @@ def run_demo(
     configs = {
         (p, s): demo_config(p, s, threshold, **geometry) for _, p, s in methods if p is not None and s is not None
     }
+    default_config = defaults_config(**geometry) if defaults else None
     q, k, v = make_qkv(batch, heads_q, heads_kv, seq_len, head_dim, seed=seed, dtype=dtype, device=device)
-    for config in configs.values():
+    for config in [*configs.values(), *([default_config] if default_config else [])]:
         check_backend(config, q, k, v)
 
-    steps = len(methods) + (len(selectors) if equal_density else 0)
+    steps = len(methods) + (len(selectors) if equal_density else 0) + (1 if defaults else 0)
     step = 0
 
     def announce(what: str) -> None:
@@ -204,10 +224,7 @@ def run_demo(
             mass_by_permuter[permuter_name] = mass
         return float(attention_coverage(mass, p.mask.to_dense(), p.layout).mean())
 
-    for method, perm, selector in methods[1:]:
-        assert perm is not None and selector is not None
-        announce(method)
-        config = configs[(perm, selector)]
+    def timed_row(method: str, config: PBSConfig, permuter_name: str, selector_name: str) -> DemoRow:
         _sync(device)
         start = time.perf_counter()
         p = make_plan(q, k, config)
@@ -216,10 +233,13 @@ def run_demo(
         out = run_plan(p, q, k, v)
         _sync(device)
         total_ms = (time.perf_counter() - start) * 1e3
-        rows.append(
-            DemoRow(method, perm, selector, _setting(config), p.density, coverage_of(p, perm),
-                    relative_error(out, truth), plan_ms, total_ms)
-        )
+        return DemoRow(method, permuter_name, selector_name, _setting(config), p.density,
+                       coverage_of(p, config.permuter.name), relative_error(out, truth), plan_ms, total_ms)
+
+    for method, perm, selector in methods[1:]:
+        assert perm is not None and selector is not None
+        announce(method)
+        rows.append(timed_row(method, configs[(perm, selector)], perm, selector))
 
     matched: list[DemoRow] = []
     if equal_density:
@@ -236,13 +256,18 @@ def run_demo(
                         relative_error(out, truth), None, None, matches=pbs_label)
             )
             matched.append(target)
+    default_row = None
+    if default_config is not None:
+        announce(DEFAULTS_LABEL)
+        default_row = timed_row(DEFAULTS_LABEL, default_config, default_config.permuter.name,
+                                default_config.selector.name)
     settings = dict(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_len=seq_len, head_dim=head_dim,
         dtype=str(dtype).removeprefix("torch."), device=str(device), seed=seed, threshold=threshold,
         block_size=block_size, segment_size=segment_size, permuter=permuter, selectors=list(selectors),
         backend=backend,
     )
-    return DemoResult(rows=rows, equal_density=matched, settings=settings)
+    return DemoResult(rows=rows, equal_density=matched, settings=settings, defaults=default_row)
 
 
 def _setting(config: PBSConfig) -> float | None:
@@ -322,6 +347,11 @@ def format_result(result: DemoResult) -> str:
             "\n\nat equal density (the unpermuted selector's tau searched to match each PBS row's density):\n"
             + format_table(result.equal_density, timings=False)
         )
+    if result.defaults is not None:
+        text += (
+            "\n\nthe library's defaults (what pbs.attention(q, k, v) selects here when it plans; tau: its union has"
+            " none):\n" + format_table([result.defaults])
+        )
     return text
 
 
@@ -332,6 +362,7 @@ def rows_to_json(result: DemoResult, **meta: object) -> str:
             "meta": {**result.settings, **meta},
             "rows": [asdict(r) for r in result.rows],
             "equal_density": [asdict(r) for r in result.equal_density],
+            "defaults": None if result.defaults is None else asdict(result.defaults),
         },
         indent=2,
     )

@@ -20,8 +20,13 @@ def test_demo_prints_a_table_and_writes_json(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "PBS: last_block + mean_pool" in captured.out and "density" in captured.out
     assert "at equal threshold:" in captured.out and "at equal density" in captured.out
-    assert "[1/7] dense" in captured.err and "[7/7] XAttention (no permutation) at the density of" in captured.err
+    assert "[1/8] dense" in captured.err and "[7/8] XAttention (no permutation) at the density of" in captured.err
+    assert "[8/8] pbs defaults: PBSConfig()" in captured.err and "the library's defaults" in captured.out
     payload = json.loads(path.read_text())
+    defaults = payload["defaults"]
+    assert defaults["method"] == "pbs defaults: PBSConfig()" and defaults["selector"] == "union"
+    assert defaults["permuter"] == pbs.PBSConfig().permuter.name and defaults["threshold"] is None
+    assert 0 < defaults["density"] <= 1 and 0 < defaults["coverage"] <= 1 and defaults["total_ms"] > 0
     rows = payload["rows"]
     assert [r["method"] for r in rows] == [m for m, _, _ in DEMO_METHODS]
     assert rows[0]["threshold"] is None and rows[0]["plan_ms"] is None and rows[0]["total_ms"] > 0
@@ -41,7 +46,8 @@ def test_demo_methods_default_to_the_published_rows():
 
 
 def test_demo_equal_density_view_matches_the_pbs_density():
-    result = run_demo(seq_len=2048, heads_q=2, heads_kv=1, head_dim=32, progress=False, selectors=["mean_pool"])
+    result = run_demo(seq_len=2048, heads_q=2, heads_kv=1, head_dim=32, progress=False, selectors=["mean_pool"],
+                      defaults=False)
     baseline, pbs_row = result.equal_density
     assert baseline.permuter == "none" and baseline.matches == pbs_row.method == "PBS: last_block + mean_pool"
     assert pbs_row == result.rows[2]
@@ -66,6 +72,9 @@ def test_demo_options_choose_geometry_components_and_threshold(tmp_path, capsys)
     ]
     assert abs(payload["rows"][1]["density"] - 0.5) < 0.1  # budget's density is the threshold
     assert payload["equal_density"] == [] and payload["meta"]["block_size"] == 64
+    assert payload["defaults"]["density"] > 0  # the defaults row takes the demo's geometry: block 64
+    assert main(args + ["--no-equal-density", "--no-defaults", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["defaults"] is None and "the library's defaults" not in capsys.readouterr().out
 
 
 def test_demo_rejects_bad_arguments(capsys):

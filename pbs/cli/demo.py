@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Runs dense attention, then each selector without permutation and with --permuter, on the "
             "synthetic workload, and prints density, coverage and error twice: at the same threshold, and "
             "at equal density (the unpermuted selector re-run at the threshold that reaches each PBS row's "
-            "density)."
+            "density); then the library's default config on the same inputs."
         ),
     )
     demo.add_argument("--seq-len", type=positive_int, default=8192, help="tokens (default 8192)")
@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="selection threshold tau (default 0.9); sets budget's density and oracle's coverage")
     demo.add_argument("--no-equal-density", action="store_true",
                       help="skip the equal-density view (its threshold search and extra runs)")
+    demo.add_argument("--no-defaults", action="store_true",
+                      help="skip the last row, the library's default config (PBSConfig()) on the same inputs")
     demo.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     demo.add_argument("--backend", choices=["auto", *list_backends()], default="auto",
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             permuter=args.permuter,
             selectors=args.selectors,
             equal_density=not args.no_equal_density,
+            defaults=not args.no_defaults,
         )
     except (ValidationError, ValueError) as exc:  # a config or a backend that cannot run; raised before any row
         print(f"pbs demo: {config_error_message(exc)}", file=sys.stderr)
