@@ -94,6 +94,18 @@ def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch)
         use_hopper_kernel(cuda_call, "hopper", None)
 
 
+def test_dense_mode_refuses_a_wrong_output_or_gate_by_name():
+    from pbs.kernels.hopper_attn import dense_launch_arguments
+
+    q, k, v = (x.half() for x in make_qkv(heads_q=2, heads_kv=1, seq_len=256, head_dim=64, seed=0))
+    args = dict(scale=0.125, causal=True, sm_count=132)
+    with pytest.raises(ValueError, match=r"out must be a \(1, 2, 256, 64\) torch.float16 tensor"):
+        dense_launch_arguments(q, k, v, torch.empty_like(q, dtype=torch.float32), **args)
+    for gate in (torch.zeros(2, dtype=torch.int32), torch.zeros(32, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="gate must be the density probe's int32 buffer"):
+            dense_launch_arguments(q, k, v, torch.empty_like(q), gate=gate, **args)
+
+
 def test_support_reasons_name_the_limits():
     from pbs.kernels.hopper_attn import hopper_not_supported_reasons
 

@@ -450,6 +450,15 @@ def dense_launch_arguments(
     sm_count: int, gate: torch.Tensor | None = None, gate_limit: int = 0, stages: int = STAGES,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of a dense-mode launch (see `launch_hopper_dense`)."""
+    expected = (*q.shape[:3], v.shape[-1])
+    if tuple(out.shape) != expected or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be a {expected} {q.dtype} tensor on {q.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    if gate is not None and (gate.dtype != torch.int32 or gate.dim() != 1 or gate.numel() < 3
+                             or gate.device != q.device):
+        raise ValueError("gate must be the density probe's int32 buffer (pbs.kernels.density_probe."
+                         f"probe_counters_triton: 1-d, at least 3 slots, on {q.device}), got {gate.dtype} "
+                         f"{tuple(gate.shape)} on {gate.device}")
     if gate is None:
         tile_counter = torch.zeros(1, dtype=torch.int32, device=out.device)
         gate_slots = tile_counter
