@@ -224,7 +224,7 @@ def run_demo(
             mass_by_permuter[permuter_name] = mass
         return float(attention_coverage(mass, p.mask.to_dense(), p.layout).mean())
 
-    def timed_row(method: str, config: PBSConfig, permuter_name: str, selector_name: str) -> DemoRow:
+    def timed_row(method: str, config: PBSConfig) -> DemoRow:
         _sync(device)
         start = time.perf_counter()
         p = make_plan(q, k, config)
@@ -233,13 +233,13 @@ def run_demo(
         out = run_plan(p, q, k, v)
         _sync(device)
         total_ms = (time.perf_counter() - start) * 1e3
-        return DemoRow(method, permuter_name, selector_name, _setting(config), p.density,
+        return DemoRow(method, config.permuter.name, config.selector.name, _setting(config), p.density,
                        coverage_of(p, config.permuter.name), relative_error(out, truth), plan_ms, total_ms)
 
     for method, perm, selector in methods[1:]:
         assert perm is not None and selector is not None
         announce(method)
-        rows.append(timed_row(method, configs[(perm, selector)], perm, selector))
+        rows.append(timed_row(method, configs[(perm, selector)]))
 
     matched: list[DemoRow] = []
     if equal_density:
@@ -259,8 +259,7 @@ def run_demo(
     default_row = None
     if default_config is not None:
         announce(DEFAULTS_LABEL)
-        default_row = timed_row(DEFAULTS_LABEL, default_config, default_config.permuter.name,
-                                default_config.selector.name)
+        default_row = timed_row(DEFAULTS_LABEL, default_config)
     settings = dict(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_len=seq_len, head_dim=head_dim,
         dtype=str(dtype).removeprefix("torch."), device=str(device), seed=seed, threshold=threshold,

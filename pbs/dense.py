@@ -195,6 +195,16 @@ def _probe_device_reasons(device_index: int) -> tuple[str, ...]:
     return ()
 
 
+def _probe_arguments(config: PBSConfig, scale: float) -> dict[str, Any] | None:
+    """The probe's keyword arguments for ``config``, or None where it does not run
+    (``probe_blocks == 0`` or no `probe_threshold`)."""
+    threshold = probe_threshold(config)
+    if config.dense_fallback.probe_blocks == 0 or threshold is None:
+        return None
+    return dict(block_size=config.block_size, num_blocks=config.dense_fallback.probe_blocks, threshold=threshold,
+                scale=scale, causal=config.causal)
+
+
 def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
     """The density probe's estimate for ``config`` (`pbs.reference.density_probe.probe_density`),
     or None where it does not run (``probe_blocks == 0`` or no `probe_threshold`).
@@ -202,11 +212,9 @@ def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: f
     A float from the Triton kernel on CUDA (it reads its two counters on the host), else a 0-d
     tensor that the caller reads (or first reduces, as tensor parallelism does over its ranks).
     """
-    threshold = probe_threshold(config)
-    if config.dense_fallback.probe_blocks == 0 or threshold is None:
+    args = _probe_arguments(config, scale)
+    if args is None:
         return None
-    args = dict(block_size=config.block_size, num_blocks=config.dense_fallback.probe_blocks, threshold=threshold,
-                scale=scale, causal=config.causal)
     if q.is_cuda and not triton_not_supported_reasons_for_probe(q):
         from pbs.kernels.density_probe import probe_density_triton
 
@@ -252,13 +260,13 @@ def dense_by_probe(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     policy = config.dense_fallback
     if policy.max_density is None or not policy_applies(config, q.device) or _capturing(q.device, "max_density"):
         return None
-    threshold = probe_threshold(config)
-    if policy.probe_blocks == 0 or threshold is None:
+    args = _probe_arguments(config, scale)
+    if args is None:
         return None
-    if threshold < 1.0 and not gated_dense_not_supported_reasons(q, v):
-        return _probe_with_gated_dense(config, q, k, v, scale, threshold)
+    if args["threshold"] < 1.0 and not gated_dense_not_supported_reasons(q, v):
+        return _probe_with_gated_dense(config, q, k, v, args)
     estimate = probe_estimate(config, q, k, scale)
-    if estimate is not None and float(estimate) > policy.max_density:
+    if float(estimate) > policy.max_density:
         return dense_attention_sdpa(q, k, v, scale=scale, causal=config.causal)
     return None
 
@@ -289,7 +297,7 @@ def _gated_dense_reasons(device_index: int, dtype: torch.dtype, head_dim: int, h
 
 
 def _probe_with_gated_dense(
-    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, threshold: float
+    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probe_args: dict[str, Any]
 ) -> torch.Tensor | None:
     from pbs.kernels._common import descriptor_ready
     from pbs.kernels.block_sparse_attn import sm_count
@@ -297,8 +305,7 @@ def _probe_with_gated_dense(
     from pbs.kernels.hopper_attn import launch_hopper_dense
 
     policy = config.dense_fallback
-    counters = probe_counters_triton(q, k, block_size=config.block_size, num_blocks=policy.probe_blocks,
-                                     threshold=threshold, scale=scale, causal=config.causal)
+    counters = probe_counters_triton(q, k, **probe_args)
     # The counters go to pinned memory behind the probe, and the host waits for that copy only,
     # not for the dense kernel queued after it.
     host_counters = torch.empty(2, dtype=torch.int32, pin_memory=True)
@@ -306,7 +313,7 @@ def _probe_with_gated_dense(
     copied = torch.cuda.Event()
     copied.record()
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-    launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=scale, causal=config.causal,
+    launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=probe_args["scale"], causal=config.causal,
                         sm_count=sm_count(q.device), gate=counters, gate_limit=probe_gate_limit(policy.max_density))
     copied.synchronize()
     kept, visible = host_counters.tolist()
