@@ -18,7 +18,7 @@ the density probe alone (``probe``: its two launches and its host read, events),
 which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 
-    python benchmarks/bench_defaults.py --json benchmarks/results/defaults_<device>.json
+    python benchmarks/bench_defaults.py --json benchmarks/results/defaults/defaults_<device>.json
 """
 
 from __future__ import annotations

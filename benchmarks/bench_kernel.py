@@ -8,7 +8,7 @@ only); ``ideal`` is the plan's actual density times cuDNN's dense causal time. "
 ``block_sparse_attention`` runs by default (the warp-specialized Gluon kernel on Hopper); the
 software-pipelined Triton kernel is timed too (``triton_ms``).
 
-    python benchmarks/bench_kernel.py --json benchmarks/results/h200.json
+    python benchmarks/bench_kernel.py --json benchmarks/results/kernel/h200.json
     python benchmarks/bench_kernel.py --n 32768 --densities 0.3 --variants 128,128,8,2 128,64,8,3
 """
 

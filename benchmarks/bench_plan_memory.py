@@ -26,7 +26,7 @@ do not depend on the values. Random inputs give near-uniform attention, so the d
 ``--warmup-len`` for every config runs first, so Triton compilation is not counted. About 1 minute
 on an H200.
 
-    python3 benchmarks/bench_plan_memory.py --json benchmarks/results/plan_memory_h200.json
+    python3 benchmarks/bench_plan_memory.py --json benchmarks/results/planning/plan_memory_h200.json
 
 CPU dry run (checks the script's logic only; memory numbers are null there, as the statistics
 exist only for CUDA):
@@ -63,7 +63,7 @@ METHODS = {
 FALLBACK_OFF = {"min_seq_len": 0, "max_density": None}
 TARGET_FRACTION = 0.25  # pbs.plan peak extra memory, as a fraction of q + k + v
 MIB = 2**20
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "plan_memory_h200.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "planning" / "plan_memory_h200.json"
 
 
 def make_inputs(n: int, args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

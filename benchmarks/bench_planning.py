@@ -32,14 +32,14 @@ Targets checked (PASS/FAIL): (a) permutation + selection <= 1.5% of dense at 128
 at 16K (required of the defaults, reported for the others); (b) auto total >= 0.95 x
 dense speed at every N. About 3 minutes on an H200 at the default lengths.
 
-    python3 benchmarks/bench_planning.py --json benchmarks/results/planning_h200.json
+    python3 benchmarks/bench_planning.py --json benchmarks/results/planning/planning_h200.json
     python3 benchmarks/bench_planning.py --lengths 32768 --methods last_block+mean_pool
 
 Densities only, planned on the CPU reference path (no GPU, no timing; what
-benchmarks/results/planning_densities_paper_rules_cpu.json holds):
+benchmarks/results/planning/planning_densities_paper_rules_cpu.json holds):
 
     python3 benchmarks/bench_planning.py --densities-only --lengths 4096 8192 16384 32768 \\
-        --json benchmarks/results/planning_densities_cpu.json
+        --json benchmarks/results/planning/planning_densities_cpu.json
 
 CPU dry run (checks the script's logic only; its times mean nothing: wall-clock timing, SDPA's CPU
 kernel instead of cuDNN, the reference backend instead of Triton):
@@ -89,7 +89,7 @@ METHODS = {
 TARGET_METHOD = "vertical_slash_pooled"  # the defaults (PBSConfig()): target (a) is required of them, reported for the rest
 PAPER_METHOD = "last_block+mean_pool"  # compared with the paper's own table
 FALLBACK_OFF = {"min_seq_len": 0, "max_density": None}
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "planning_h200.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "planning" / "planning_h200.json"
 
 # The paper's Table "perm_overhead", key-permutation rows (ms): PBS-Attn against FlashAttention
 # (taken to be FlashAttention-2) on an H100 80GB, CUDA events. Our baseline is cuDNN on an H200,

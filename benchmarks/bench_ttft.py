@@ -28,7 +28,7 @@ All PBS rows use the default ``check_finite`` (no NaN scan on CUDA) and run ever
     python benchmarks/bench_ttft.py                       # 32K and 128K, about 4 minutes on an H200
     python benchmarks/bench_ttft.py --lengths 32768 --rows sdpa_cudnn pbs_budget_0.2
 
-Writes ``benchmarks/results/ttft_<device>.json`` and prints a table.
+Writes ``benchmarks/results/ttft/ttft_<device>.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help=f"timed runs per row up to {LONG} tokens")
     parser.add_argument("--long-repeats", type=int, default=2, help=f"timed runs per row above {LONG} tokens")
     parser.add_argument("--budget-s", type=float, default=420, help="skip the remaining rows after this many seconds")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/ttft_<device>.json)")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/ttft/ttft_<device>.json)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": time.perf_counter() - began,
         "rows": rows,
     }
-    out = args.out or RESULTS / f"ttft_{device_slug()}.json"
+    out = args.out or RESULTS / "ttft" / f"ttft_{device_slug()}.json"
     save(payload, out)
     print(f"\nTTFT, Llama-3.1-8B shapes, random bf16 weights, {payload['device']}\n{format_table(rows)}\nwrote {out}")
     return 0

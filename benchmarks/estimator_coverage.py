@@ -12,7 +12,7 @@ plans every method at several thresholds on those tensors and measures, per laye
 No attention output is computed, so this is fast enough to sweep (minutes on a CPU), and it tells
 whether an estimator finds the blocks that matter before the slower loss runs of ``pbs quality``.
 
-    python benchmarks/estimator_coverage.py --out benchmarks/results/estimator_coverage_tuning.json
+    python benchmarks/estimator_coverage.py --out benchmarks/results/estimators/estimator_coverage_tuning.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ of each protocol that the file holds (events on an idle GPU, events with the GPU
 wall time) against the sequence length, with the 1.03 target and the A/A spread of the idle-GPU
 protocol (cuDNN against itself).
 
-    python benchmarks/plot_defaults.py benchmarks/results/defaults_h100_launch_first.json \
+    python benchmarks/plot_defaults.py benchmarks/results/defaults/defaults_h100_launch_first.json \
         --out docs/images/defaults_vs_cudnn_h100.png
 """
 

@@ -1,4 +1,4 @@
-"""Quality-density frontiers of the measured methods, from the ``pbs quality`` reports in benchmarks/results.
+"""Quality-density frontiers of the measured methods, from the ``pbs quality`` reports in benchmarks/results/quality.
 
 Default (held-out): per method, the excess loss on the repeated passage of the held-out 7000-token
 copy probe (5000 filler tokens) against the density of that same sample, with the quality goal of
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/<this file>.p
 
 from benchmarks.common import save_figure  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 FILLER = "5000"
 
 

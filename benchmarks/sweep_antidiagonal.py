@@ -4,7 +4,7 @@
 
 Times ``antidiagonal_block_shares`` for all 32 heads (B=1, Hq=32, Hkv=8, D=128, bf16, block 128,
 stride 8) with each ``gpu_tile`` variant (rows,keys,warps,stages), in a fresh process per variant so
-a variant that fails to compile or run cannot disturb the others; prints ms (benchmarks/results).
+a variant that fails to compile or run cannot disturb the others; prints ms (benchmarks/results/kernel).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_benchmark_results_hold_no_pytest_logs():
 
     pytest_output = re.compile(r"^\.+\s*\[\s*\d+%\]|\b\d+ (passed|failed)\b", re.MULTILINE)
     logs = [
-        path.name for path in sorted((BENCHMARKS / "results").glob("*.log"))
+        str(path.relative_to(BENCHMARKS)) for path in sorted((BENCHMARKS / "results").rglob("*.log"))
         if path.name.startswith("gpu_tests") or pytest_output.search(path.read_text(errors="replace"))
     ]
     assert not logs, f"pytest logs in benchmarks/results: {logs}"
@@ -139,12 +139,12 @@ def test_the_defaults_plot_draws_every_protocol_of_a_result(tmp_path):
 
     from benchmarks.plot_defaults import PROTOCOLS, series
 
-    result = json.loads((BENCHMARKS / "results" / "defaults_h100_launch_first.json").read_text())
+    result = json.loads((BENCHMARKS / "results" / "defaults" / "defaults_h100_launch_first.json").read_text())
     for kind in ("flat", "structured"):
         for key in PROTOCOLS:
             lengths, ratios = series(result["rows"], kind, key)
             assert lengths == sorted(lengths) and len(lengths) == 7 and all(0.5 < x < 1.5 for x in ratios)
     out = tmp_path / "plot.png"
     subprocess.run([sys.executable, str(BENCHMARKS / "plot_defaults.py"),
-                    str(BENCHMARKS / "results" / "defaults_h100_launch_first.json"), "--out", str(out)], check=True)
+                    str(BENCHMARKS / "results" / "defaults" / "defaults_h100_launch_first.json"), "--out", str(out)], check=True)
     assert out.stat().st_size > 10_000

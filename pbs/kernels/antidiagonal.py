@@ -310,7 +310,7 @@ GPU_TILE = (128, 128, 8, 3)
 """``(strided rows, strided keys, warps, stages)`` per program on the GPU (``gpu_tile`` of
 `antidiagonal_block_shares` picks another; benchmarks/sweep_antidiagonal.py times the variants).
 
-128 x 128 with 8 warps and 3 stages won the H200 sweep (benchmarks/results/antidiagonal_sweep_h200.json):
+128 x 128 with 8 warps and 3 stages won the H200 sweep (benchmarks/results/kernel/antidiagonal_sweep_h200.json):
 81.6 ms at 128K against 118.6 ms for 64 x 128 with 4 warps; every K row a program loads serves twice
 the query rows, which halves the L2 traffic."""
 
