@@ -38,7 +38,9 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
 
 import pbs  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
-from pbs.dense import dense_attention_sdpa, gated_dense_not_supported_reasons  # noqa: E402
+from pbs.backends import CallSpec  # noqa: E402
+from pbs.backends.eligibility import gated_dense_reasons  # noqa: E402
+from pbs.dense import dense_attention_sdpa  # noqa: E402
 from pbs.testing import benchmark_cuda, benchmark_cuda_interleaved  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -90,7 +92,7 @@ def path_of(q, k, v) -> str:
         if k.shape[2] < config.dense_fallback.min_seq_len:
             return "dense (length)"
         # On Hopper the probe's dense path is the Gluon kernel, started before the probe is read.
-        return "dense (probe, Gluon)" if not gated_dense_not_supported_reasons(q, v) else "dense (probe, SDPA)"
+        return "dense (probe, Gluon)" if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], 128)) else "dense (probe, SDPA)"
     if plan.fallback:
         return "dense (density)"
     return f"sparse (density {plan.density:.3f})"

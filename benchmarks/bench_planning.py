@@ -65,7 +65,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_plannin
 
 import pbs  # noqa: E402
 from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
-from pbs.backends import AttentionCall, choose_backend  # noqa: E402
+from pbs.backends import AttentionCall, CallSpec, get_backend, planning_family, resolve_backend  # noqa: E402
 from pbs.config import PBSConfig  # noqa: E402
 from pbs.planning import make_layout, permute_keys_and_values, run_permuter, run_selector  # noqa: E402
 from pbs.testing import make_qkv  # noqa: E402
@@ -164,14 +164,16 @@ def measure_method(row: dict, q, k, v, config: PBSConfig, config_sparse: PBSConf
     scale = q.shape[-1] ** -0.5
     tag = f"  {row['method']} N={row['n']}:"
     layout = make_layout(q, k, config)
+    planned_backend = resolve_backend(config.backend, CallSpec.of(q, v.shape[-1], config.block_size))
+    family = planning_family(planned_backend, q.device)
 
     def permutation():
-        key_perm, query_perm = run_permuter(q, k, layout, config, scale)
+        key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
         k_perm, v_perm = permute_keys_and_values(key_perm, k, v)
 
         def step():
             # The K/V gather is part of permuting: attention reads the permuted copies.
-            kp, _ = run_permuter(q, k, layout, config, scale)
+            kp, _ = run_permuter(q, k, layout, config, scale, family)
             return permute_keys_and_values(kp, k, v)
 
         row["permutation_ms"] = timer(step)
@@ -183,9 +185,9 @@ def measure_method(row: dict, q, k, v, config: PBSConfig, config_sparse: PBSConf
         key_perm, query_perm, q_perm, k_perm, v_perm = permuted
 
         def selection():
-            mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm)
+            mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family)
             row["density"] = mask.density()
-            row["selection_ms"] = timer(lambda: run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm))
+            row["selection_ms"] = timer(lambda: run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family))
             print(f"{tag} selection {row['selection_ms']:.3f} ms, density {row['density']:.3f}", flush=True)
             return mask
 
@@ -193,9 +195,10 @@ def measure_method(row: dict, q, k, v, config: PBSConfig, config_sparse: PBSConf
         if mask is not None:
 
             def attention():
-                plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config)
+                backend = get_backend(attention_backend) if attention_backend != "auto" else planned_backend
+                plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config,
+                            backend=backend.name)
                 call = AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale)
-                backend = choose_backend(attention_backend, call)
                 row["attention_ms"] = timer(lambda: backend.run(call))
                 print(f"{tag} attention {row['attention_ms']:.3f} ms", flush=True)
 

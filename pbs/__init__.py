@@ -12,7 +12,7 @@ paper = pbs.attention(q, k, v, pbs.PBSConfig.from_preset("pbs_paper"))  # last_b
 
 from pbs import permuters as _permuters  # noqa: F401  (registers the built-in permuters)
 from pbs import selectors as _selectors  # noqa: F401  (registers the built-in selectors)
-from pbs import kernels  # noqa: F401  (registers the Triton and FlexAttention backends)
+from pbs import backends  # noqa: F401  (registers the built-in backends and the GPU planners)
 from pbs import ops  # noqa: F401  (registers torch.ops.pbs.attention for torch.compile)
 from pbs import reference, testing
 from pbs.api import attention, plan, run

@@ -1,19 +1,21 @@
-"""The public entry points: `plan`, `run` and `attention`."""
+"""The public entry points: `plan`, `run` and `attention`.
+
+Each checks its inputs, makes the inputs' GPU current, and hands over: planning to
+`pbs.planning`, the choice between PBS and dense attention to `pbs.dense.DensePolicy`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any
 
 import torch
 
-from pbs.backends import AttentionCall, choose_backend
 from pbs.config import PBSConfig
-from pbs.dense import dense_attention_sdpa, dense_by_probe, density_fallback_reason, runs_dense_by_length
-from pbs.planning import build_plan, permute_keys_and_values
+from pbs.dense import Attended, DensePolicy, dense_attention_sdpa
+from pbs.planning import build_plan, permute_keys_and_values, run_planned
 from pbs.types import Plan
-from pbs.validation import check_qkv
+from pbs.validation import check_all_finite, check_qkv
 
 ConfigLike = PBSConfig | dict[str, Any] | str | None
 
@@ -24,6 +26,13 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     if not isinstance(scale, (int, float)) or not scale > 0 or scale != scale or scale == float("inf"):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
     return float(scale)
+
+
+def _check_inputs(config: PBSConfig, q: Any, k: Any, v: Any) -> None:
+    # Shapes, dtypes and devices first: the finite check reads q.device, which a non-tensor lacks.
+    check_qkv(q, k, v, check_finite=False)
+    if config.checks_finite(q.device):
+        check_all_finite({"q": q, "k": k, "v": v})
 
 
 def _on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -57,7 +66,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: 
         ```
     """
     config = PBSConfig.coerce(config)
-    check_qkv(q, k, k, check_finite=config.checks_finite(q.device))
+    _check_inputs(config, q, k, k)
     with _on_device_of(q):
         return build_plan(q, k, config, _scale(q, scale))[0]
 
@@ -79,7 +88,7 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             "attention(..., return_plan=True) returns None as the plan when it ran dense SDPA "
             "without planning (dense_fallback)"
         )
-    check_qkv(q, k, v, check_finite=plan.config.checks_finite(q.device))
+    _check_inputs(plan.config, q, k, v)
     layout = plan.layout
     if (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2]) != (
         layout.batch, layout.heads_q, layout.seq_len_q, layout.heads_kv, layout.seq_len_k
@@ -91,7 +100,7 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     with _on_device_of(q):
         q_perm = plan.query_permutation.apply(q)
         k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k, v)
-        return _run_permuted(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
+        return run_planned(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
 
 
 def attention(
@@ -115,11 +124,10 @@ def attention(
         return_plan: also return the `Plan` (density, mask, permutations).
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype (and the plan when ``return_plan``). With
-        ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense SDPA instead: the plan
-        is then None (too short to plan, or the density probe estimated a density above
-        ``max_density`` before planning) or has ``plan.fallback`` set (planned density above
-        ``max_planned_density``).
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype, and with ``return_plan`` the plan. With
+        ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense attention instead
+        (`pbs.dense.DensePolicy`): the plan is then None (decided before planning) or has
+        ``plan.fallback`` set (the planned density was too high).
 
     Example:
         Sparse against dense attention on the synthetic workload:
@@ -138,27 +146,32 @@ def attention(
             raise ValueError("return_plan=True is not supported under torch.compile (the plan is not a tensor)")
         return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
+    policy = DensePolicy(config)
     # Nq > Nk is refused below, before SDPA could warn about the NaN rows it would produce.
-    if _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2] and runs_dense_by_length(config, q, k):
+    if _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2] and policy.runs_dense_by_length(q, k):
         out = _dense_then_checks(config, q, k, v, scale)
         return (out, None) if return_plan else out
-    check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
-    with _on_device_of(q):
-        out, p = _probe_plan_and_run(config, q, k, v, _scale(q, scale))
+    out, p, _ = attend(q, k, v, policy, scale=scale)
     return (out, p) if return_plan else out
 
 
-def _probe_plan_and_run(
-    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: float
-) -> tuple[torch.Tensor, Plan | None]:
-    out = dense_by_probe(config, q, k, v, s)
-    if out is not None:
-        return out, None
-    p, q_perm, k_perm, v_perm = build_plan(q, k, config, s, v)
-    reason = density_fallback_reason(config, p)
-    if reason is not None:
-        return dense_attention_sdpa(q, k, v, scale=s, causal=config.causal), dataclasses.replace(p, fallback=reason)
-    return _run_permuted(p, q_perm, k_perm, v_perm, q.dtype, s), p
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: DensePolicy, *, scale: float | None = None) -> Attended:
+    """`attention` under a given `DensePolicy`, with the reason when dense attention ran.
+
+    For integrations that decide with a policy of their own (tensor parallelism plugs in its
+    all-reduce) or that record why a call ran dense.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
+        policy: the dense policy, holding the config.
+        scale: softmax scale, default ``D ** -0.5``.
+
+    Returns:
+        `pbs.dense.Attended`: ``(out, plan, reason)``.
+    """
+    _check_inputs(policy.config, q, k, v)
+    with _on_device_of(q):
+        return policy.attend(q, k, v, _scale(q, scale))
 
 
 def _is_4d_tensor(x: object) -> bool:
@@ -197,12 +210,3 @@ def _config_json(config: ConfigLike) -> str:
 # torch._dynamo, which would cost `import pbs` about a second. tests/test_import.py checks that
 # the decorator still sets exactly this mark.
 _config_json._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _run_permuted(
-    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v_perm: torch.Tensor, dtype: torch.dtype, scale: float
-) -> torch.Tensor:
-    call = AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale)
-    backend = choose_backend(plan.config.backend, call)
-    out = backend.run(call)
-    return plan.query_permutation.unapply(out).to(dtype)

@@ -188,7 +188,35 @@ class SelectionInputs:
 
 
 class SelectorConfig(ComponentConfig):
-    """Base of selector configs; subclasses implement `select`."""
+    """Base of selector configs; subclasses implement `select`.
+
+    A selector names the field that trades density for quality in `knob` (``threshold``,
+    ``coverage``, ``density``...): sweeps vary it, the demo's ``--threshold`` sets it, and, when it
+    is a share of the attention mass (`knob_is_mass_share`), the dense policy's density probe
+    covers the same share (`mass_share`).
+    """
+
+    knob: ClassVar[str | None] = None
+    """The field that trades density for quality, or None (no single field does)."""
+    knob_is_mass_share: ClassVar[bool] = True
+    """Whether `knob` is a share of each row's attention mass to keep (``threshold``,
+    ``coverage``) rather than a density of its own (``budget``'s ``density``)."""
+
+    def knob_value(self) -> float | None:
+        """The value of `knob`, or None when there is none."""
+        return None if self.knob is None else float(getattr(self, self.knob))
+
+    def with_knob(self, value: float) -> "SelectorConfig":
+        """A copy with `knob` set to ``value`` (validated); a ValueError when there is no knob."""
+        if self.knob is None:
+            raise ValueError(f"selector {self.name!r} has no single field that trades density for quality (knob)")
+        return type(self).model_validate({**self.model_dump(), self.knob: value})
+
+    def mass_share(self) -> float | None:
+        """The share of each row's attention mass this selection keeps at least: what the dense
+        policy's density probe covers before planning (None: the probe does not run). A selector
+        made of members answers for them (`union`: the largest member's share)."""
+        return self.knob_value() if self.knob_is_mass_share else None
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         """Reference implementation: ``(B, Hq, Tq, Tk)`` bool of the key blocks to compute.

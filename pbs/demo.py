@@ -91,7 +91,6 @@ DEMO_METHODS: tuple[tuple[str, str | None, str | None], ...] = (
 
 DEFAULT_SELECTORS: tuple[str, ...] = ("mean_pool", "antidiagonal")
 _BASELINE_LABELS = {selector: label for label, permuter, selector in DEMO_METHODS if permuter == "none"}
-_SETTING_FIELDS = ("threshold", "density", "coverage")  # the selector field --threshold sets, in this order
 
 
 def demo_methods(
@@ -106,10 +105,9 @@ def demo_methods(
 
 
 def setting_field(selector: str) -> str | None:
-    """The field of ``selector`` that the demo's threshold sets (``threshold``, ``density`` or
-    ``coverage``), or ``None`` if it has none of them."""
-    fields = selector_registry.get(selector).model_fields
-    return next((name for name in _SETTING_FIELDS if name in fields), None)
+    """The field of ``selector`` that the demo's threshold sets (its `pbs.SelectorConfig.knob`),
+    or ``None`` if it has none."""
+    return selector_registry.get(selector).knob
 
 
 DEFAULTS_LABEL = "pbs defaults: PBSConfig()"
@@ -149,15 +147,10 @@ def demo_config(
 
 def check_backend(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raises ``ValueError`` (with the backend's reasons) if ``config.backend`` cannot run these
-    inputs; plans only the first two segments, so it costs next to nothing."""
-    from pbs.backends import AttentionCall, choose_backend
-    from pbs.planning import permute_keys_and_values
+    inputs (the rule planning applies), before anything runs."""
+    from pbs.backends import CallSpec, resolve_backend
 
-    n = min(q.shape[2], 2 * config.segment_size)
-    q, k, v = q[:, :, :n], k[:, :, :n], v[:, :, :n]
-    p = make_plan(q, k, config)
-    k_perm, v_perm = permute_keys_and_values(p.key_permutation, k, v)
-    choose_backend(config.backend, AttentionCall(p.query_permutation.apply(q), k_perm, v_perm, p, q.shape[-1] ** -0.5))
+    resolve_backend(config.backend, CallSpec.of(q, v.shape[-1], config.block_size))
 
 
 def run_demo(
@@ -270,8 +263,7 @@ def run_demo(
 
 
 def _setting(config: PBSConfig) -> float | None:
-    knob = setting_field(config.selector.name)
-    return None if knob is None else float(getattr(config.selector, knob))
+    return config.selector.knob_value()
 
 
 def _match_density(

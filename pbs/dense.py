@@ -1,20 +1,27 @@
-"""Dense attention through SDPA, and the policy that decides when ``auto`` should use it instead of PBS.
+"""Dense attention, and `DensePolicy`: the whole sequence that decides when ``auto`` runs it
+instead of PBS, and why.
 
-Sparse attention only pays when the skipped blocks cost more than planning: at short lengths and at
-high selected densities cuDNN's dense kernel wins (docs/benchmarks.md has the measured crossover).
-`DenseFallback` says where the line is; this module applies it.
+Sparse attention only pays when the skipped blocks cost more than planning: at short lengths and
+at high selected densities a dense kernel wins (docs/benchmarks.md has the measured crossover).
+`pbs.config.DenseFallback` says where the lines are; `DensePolicy` applies them, in one order, for
+every entry point: `pbs.attention` and the tensor-parallel integration (which plugs in its
+all-reduce as the policy's ``reduce`` hook).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from pbs.backends import CallSpec
+from pbs.backends.eligibility import gated_dense_reasons, probe_kernel_reasons
 from pbs.config import PBSConfig
+from pbs.planning import build_plan, run_planned
 from pbs.reference.density_probe import probe_density
 from pbs.types import Plan
 
@@ -90,138 +97,6 @@ def dense_attention_sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
-def policy_applies(config: PBSConfig, device: torch.device) -> bool:
-    """Whether ``config.dense_fallback`` may replace PBS on ``device`` (``backend="auto"`` only)."""
-    return config.backend == "auto" and device.type in config.dense_fallback.devices
-
-
-def runs_dense_by_length(config: PBSConfig, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether dense attention runs before any planning because there are too few keys.
-
-    Decided from shapes alone, in few Python steps: it is the whole decision of every short call.
-    """
-    return k.shape[2] < config.dense_fallback.min_seq_len and policy_applies(config, q.device)
-
-
-def length_fallback_reason(config: PBSConfig, q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why dense attention should run before any planning (too few keys), or None."""
-    if not runs_dense_by_length(config, q, k):
-        return None
-    return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {config.dense_fallback.min_seq_len}"
-
-
-def _capturing(device: torch.device, rule: str) -> bool:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _log_once(f"pbs: dense_fallback.{rule} is not applied inside a CUDA graph capture (it needs a host sync)")
-        return True
-    return False
-
-
-def density_fallback_reason(config: PBSConfig, plan: Plan) -> str | None:
-    """Why dense attention should run although a plan exists (density too high), or None.
-
-    Reads the plan's density on the host (one sync); while a CUDA graph is being captured that is
-    impossible, so the rule is skipped then (logged once) and the graph always runs sparse.
-    """
-    policy = config.dense_fallback
-    limit = policy.max_planned_density
-    device = plan.mask.counts.device
-    if (policy.max_density is None or limit is None or not policy_applies(config, device)
-            or _capturing(device, "max_planned_density")):
-        return None
-    # One reduction and one read on the host (Plan.density would take several small ops).
-    layout = plan.layout
-    selected = int(plan.mask.counts.sum(dtype=torch.int64))
-    density = selected / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
-    if density > limit:
-        return f"density {density:.3f} is above dense_fallback.max_planned_density = {limit}"
-    return None
-
-
-# probe_threshold per config object: it walks the selector's fields (~8 us on an H100 host, far
-# more right after a host sync), and it runs in every call that reaches the probe. Configs are
-# frozen, so an entry stays right; it holds its config so that the id is not reused.
-_PROBE_SHARES: dict[int, tuple[PBSConfig, float | None]] = {}
-
-
-def probe_threshold(config: PBSConfig) -> float | None:
-    """The mass share the density probe covers: the selector's ``threshold`` (or ``coverage``).
-
-    A selector made of members (``union``, such as the default selector) takes the largest of its
-    members' shares: a union keeps at least every block each member keeps, so where the probe
-    finds the member's selection dense, the union's is too. None for a selector with neither, such
-    as ``budget``, whose density is fixed by the config rather than by the attention (and for a
-    union of such selectors); the probe does not run for it.
-    """
-    entry = _PROBE_SHARES.get(id(config))
-    if entry is not None and entry[0] is config:
-        return entry[1]
-    share = _selector_probe_threshold(config.selector)
-    if len(_PROBE_SHARES) >= 64:
-        _PROBE_SHARES.clear()
-    _PROBE_SHARES[id(config)] = (config, share)
-    return share
-
-
-def _selector_probe_threshold(selector: Any) -> float | None:
-    for name in ("threshold", "coverage"):
-        value = getattr(selector, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    members = getattr(selector, "selectors", None)
-    if isinstance(members, tuple):
-        shares = [share for share in map(_selector_probe_threshold, members) if share is not None]
-        return max(shares) if shares else None
-    return None
-
-
-def triton_not_supported_reasons_for_probe(q: torch.Tensor) -> list[str]:
-    """Why the probe's Triton kernel cannot run on ``q`` (then the eager twin runs)."""
-    reasons = list(_probe_device_reasons(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-    if q.shape[-1] > 256:
-        reasons.append("head dim above 256")
-    return reasons
-
-
-@functools.lru_cache(maxsize=None)
-def _probe_device_reasons(device_index: int) -> tuple[str, ...]:
-    # Cached per device: the probe runs in every layer of every call.
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return ("triton is not installed",)
-    if torch.cuda.get_device_capability(device_index) < (8, 0):
-        return ("compute capability below 8.0",)
-    return ()
-
-
-def _probe_arguments(config: PBSConfig, scale: float) -> dict[str, Any] | None:
-    """The probe's keyword arguments for ``config``, or None where it does not run
-    (``probe_blocks == 0`` or no `probe_threshold`)."""
-    threshold = probe_threshold(config)
-    if config.dense_fallback.probe_blocks == 0 or threshold is None:
-        return None
-    return dict(block_size=config.block_size, num_blocks=config.dense_fallback.probe_blocks, threshold=threshold,
-                scale=scale, causal=config.causal)
-
-
-def probe_estimate(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
-    """The density probe's estimate for ``config`` (`pbs.reference.density_probe.probe_density`),
-    or None where it does not run (``probe_blocks == 0`` or no `probe_threshold`).
-
-    A float from the Triton kernel on CUDA (it reads its two counters on the host), else a 0-d
-    tensor that the caller reads (or first reduces, as tensor parallelism does over its ranks).
-    """
-    args = _probe_arguments(config, scale)
-    if args is None:
-        return None
-    if q.is_cuda and not triton_not_supported_reasons_for_probe(q):
-        from pbs.kernels.density_probe import probe_density_triton
-
-        return probe_density_triton(q, k, **args)
-    return probe_density(q, k, **args)
-
-
 # The dense-mode kernel's gate compares the probe's counters in integers (a float threshold
 # rounded the same way on host and device is harder to guarantee than an integer product).
 _GATE_UNIT = 1 << 20
@@ -239,82 +114,185 @@ def probe_says_dense(kept: int, visible: int, max_density: float) -> bool:
     return kept * _GATE_UNIT > probe_gate_limit(max_density) * visible
 
 
-def dense_by_probe(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Dense attention when the density probe finds the input too dense to plan
-    (above ``dense_fallback.max_density``), else None (plan sparse).
+def _capturing(device: torch.device, rule: str) -> bool:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _log_once(f"pbs: dense_fallback.{rule} is not applied inside a CUDA graph capture (it needs a host sync)")
+        return True
+    return False
 
-    On a Hopper GPU with inputs the Gluon kernel takes (fp16/bf16, head dim 64 or 128), the dense
-    attention is launched *before* the host reads the probe: the probe leaves its two counters on
-    the GPU, the Gluon kernel in dense mode checks them itself and computes only if they say dense
-    (else it exits at once), and the host reads the counters while that kernel runs. So on a dense
-    input the GPU goes straight from the probe to attention, and the host read costs nothing; on a
-    sparse one it costs one empty launch. Elsewhere the host reads the probe first and then runs
-    `dense_attention_sdpa` (cuDNN first). Skipped, with None, inside a CUDA graph capture.
+
+class Attended(NamedTuple):
+    """What `DensePolicy.attend` ran.
+
+    Attributes:
+        out: ``(B, Hq, Nq, Dv)`` in ``q``'s dtype.
+        plan: the plan that ran, or the plan made before dense attention ran instead (its
+            ``fallback`` set), or None when dense attention ran before planning.
+        reason: why dense attention ran, or None when PBS ran.
+    """
+
+    out: torch.Tensor
+    plan: Plan | None
+    reason: str | None
+
+
+Reduce = Callable[[torch.Tensor | float], float]
+
+
+def _read(value: torch.Tensor | float) -> float:
+    return float(value)
+
+
+class DensePolicy:
+    """``config.dense_fallback`` applied to calls: when dense attention runs instead of PBS, and why.
+
+    The rules, in the order `attend` applies them (``backend="auto"`` on the policy's devices only):
+
+    1. **length**: fewer than ``min_seq_len`` keys (shapes only: no planning, no sync);
+    2. **probe**: the density probe, before planning, estimates more than ``max_density``;
+    3. **planned density**: the plan selects more than ``max_planned_density`` of the blocks.
+
+    Rules 2 and 3 read one number on the host each, and are skipped (logged once) inside a CUDA
+    graph capture. On a Hopper GPU with inputs the Gluon kernel takes, rule 2 queues the kernel in
+    dense mode behind the probe, gated on the probe's counters on the GPU, so the GPU never waits
+    for the host read (`probe`).
 
     Args:
-        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
-
-    Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype, or None.
+        config: the call's config.
+        reduce: turns a density measured on this process's heads (a float, or a 0-d tensor not
+            yet read) into the number rules 2 and 3 compare. The default reads it; tensor
+            parallelism averages it over the ranks (one all-reduce), so every rank decides as one
+            process would. A policy with a ``reduce`` never uses the gated kernel, whose gate sees
+            only this process's heads.
+        scope: words appended to a density in the reasons (e.g. ``" over the 2 tensor-parallel
+            ranks"``).
     """
-    policy = config.dense_fallback
-    if policy.max_density is None or not policy_applies(config, q.device) or _capturing(q.device, "max_density"):
+
+    __slots__ = ("config", "fallback", "reduce", "scope")
+
+    def __init__(self, config: PBSConfig, *, reduce: Reduce | None = None, scope: str = ""):
+        self.config = config
+        self.fallback = config.dense_fallback
+        self.reduce = reduce
+        self.scope = scope
+
+    def applies(self, device: torch.device) -> bool:
+        """Whether the policy may replace PBS on ``device`` (``backend="auto"`` on its devices)."""
+        return self.config.backend == "auto" and device.type in self.fallback.devices
+
+    def runs_dense_by_length(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Rule 1, decided from shapes alone in few Python steps: it is the whole decision of every
+        short call."""
+        return k.shape[2] < self.fallback.min_seq_len and self.applies(q.device)
+
+    def length_reason(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
+        """Why rule 1 sends the call to dense attention, or None."""
+        if not self.runs_dense_by_length(q, k):
+            return None
+        return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {self.fallback.min_seq_len}"
+
+    def probe_arguments(self, scale: float) -> dict[str, Any] | None:
+        """The probe's keyword arguments, or None where it does not run (``probe_blocks == 0``, or
+        a selector without a mass share: `pbs.SelectorConfig.mass_share`)."""
+        share = self.config.selector.mass_share()
+        if self.fallback.probe_blocks == 0 or share is None:
+            return None
+        return dict(block_size=self.config.block_size, num_blocks=self.fallback.probe_blocks, threshold=share,
+                    scale=scale, causal=self.config.causal)
+
+    def probe_estimate(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
+        """The probe's estimate on these heads (`pbs.reference.density_probe.probe_density`), or
+        None where it does not run: a float from the Triton kernel on CUDA (it reads its two
+        counters), else a 0-d tensor not yet read."""
+        args = self.probe_arguments(scale)
+        if args is None:
+            return None
+        if q.is_cuda and not probe_kernel_reasons(q.device, q.shape[-1]):
+            from pbs.kernels.density_probe import probe_density_triton
+
+            return probe_density_triton(q, k, **args)
+        return probe_density(q, k, **args)
+
+    def probe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, str | None]:
+        """Rule 2: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
+        ``(None, None)``.
+
+        Args:
+            q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
+        """
+        limit = self.fallback.max_density
+        if limit is None or not self.applies(q.device) or _capturing(q.device, "max_density"):
+            return None, None
+        args = self.probe_arguments(scale)
+        if args is None:
+            return None, None
+        if self.reduce is None and args["threshold"] < 1.0 and q.is_cuda:
+            if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], self.config.block_size)):
+                return self._probe_with_gated_dense(q, k, v, args)
+        estimate = (self.reduce or _read)(self.probe_estimate(q, k, scale))
+        if estimate > limit:
+            reason = f"the density probe estimates {estimate:.3f}{self.scope}, above dense_fallback.max_density = {limit}"
+            return dense_attention_sdpa(q, k, v, scale=scale, causal=self.config.causal), reason
+        return None, None
+
+    def _probe_with_gated_dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probe_args: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, str | None]:
+        from pbs.kernels._common import descriptor_ready, sm_count
+        from pbs.kernels.density_probe import probe_counters_triton
+        from pbs.kernels.hopper_attn import launch_hopper_dense
+
+        limit = self.fallback.max_density
+        counters = probe_counters_triton(q, k, **probe_args)
+        # The counters go to pinned memory behind the probe, and the host waits for that copy only,
+        # not for the dense kernel queued after it.
+        host_counters = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        host_counters.copy_(counters[:2], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=probe_args["scale"],
+                            causal=self.config.causal, sm_count=sm_count(q.device), gate=counters,
+                            gate_limit=probe_gate_limit(limit))
+        copied.synchronize()
+        kept, visible = host_counters.tolist()
+        if not probe_says_dense(kept, visible, limit):
+            return None, None
+        return out, f"the density probe estimates {kept / max(visible, 1):.3f}, above dense_fallback.max_density = {limit}"
+
+    def planned_density_reason(self, plan: Plan) -> str | None:
+        """Rule 3: why dense attention should run although a plan exists, or None."""
+        limit = self.fallback.max_planned_density
+        device = plan.mask.counts.device
+        if (self.fallback.max_density is None or limit is None or not self.applies(device)
+                or _capturing(device, "max_planned_density")):
+            return None
+        # One reduction and one read on the host (Plan.density would take several small ops).
+        layout = plan.layout
+        selected = plan.mask.counts.sum(dtype=torch.float64) / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
+        density = (self.reduce or _read)(selected)
+        if density > limit:
+            return f"density {density:.3f}{self.scope} is above dense_fallback.max_planned_density = {limit}"
         return None
-    args = _probe_arguments(config, scale)
-    if args is None:
-        return None
-    if args["threshold"] < 1.0 and not gated_dense_not_supported_reasons(q, v):
-        return _probe_with_gated_dense(config, q, k, v, args)
-    estimate = probe_estimate(config, q, k, scale)
-    if float(estimate) > policy.max_density:
-        return dense_attention_sdpa(q, k, v, scale=scale, causal=config.causal)
-    return None
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Attended:
+        """PBS attention, or dense attention where a rule says so: checked inputs in, `Attended` out.
 
-def gated_dense_not_supported_reasons(q: torch.Tensor, v: torch.Tensor) -> list[str]:
-    """Why `dense_by_probe` cannot start the Gluon kernel before reading the probe on these
-    inputs (empty: it can)."""
-    if q.device.type != "cuda":
-        return ["needs CUDA tensors"]
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    reasons = list(_gated_dense_reasons(index, q.dtype, q.shape[-1], v.shape[-1]))
-    return reasons + triton_not_supported_reasons_for_probe(q)
-
-
-@functools.lru_cache(maxsize=None)
-def _gated_dense_reasons(device_index: int, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> tuple[str, ...]:
-    # Cached: asked in every call that reaches the probe.
-    from pbs.kernels._common import interpreting
-
-    if interpreting():
-        return ("the Triton interpreter cannot run Gluon",)
-    try:
-        from pbs.kernels.hopper_attn import BLOCK_SIZE, hopper_not_supported_reasons_for
-    except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
-        return (f"this Triton has no usable Gluon ({exc})",)
-    device = torch.device("cuda", device_index)
-    return tuple(hopper_not_supported_reasons_for(device, dtype, head_dim, head_dim_v, BLOCK_SIZE))
-
-
-def _probe_with_gated_dense(
-    config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probe_args: dict[str, Any]
-) -> torch.Tensor | None:
-    from pbs.kernels._common import descriptor_ready
-    from pbs.kernels.block_sparse_attn import sm_count
-    from pbs.kernels.density_probe import probe_counters_triton
-    from pbs.kernels.hopper_attn import launch_hopper_dense
-
-    policy = config.dense_fallback
-    counters = probe_counters_triton(q, k, **probe_args)
-    # The counters go to pinned memory behind the probe, and the host waits for that copy only,
-    # not for the dense kernel queued after it.
-    host_counters = torch.empty(2, dtype=torch.int32, pin_memory=True)
-    host_counters.copy_(counters[:2], non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-    launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=probe_args["scale"], causal=config.causal,
-                        sm_count=sm_count(q.device), gate=counters, gate_limit=probe_gate_limit(policy.max_density))
-    copied.synchronize()
-    kept, visible = host_counters.tolist()
-    return out if probe_says_dense(kept, visible, policy.max_density) else None
+        Args:
+            q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``, on the current
+                device.
+            scale: softmax scale.
+        """
+        causal = self.config.causal
+        reason = self.length_reason(q, k)
+        if reason is not None:
+            return Attended(dense_attention_sdpa(q, k, v, scale=scale, causal=causal), None, reason)
+        out, reason = self.probe(q, k, v, scale)
+        if out is not None:
+            return Attended(out, None, reason)
+        plan, q_perm, k_perm, v_perm = build_plan(q, k, self.config, scale, v)
+        reason = self.planned_density_reason(plan)
+        if reason is not None:
+            out = dense_attention_sdpa(q, k, v, scale=scale, causal=causal)
+            return Attended(out, dataclasses.replace(plan, fallback=reason), reason)
+        return Attended(run_planned(plan, q_perm, k_perm, v_perm, q.dtype, scale), plan, None)

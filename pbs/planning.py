@@ -1,4 +1,9 @@
-"""Turning a config and inputs into a `Plan`: permute, select, finalize."""
+"""Turning a config and inputs into a `Plan` (backend, permutations, block mask), and running one.
+
+The backend is decided here, once per call (`pbs.backends.resolve_backend`), recorded in the plan
+(`Plan.backend`), and obeyed by `run_planned`; the planners of that backend's family permute and
+select.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +11,12 @@ import importlib.util
 
 import torch
 
-from pbs.backends import planning_implementation
-from pbs.components import PermutationInputs, Permutations, SelectionInputs, permuter_registry, selector_registry
+from pbs.backends import AttentionCall, CallSpec, get_backend, planner_for, planning_family, resolve_backend
+from pbs.components import PermutationInputs, Permutations, SelectionInputs
 from pbs.config import PBSConfig
 from pbs.layout import Layout
-from pbs.reference.block_sets import forced_blocks, sink_blocks
+from pbs.reference.block_sets import finalize_selection
 from pbs.types import BlockMask, Permutation, Plan
-
-
-def finalize_selection(
-    selected: torch.Tensor, layout: Layout, key_positions: torch.Tensor, force_sink_block: bool
-) -> BlockMask:
-    """Adds forced blocks, drops blocks that are wholly in the future, and builds the BlockMask.
-
-    Args:
-        selected: ``(B, Hq, Tq, Tk)`` bool from a selector.
-        layout: geometry of the call.
-        key_positions: ``(B, Hk, Nk)`` original position of every permuted key slot.
-        force_sink_block: keep the block holding position 0.
-    """
-    expected = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
-    if selected.dtype != torch.bool or tuple(selected.shape) != expected:
-        raise ValueError(
-            f"a selector must return a bool tensor of shape (B, Hq, Tq, Tk) = {expected}, "
-            f"got {selected.dtype} {tuple(selected.shape)}"
-        )
-    allowed = layout.allowed_blocks(selected.device)
-    dense = (selected | forced_blocks(layout, key_positions, force_sink_block)) & allowed
-    return BlockMask.from_dense(dense, layout)
 
 
 def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
@@ -73,19 +56,22 @@ def permute_keys_and_values(
     return perm.apply(k), (perm.apply(v) if v is not None else None)
 
 
-def run_permuter(q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSConfig, scale: float) -> tuple[Permutation, Permutation]:
+def run_permuter(
+    q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSConfig, scale: float, family: str = "reference"
+) -> tuple[Permutation, Permutation]:
     """The permutation stage: ``(key_permutation, query_permutation)``.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``, both in original order.
+        family: the planner family (`pbs.backends.planning_family`); ``"reference"``: the
+            permuter's own ``permute``.
 
     Returns:
         Key permutation ``(B, Hk, Nk)`` (``Hk`` is ``Hq`` in per-head mode, else ``Hkv``; identity
         permutations use ``Hkv`` heads so K/V are never copied) and query permutation ``(B, Hq, Nq)``.
     """
-    backend = planning_implementation(config.backend, q.device)
     perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
-    permute = permuter_registry.implementation(config.permuter, backend)
+    permute = planner_for("permuter", config.permuter.name, family)
     perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
     _check_permutations_type(perms, config.permuter.name)
     b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
@@ -112,6 +98,7 @@ def run_selector(
     config: PBSConfig,
     scale: float,
     k_perm: torch.Tensor | None = None,
+    family: str = "reference",
 ) -> BlockMask:
     """The selection stage: the `BlockMask` over permuted blocks, forced blocks included.
 
@@ -121,8 +108,8 @@ def run_selector(
         key_perm, query_perm: from `run_permuter`.
         k_perm: the permuted keys when they already exist; otherwise a selector that needs them
             gathers them (GPU selectors read ``k`` through the permutation instead).
+        family: the planner family; ``"reference"``: the selector's own ``select``.
     """
-    backend = planning_implementation(config.backend, q_perm.device)
     sel_inputs = SelectionInputs(
         q=q_perm,
         k=k_perm,
@@ -134,7 +121,7 @@ def run_selector(
         key_permutation=key_perm,
         force_sink_block=config.force_sink_block,
     )
-    select = selector_registry.implementation(config.selector, backend)
+    select = planner_for("selector", config.selector.name, family)
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
     if isinstance(result, BlockMask):
         return result
@@ -149,13 +136,14 @@ def run_selector(
 def build_plan(
     q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None
 ) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the permuter and the selector.
+    """Chooses the backend, then runs the permuter and the selector.
 
     Args:
         q, k: inputs of `pbs.plan`.
         config: the validated config.
         scale: softmax scale.
-        v: values, when attention follows: they are permuted together with the keys.
+        v: values, when attention follows: they are permuted together with the keys (without
+            them the backend is chosen for values of ``q``'s head dim).
 
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
@@ -163,12 +151,39 @@ def build_plan(
         not gathered here (``k_perm`` and ``v_perm`` are None), which keeps `pbs.plan` light.
     """
     layout = make_layout(q, k, config)
-    key_perm, query_perm = run_permuter(q, k, layout, config, scale)
+    spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size)
+    backend = resolve_backend(config.backend, spec)
+    family = planning_family(backend, q.device)
+    key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
     q_perm = query_perm.apply(q)
     k_perm, v_perm = permute_keys_and_values(key_perm, k, v) if v is not None else (None, None)
-    mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm)
-    plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config)
+    mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family)
+    plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config, backend=backend.name)
     return plan, q_perm, k_perm, v_perm
+
+
+def run_planned(
+    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v_perm: torch.Tensor, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    """Block-sparse attention of permuted tensors on the backend the plan recorded.
+
+    Args:
+        q_perm: ``(B, Hq, Nq, D)``, k_perm: ``(B, Hk, Nk, D)``, v_perm: ``(B, Hk, Nk, Dv)``, in the
+            plan's permuted orders.
+        dtype: the output dtype (the inputs').
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in original query order.
+    """
+    backend = get_backend(plan.backend)
+    reasons = backend.not_supported_reasons(CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size))
+    if reasons:
+        raise ValueError(
+            f"the plan was made for backend {plan.backend!r}, which cannot run these inputs: {'; '.join(reasons)} "
+            "(plan again with these inputs: pbs.plan(q, k, config))"
+        )
+    out = backend.run(AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale))
+    return plan.query_permutation.unapply(out).to(dtype)
 
 
 def _check_permutation(perm: Permutation, expected: tuple[int, int, int], what: str) -> None:

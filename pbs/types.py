@@ -246,6 +246,8 @@ class Plan:
         query_permutation: ``Permutation`` over queries with ``H = Hq`` (identity for key permuters).
         mask: the selected blocks in permuted order.
         config: the config that produced the plan.
+        backend: the attention backend chosen when planning (`pbs.list_backends`), which
+            `pbs.run` uses.
         layout: geometry of the call.
         fallback: set by `pbs.attention` when the plan was made but dense attention ran
             instead (the reason, e.g. the density was above ``dense_fallback.max_planned_density``).
@@ -255,6 +257,7 @@ class Plan:
     query_permutation: Permutation
     mask: BlockMask
     config: "PBSConfig"
+    backend: str
     fallback: str | None = None
 
     @property

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pbs
 from pbs.api import _scale
 from pbs.config import PBSConfig
-from pbs.dense import dense_attention_sdpa, length_fallback_reason
+from pbs.dense import DensePolicy, dense_attention_sdpa
 from pbs.validation import check_qkv
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         "config.checks_finite": (lambda: config.checks_finite(q.device), False),
         "check_qkv": (lambda: check_qkv(q, k, v, check_finite=False), False),
         "_scale": (lambda: _scale(q, None), False),
-        "length_fallback_reason": (lambda: length_fallback_reason(config, q, k), False),
+        "DensePolicy(config).length_reason": (lambda: DensePolicy(config).length_reason(q, k), False),
         "SDPA priority order: get": (torch._C._get_sdp_priority_order, False),
         "q.shape; q.dtype; q.device": (lambda: (q.shape, q.dtype, q.device), False),
         "F.sdpa (default priority order)": (
@@ -90,7 +90,6 @@ def main() -> None:
 
 def probe_steps(n: int) -> None:
     """Host time of the density probe's steps at ``n`` tokens (flat inputs: it runs before dense)."""
-    from pbs.dense import probe_estimate, probe_threshold
     from pbs.kernels.block_means import block_means
     from pbs.kernels.density_probe import probe_density_triton
 
@@ -100,12 +99,12 @@ def probe_steps(n: int) -> None:
     args = dict(block_size=128, num_blocks=config.dense_fallback.probe_blocks, threshold=0.9, scale=128**-0.5)
     counter = torch.zeros(2, dtype=torch.int32, device="cuda")
     steps = {
-        "probe_threshold(config)": (lambda: probe_threshold(config), False),
+        "config.selector.mass_share()": (lambda: config.selector.mass_share(), False),
         "block_means(k) launch": (lambda: block_means(k, 128), True),
         "torch.empty + torch.zeros(2)": (lambda: (torch.empty(4096, device="cuda"), torch.zeros(2, dtype=torch.int32, device="cuda")), True),
         "two ints read (sync, idle GPU)": (lambda: counter.tolist(), False),
         "probe_density_triton (with its sync)": (lambda: probe_density_triton(q, k, **args), False),
-        "probe_estimate (with its sync)": (lambda: probe_estimate(config, q, k, 128**-0.5), False),
+        "probe_estimate (with its sync)": (lambda: DensePolicy(config).probe_estimate(q, k, 128**-0.5), False),
     }
     print(f"N={n} flat, density probe steps")
     for name, (fn, launches) in steps.items():

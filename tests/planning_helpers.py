@@ -17,7 +17,8 @@ import torch
 import pbs
 from pbs.components import PermutationInputs, SelectionInputs
 from pbs.permuters._segments import mean_attention_over_queries, scoring_queries
-from pbs.planning import finalize_selection, make_layout
+from pbs.planning import make_layout
+from pbs.reference.block_sets import finalize_selection
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.selectors.antidiagonal import antidiagonal_block_scores

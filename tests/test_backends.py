@@ -1,5 +1,6 @@
-"""One backend registry: configs, ``auto``, ``pbs list``, the demo's choices and
-planning all read `pbs.backends`, so a plugin backend is a first-class citizen."""
+"""One dispatch layer: configs, ``auto``, ``pbs list``, the demo's choices and planning all read
+`pbs.backends`, so a plugin backend is a first-class citizen; the backend is chosen once, at plan
+time, and `pbs.run` obeys the plan."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import pbs
-from pbs.backends import AttentionBackend, _BACKENDS, choose_backend, planning_implementation, register_backend
-from pbs.components import selector_registry
+from pbs.backends import AttentionBackend, CallSpec, get_backend, planning_family, register_backend, resolve_backend
+from pbs.backends.registry import _BACKENDS
 from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 
 SMALL = {"block_size": 32, "segment_size": 64}
@@ -25,7 +26,7 @@ def plugin_backend():
             scale=call.scale, causal=call.plan.layout.causal,
         )
 
-    register_backend(AttentionBackend("my_plugin", lambda call: [], run))
+    register_backend(AttentionBackend("my_plugin", lambda spec: [], run))
     yield calls
     del _BACKENDS["my_plugin"]
 
@@ -45,36 +46,73 @@ def test_a_plugin_backend_can_be_named_in_a_config_and_runs(plugin_backend):
     assert "my_plugin" in pbs.list_backends()  # after the built-ins; auto_priority None: never auto
 
 
-def test_unknown_backend_names_fail_in_the_config_with_the_choices():
-    with pytest.raises(ValueError, match=r"unknown backend 'tritn'; available: auto, hopper, triton, reference, flex"):
-        pbs.PBSConfig(backend="tritn")
+def test_unknown_backend_names_fail_when_planned_with_the_choices():
+    q, k, v = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
+    config = pbs.PBSConfig(**SMALL, backend="tritn")  # a plugin may register it later
+    for call in (lambda: pbs.plan(q, k, config), lambda: pbs.attention(q, k, v, config)):
+        with pytest.raises(ValueError, match=r"unknown backend 'tritn'; available: auto, hopper, triton, reference, flex"):
+            call()
+    with pytest.raises(ValueError, match=r"unknown backend 'tritn'"):
+        pbs.backends.check_backend_name("tritn")
 
 
-def test_register_impl_rejects_unknown_backends():
-    with pytest.raises(ValueError, match=r"unknown backend 'trition'.*registered backends: hopper, triton"):
-        selector_registry.register_impl("mean_pool", "trition")
+def test_register_planner_rejects_unknown_kinds_and_the_reference_family():
+    with pytest.raises(ValueError, match="kind must be 'permuter' or 'selector'"):
+        pbs.backends.register_planner("selectr", "mean_pool", "triton")
+    with pytest.raises(ValueError, match="the reference family is the components' own methods"):
+        pbs.backends.register_planner("selector", "mean_pool", "reference")
 
 
 def test_auto_is_not_a_backend_name():
     with pytest.raises(ValueError, match="'auto' is not a backend name"):
-        register_backend(AttentionBackend("auto", lambda call: [], lambda call: call.q))
+        register_backend(AttentionBackend("auto", lambda spec: [], lambda call: call.q))
 
 
 def test_auto_skips_backends_that_cannot_run_and_explains_named_ones():
-    q, k, v = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
-    plan, q_perm, k_perm, v_perm = pbs.planning.build_plan(q, k, pbs.PBSConfig(**SMALL), 32**-0.5, v)
-    call = pbs.backends.AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=32**-0.5)
-    assert choose_backend("auto", call).name == "reference"  # on CPU
+    q, _, _ = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
+    spec = CallSpec.of(q, 32, 32)
+    assert resolve_backend("auto", spec).name == "reference"  # on CPU
     with pytest.raises(ValueError, match="backend 'hopper' cannot run this call: inputs are on cpu, not CUDA"):
-        choose_backend("hopper", call)
+        resolve_backend("hopper", spec)
 
 
-def test_planning_implementation_follows_the_backend():
+def test_planning_family_follows_the_backend(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert planning_implementation("auto", cpu) == "reference"
-    assert planning_implementation("reference", cuda) == "reference"
-    for name in ("auto", "hopper", "triton", "flex"):
-        assert planning_implementation(name, cuda) == "triton"
+    assert planning_family(get_backend("triton"), cpu) == "reference"
+    monkeypatch.setattr(pbs.backends.registry, "_TRITON_AVAILABLE", [True])
+    assert planning_family(get_backend("reference"), cuda) == "reference"
+    for name in ("hopper", "triton", "flex"):
+        assert planning_family(get_backend(name), cuda) == "triton"
+    misspelt = AttentionBackend("misspelt", lambda spec: [], lambda call: call.q, plans_with="trition")
+    with pytest.raises(ValueError, match="plans with 'trition', but no planner is registered for it"):
+        planning_family(misspelt, cuda)
+
+
+def test_the_plan_records_the_backend_and_run_obeys_it(plugin_backend):
+    """The backend is chosen once, when planning; `run` uses the recorded one, even when the
+    config would now resolve to another (here ``auto``, which would pick the reference)."""
+    q, k, v = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
+    plan = pbs.plan(q, k, {**SMALL, "backend": "my_plugin"})
+    assert plan.backend == "my_plugin"
+    auto_plan = pbs.plan(q, k, SMALL)
+    assert auto_plan.backend == "reference"  # auto on CPU
+    import dataclasses
+
+    rerouted = dataclasses.replace(auto_plan, backend="my_plugin")
+    pbs.run(rerouted, q, k, v)
+    assert len(plugin_backend) == 1, "run chose its own backend instead of the plan's"
+    pbs.run(auto_plan, q, k, v)
+    assert len(plugin_backend) == 1
+
+
+def test_run_refuses_inputs_the_planned_backend_cannot_take():
+    q, k, v = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=256, head_dim=32)
+    plan = pbs.plan(q, k, {**SMALL, "backend": "reference"})
+    import dataclasses
+
+    on_gpu_backend = dataclasses.replace(plan, backend="hopper")
+    with pytest.raises(ValueError, match=r"the plan was made for backend 'hopper', which cannot run these inputs"):
+        pbs.run(on_gpu_backend, q, k, v)
 
 
 def test_cli_lists_the_registry(capsys, plugin_backend):
@@ -91,7 +129,7 @@ def test_gpu_auto_picks_hopper_on_hopper_and_both_kernels_agree():
     plan, q_perm, k_perm, v_perm = pbs.planning.build_plan(q, k, pbs.PBSConfig(), 128**-0.5, v)
     call = pbs.backends.AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=128**-0.5)
     on_hopper = torch.cuda.get_device_capability()[0] == 9
-    assert choose_backend("auto", call).name == ("hopper" if on_hopper else "triton")
-    triton_out = choose_backend("triton", call).run(call)
+    assert plan.backend == ("hopper" if on_hopper else "triton")
+    triton_out = get_backend("triton").run(call)
     if on_hopper:
-        torch.testing.assert_close(choose_backend("hopper", call).run(call), triton_out, atol=2e-2, rtol=0)
+        torch.testing.assert_close(get_backend("hopper").run(call), triton_out, atol=2e-2, rtol=0)

@@ -15,17 +15,19 @@ shapes are tiny and dtypes are fp16/fp32 (the interpreter's bf16 dot products ar
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import pytest
 import torch
 
 import pbs
-from pbs.backends import AttentionCall, choose_backend
+from pbs.backends import CallSpec, resolve_backend
+from pbs.backends.eligibility import triton_kernel_reasons
 from pbs.config import PBSConfig
-from pbs.kernels import triton_not_supported_reasons
 from pbs.kernels.block_sparse_attn import KernelConfig, block_sparse_attention, candidate_configs
-from pbs.planning import finalize_selection
+from pbs.reference.block_sets import finalize_selection
 from pbs.reference import block_sparse_attention_reference
 from pbs.testing import assert_close_to_reference, make_qkv
 from pbs.types import BlockMask, Plan
@@ -85,7 +87,11 @@ def check_kernel(
         # One config per test keeps GPU compile time down; test_gpu_every_candidate covers the rest.
         config = candidate_configs(dtype, max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length()), False)[0]
     out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=dtype, device=q.device)
-    block_sparse_attention(
+    if kernel == "hopper":
+        from pbs.kernels.hopper_attn import hopper_block_sparse_attention as launch
+    else:
+        launch = functools.partial(block_sparse_attention, config=config)
+    launch(
         qp.to(dtype),
         kp.to(dtype),
         vp.to(dtype),
@@ -93,9 +99,7 @@ def check_kernel(
         query_positions=None if plan.query_permutation.is_identity else qpos,
         key_positions=None if plan.key_permutation.is_identity else kpos,
         causal=causal,
-        config=config,
         out=out,
-        kernel=kernel,
     )
     assert not out.isnan().any(), "some output element was never written (or is NaN)"
     assert_close_to_reference(out, torch_at_dtype, truth)
@@ -253,26 +257,25 @@ def test_end_to_end_matches_reference_backend(dtype):
     assert_plan_output_within_torch(actual, plan, q, k, v)
 
 
-def _call(q, k, v) -> AttentionCall:
-    plan = make_plan(q.float(), k.float(), permuter="identity")
-    return AttentionCall(q=q, k=k, v=v, plan=plan, scale=q.shape[-1] ** -0.5)
+def _spec(q, k, v) -> CallSpec:
+    return CallSpec.of(q, v.shape[-1], 32)
 
 
 def test_support_reasons(monkeypatch):
     q, k, v = make_qkv(heads_q=2, heads_kv=1, seq_len=64, head_dim=32, device=DEVICE)
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        assert any("not CUDA" in r for r in triton_not_supported_reasons(_call(q, k, v)))
+        assert any("not CUDA" in r for r in triton_kernel_reasons(_spec(q, k, v)))
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert triton_not_supported_reasons(_call(q.half(), k.half(), v.half())) == []
-        assert any("bfloat16" in r for r in triton_not_supported_reasons(_call(q.bfloat16(), k.bfloat16(), v.bfloat16())))
+        assert triton_kernel_reasons(_spec(q.half(), k.half(), v.half())) == []
+        assert any("bfloat16" in r for r in triton_kernel_reasons(_spec(q.bfloat16(), k.bfloat16(), v.bfloat16())))
         # The interpreter runs when named, but auto keeps CPU tensors on the reference path.
-        assert choose_backend("triton", _call(q.half(), k.half(), v.half())).name == "triton"
-        assert choose_backend("auto", _call(q.half(), k.half(), v.half())).name == "reference"
+        assert resolve_backend("triton", _spec(q.half(), k.half(), v.half())).name == "triton"
+        assert resolve_backend("auto", _spec(q.half(), k.half(), v.half())).name == "reference"
     wide = torch.zeros(1, 2, 64, 264)
-    assert any("larger than 256" in r for r in triton_not_supported_reasons(_call(wide, wide[:, :1], wide[:, :1])))
+    assert any("larger than 256" in r for r in triton_kernel_reasons(_spec(wide, wide[:, :1], wide[:, :1])))
     odd = torch.zeros(1, 2, 64, 20, dtype=torch.float16)
-    assert any("multiple of 8" in r for r in triton_not_supported_reasons(_call(odd, odd[:, :1], odd[:, :1])))
+    assert any("multiple of 8" in r for r in triton_kernel_reasons(_spec(odd, odd[:, :1], odd[:, :1])))
 
 
 def test_interpreter_tunes_nothing():

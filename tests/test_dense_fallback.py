@@ -73,9 +73,9 @@ def test_flat_attention_goes_dense_before_planning():
     k, v = torch.randn(1, 2, 512, 32, generator=gen), torch.randn(1, 2, 512, 32, generator=gen)
     policy = {"min_seq_len": 0, "devices": ["cpu"]}
     calls = []
-    real = pbs.api.build_plan
+    real = pbs.dense.build_plan
     try:
-        pbs.api.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        pbs.dense.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         out, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
         assert plan is None and not calls  # decided by the probe: nothing planned
         assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
@@ -83,7 +83,7 @@ def test_flat_attention_goes_dense_before_planning():
         _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**policy, "probe_blocks": 0}}, return_plan=True)
         assert calls and plan is not None and "max_planned_density" in plan.fallback
     finally:
-        pbs.api.build_plan = real
+        pbs.dense.build_plan = real
     # Structured attention passes the probe and runs sparse.
     q, k, v = _qkv(seq_len=512)
     _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
@@ -98,29 +98,20 @@ def test_the_probe_leaves_fixed_density_selectors_alone():
     config = {**SMALL, "selector": {"name": "budget", "density": 0.3}, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"]}}
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and plan.fallback is None and plan.density < 0.6
-    assert pbs.dense.probe_threshold(pbs.PBSConfig(**config)) is None
-    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector={"name": "oracle", "coverage": 0.95})) == 0.95
+    assert pbs.PBSConfig(**config).selector.mass_share() is None
+    assert pbs.PBSConfig(selector={"name": "oracle", "coverage": 0.95}).selector.mass_share() == 0.95
 
 
 def test_the_probe_covers_a_union_at_its_members_largest_share():
     # A union keeps at least each member's blocks: the default (vertical_slash 0.75 | mean_pool 0.9)
     # is probed at 0.9; a union of fixed-density members is not probed.
-    assert pbs.dense.probe_threshold(pbs.PBSConfig()) == 0.9
+    assert pbs.PBSConfig().selector.mass_share() == 0.9
     budgets = {"name": "union", "selectors": [{"name": "budget", "density": 0.3}, "budget"]}
-    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector=budgets)) is None
+    assert pbs.PBSConfig(selector=budgets).selector.mass_share() is None
     mixed = {"name": "union", "selectors": [{"name": "budget", "density": 0.3}, {"name": "oracle", "coverage": 0.8}]}
-    assert pbs.dense.probe_threshold(pbs.PBSConfig(selector=mixed)) == 0.8
-
-
-def test_the_probe_share_is_kept_per_config_object():
-    # probe_threshold remembers its answer per config object (it runs in every long call): each of
-    # many configs, alive at once or built and dropped in turn, still gets its own share.
-    thresholds = [0.5 + i / 200 for i in range(80)]
-    configs = [pbs.PBSConfig(selector={"name": "mean_pool", "threshold": t}) for t in thresholds]
-    for _ in range(2):
-        assert [pbs.dense.probe_threshold(c) for c in configs] == thresholds
-    for t in (0.61, 0.72, 0.83):
-        assert pbs.dense.probe_threshold(pbs.PBSConfig(selector={"name": "mean_pool", "threshold": t})) == t
+    assert pbs.PBSConfig(selector=mixed).selector.mass_share() == 0.8
+    args = pbs.dense.DensePolicy(pbs.PBSConfig(selector=mixed)).probe_arguments(0.125)
+    assert args is not None and args["threshold"] == 0.8
 
 
 def test_the_default_config_is_built_once():
@@ -164,11 +155,13 @@ def test_the_probes_integer_verdict_is_the_ratio_rule():
     assert not probe_says_dense(100, 100, 1.0)
 
 
-def test_the_gated_dense_path_needs_a_hopper_gpu_and_says_why():
-    from pbs.dense import gated_dense_not_supported_reasons
+def test_the_gated_dense_path_needs_a_hopper_gpu_and_says_why(monkeypatch):
+    from pbs.backends import CallSpec
+    from pbs.backends.eligibility import gated_dense_reasons
 
     q, _, v = _qkv()
-    assert gated_dense_not_supported_reasons(q, v) == ["needs CUDA tensors"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert any("not CUDA" in r for r in gated_dense_reasons(CallSpec.of(q, v.shape[-1], 128)))
 
 
 @pytest.mark.gpu
@@ -185,7 +178,8 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
 
 @pytest.mark.gpu
 def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_settings_alone(monkeypatch):
-    from pbs.dense import gated_dense_not_supported_reasons
+    from pbs.backends import CallSpec
+    from pbs.backends.eligibility import gated_dense_reasons
     from pbs.kernels import hopper_attn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -193,11 +187,11 @@ def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_sett
     q = torch.randn((1, 8, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     k = torch.randn((1, 2, n, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    gated = not gated_dense_not_supported_reasons(q, v)  # a Hopper GPU: the Gluon kernel starts before the read
+    gated = not gated_dense_reasons(CallSpec.of(q, v.shape[-1], 128))  # a Hopper GPU: the Gluon kernel starts before the read
     before = torch._C._get_sdp_priority_order()
     plans, dense_launches, sdpa_calls = [], [], []
-    real_plan, real_dense, real_sdpa = pbs.api.build_plan, hopper_attn.launch_hopper_dense, pbs.dense.dense_attention_sdpa
-    monkeypatch.setattr(pbs.api, "build_plan", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    real_plan, real_dense, real_sdpa = pbs.dense.build_plan, hopper_attn.launch_hopper_dense, pbs.dense.dense_attention_sdpa
+    monkeypatch.setattr(pbs.dense, "build_plan", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
     monkeypatch.setattr(hopper_attn, "launch_hopper_dense", lambda *a, **kw: dense_launches.append(1) or real_dense(*a, **kw))
     monkeypatch.setattr(pbs.dense, "dense_attention_sdpa", lambda *a, **kw: sdpa_calls.append(1) or real_sdpa(*a, **kw))
     out, plan = pbs.attention(q, k, v, return_plan=True)
@@ -222,7 +216,9 @@ def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_sett
 def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
     """The probe's dense path on a Hopper GPU: batch 2, GQA 4:1, queries after a cached prefix,
     lengths off the block size, strided queries; within torch's max-abs error at bf16."""
-    from pbs.dense import dense_by_probe, gated_dense_not_supported_reasons
+    from pbs.backends import CallSpec
+    from pbs.backends.eligibility import gated_dense_reasons
+    from pbs.dense import DensePolicy
     from tests.helpers import assert_max_abs_error_within_torch
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -230,11 +226,12 @@ def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
     q = torch.randn((2, 3000 + 5, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn((2, 2, 5000 + 11, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    if gated_dense_not_supported_reasons(q, v):
-        pytest.skip("needs a Hopper GPU: " + "; ".join(gated_dense_not_supported_reasons(q, v)))
+    reasons = gated_dense_reasons(CallSpec.of(q, v.shape[-1], 128))
+    if reasons:
+        pytest.skip("needs a Hopper GPU: " + "; ".join(reasons))
     config = pbs.PBSConfig(dense_fallback={"min_seq_len": 0})
-    out = dense_by_probe(config, q, k, v, 128**-0.5)
-    assert out is not None  # random q, k: flat attention
+    out, reason = DensePolicy(config).probe(q, k, v, 128**-0.5)
+    assert out is not None and "density probe" in reason  # random q, k: flat attention
     assert_max_abs_error_within_torch(out, q, k, v, causal=True)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pbs
+from pbs.backends import planner_for
 from pbs.components import SelectionInputs
 from pbs.reference.block_sets import forced_blocks
 from pbs.selectors.head_choice import last_row_query_block, last_rows_block_mass, pooled_coverage
@@ -113,7 +114,8 @@ def test_the_fast_choice_picks_per_head_between_the_fast_pooled_and_union_select
     # pbs.kernels registers the Triton implementations; in the interpreter on the CPU.
     import pbs.kernels  # noqa: F401
     from pbs.components import selector_registry
-    from pbs.planning import build_plan, finalize_selection
+    from pbs.planning import build_plan
+from pbs.reference.block_sets import finalize_selection
 
     q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
     config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference",
@@ -122,11 +124,11 @@ def test_the_fast_choice_picks_per_head_between_the_fast_pooled_and_union_select
     inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
                              query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
     choice = config.selector
-    fast = selector_registry.implementation(choice, "triton")(choice, inputs)
+    fast = planner_for("selector", choice.name, "triton")(choice, inputs)
     assert isinstance(fast, pbs.BlockMask)
     got = fast.to_dense()
-    pooled = selector_registry.implementation(choice.pooled, "triton")(choice.pooled, inputs).to_dense()
-    lines = selector_registry.implementation(choice.lines, "triton")(choice.lines, inputs).to_dense()
+    pooled = planner_for("selector", choice.pooled.name, "triton")(choice.pooled, inputs).to_dense()
+    lines = planner_for("selector", choice.lines.name, "triton")(choice.lines, inputs).to_dense()
     alone = [[torch.equal(got[b, h], pooled[b, h]) for h in range(4)] for b in range(2)]
     for b in range(2):
         for h in range(4):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pbs.backends import CallSpec
 from pbs.kernels.block_sparse_attn import block_sparse_attention, prepare_call
 from pbs.testing import make_qkv
 from pbs.types import BlockMask
@@ -23,7 +24,7 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 
 def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False) -> dict:
     """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
-    ``dense``: the gated dense mode that `pbs.dense.dense_by_probe` launches."""
+    ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
@@ -71,27 +72,21 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
 
 
-def test_dispatch_errors_name_the_choices():
-    q, k, v = make_qkv(heads_q=2, heads_kv=1, seq_len=128, head_dim=32, seed=1)
-    plan = make_plan(q, k)
-    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'triton', 'hopper'\)"):
-        block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, kernel="gluon")
-    with pytest.raises(ValueError, match="kernel='hopper' cannot run this call: needs CUDA tensors"):
-        block_sparse_attention(q.half(), k.half(), v.half(), plan.mask, kernel="hopper")
-
-
 def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch):
     import sys
-    from types import SimpleNamespace
 
-    from pbs.kernels.block_sparse_attn import use_hopper_kernel
+    from pbs.backends import eligibility
 
     monkeypatch.setitem(sys.modules, "pbs.kernels.hopper_attn", None)  # importing it now fails
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the interpreter alone would already rule it out
-    cuda_call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", 0)))
-    assert use_hopper_kernel(cuda_call, "auto", None) is False
-    with pytest.raises(ValueError, match="kernel='hopper' cannot run this call: this Triton has no usable Gluon"):
-        use_hopper_kernel(cuda_call, "hopper", None)
+    eligibility._gluon_kernel_module.cache_clear()
+    eligibility._gluon_kernel_reasons.cache_clear()
+    try:
+        spec = CallSpec(torch.device("cuda", 0), torch.bfloat16, 128, 128, 128)
+        assert any("this Triton has no usable Gluon" in r for r in eligibility.gluon_kernel_reasons(spec))
+        assert any("no usable Gluon" in r for r in eligibility.gated_dense_reasons(spec)) or eligibility.interpreting()
+    finally:
+        eligibility._gluon_kernel_module.cache_clear()
+        eligibility._gluon_kernel_reasons.cache_clear()
 
 
 def test_dense_mode_refuses_a_wrong_output_or_gate_by_name():
@@ -107,11 +102,11 @@ def test_dense_mode_refuses_a_wrong_output_or_gate_by_name():
 
 
 def test_support_reasons_name_the_limits():
-    from pbs.kernels.hopper_attn import hopper_not_supported_reasons
+    from pbs.backends.eligibility import gluon_kernel_reasons
 
     q = torch.zeros(1, 2, 256, 96, dtype=torch.float32)
-    reasons = " / ".join(hopper_not_supported_reasons(q, q, q[..., :64], mask_block=64))
-    for part in ("Hopper", "float32", "(96, 64)", "mask block 64"):
+    reasons = " / ".join(gluon_kernel_reasons(CallSpec.of(q, 64, 64)))
+    for part in ("not CUDA", "float32", "(96, 64)", "mask block 64"):
         assert part in reasons
 
 
@@ -171,7 +166,9 @@ def test_gpu_hopper_reads_the_masks_split():
     qpos, kpos = plan.query_positions(), plan.key_positions()
 
     def run(m):
-        return block_sparse_attention(qp.bfloat16(), kp.bfloat16(), vp.bfloat16(), m, None, kpos, kernel="hopper").float()
+        from pbs.kernels.hopper_attn import hopper_block_sparse_attention
+
+        return hopper_block_sparse_attention(qp.bfloat16(), kp.bfloat16(), vp.bfloat16(), m, None, kpos).float()
 
     causal = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=True)
     unchecked = block_sparse_attention_reference(qp, kp, vp, mask, qpos, kpos, causal=False)
@@ -191,11 +188,14 @@ def test_gpu_auto_picks_hopper_and_agrees_with_triton(monkeypatch):
     calls = []
     from pbs.kernels import hopper_attn
 
+    from pbs.backends import resolve_backend
+
+    assert resolve_backend("auto", CallSpec.of(q, v.shape[-1], 128)).name == "hopper"
     real = hopper_attn.launch_hopper
     monkeypatch.setattr(hopper_attn, "launch_hopper", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
-    auto = block_sparse_attention(q, kp, vp, plan.mask, None, kpos)
-    assert calls, "kernel='auto' did not take the Hopper kernel on a Hopper GPU"
-    triton_out = block_sparse_attention(q, kp, vp, plan.mask, None, kpos, kernel="triton")
+    auto = hopper_attn.hopper_block_sparse_attention(q, kp, vp, plan.mask, None, kpos)
+    assert calls, "the Hopper launcher did not launch the Gluon kernel"
+    triton_out = block_sparse_attention(q, kp, vp, plan.mask, None, kpos)
     assert len(calls) == 1
     assert (auto.float() - triton_out.float()).abs().max() < 2e-2
 
@@ -212,11 +212,11 @@ def test_gpu_auto_picks_hopper_and_agrees_with_triton(monkeypatch):
 )
 def test_gpu_dense_mode_matches_torch_and_its_gate_decides(batch, seq_len, seq_len_q, heads_q, heads_kv, head_dim,
                                                            causal):
-    """The dense mode that `pbs.dense.dense_by_probe` starts before reading the probe: every
+    """The dense mode that `pbs.dense.DensePolicy.probe` starts before reading the probe: every
     visible key with no mask read, within torch's error at the dtype; with a gate, it computes only
     when the counters say dense, by the same integer rule as the host (`probe_says_dense`)."""
     from pbs.dense import probe_gate_limit, probe_says_dense
-    from pbs.kernels.block_sparse_attn import sm_count
+    from pbs.kernels._common import sm_count
     from pbs.kernels.hopper_attn import launch_hopper_dense
     from tests.helpers import assert_max_abs_error_within_torch
 

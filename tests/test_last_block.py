@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pbs.kernels.last_block import last_block_key_scores, last_block_permute, sort_segments
+from pbs.backends.planners import last_block_permute
+from pbs.kernels.last_block import last_block_key_scores, sort_segments
 from pbs.permuters._segments import sort_within_segments
 from tests.planning_helpers import (
     case_permutation_inputs,
@@ -27,7 +28,8 @@ def test_last_block_scores_match_reference(case, dtype, causal):
     q, k, _, config, inputs = case_permutation_inputs(CPU_CASES[case], dtype)
     layout = inputs.layout
     expected = reference_key_scores(inputs, causal)
-    actual = last_block_key_scores(inputs, min(layout.seq_len_q, layout.block_size), causal=causal)
+    actual = last_block_key_scores(inputs.q, inputs.k, layout, inputs.gqa, inputs.scale,
+                                   min(layout.seq_len_q, layout.block_size), causal=causal)
     assert actual.shape == expected.shape
     assert actual.shape[-1] == (layout.seq_len_k if causal else layout.permutable_key_len)
     tol = 1e-6 if dtype == torch.float32 else 2e-4

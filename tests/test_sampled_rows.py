@@ -70,8 +70,9 @@ def test_rows_per_block_is_checked_against_the_block_size():
 )
 def test_triton_selection_matches_the_reference(permuter, gqa, seq_len, seq_len_q, rows):
     """The GPU implementation (run by the Triton interpreter on CPU) selects the reference's blocks."""
-    from pbs.kernels.sampled_rows import sampled_block_shares, sampled_rows_select
-    from pbs.planning import finalize_selection
+    from pbs.backends.planners import sampled_rows_select
+    from pbs.kernels.sampled_rows import sampled_block_shares
+    from pbs.reference.block_sets import finalize_selection
     from tests.planning_helpers import assert_same_selection
 
     q, k, _ = random_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=seq_len, seq_len_q=seq_len_q, head_dim=16, seed=3)

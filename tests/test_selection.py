@@ -1,5 +1,5 @@
-"""The GPU selector drivers (`pbs.kernels.selection`: `mean_pool`, `antidiagonal`) against the
-reference selectors, and the wiring of `pbs.plan` to the `triton` implementations, through the
+"""The GPU selector planners (`pbs.backends.planners`: `mean_pool`, `antidiagonal`) against the
+reference selectors, and the wiring of `pbs.plan` to the `triton` planners, through the
 Triton interpreter on CPU (fp32/fp16). The GPU runs are in tests/test_kernel_gpu_selection.py."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import pbs
-from pbs.components import permuter_registry, selector_registry
-from pbs.kernels.selection import antidiagonal_select, heads_per_chunk, mean_pool_select
-from pbs.planning import build_plan, finalize_selection
+from pbs.backends import registry as backend_registry
+from pbs.backends.planners import antidiagonal_select, heads_per_chunk, mean_pool_select
+from pbs.planning import build_plan
+from pbs.reference.block_sets import finalize_selection
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from tests.planning_helpers import (
     case_config,
@@ -93,7 +94,7 @@ def test_select_in_several_head_chunks(monkeypatch):
     assert heads_per_chunk(inputs, chunk_bytes=1) == 1
     whole = mean_pool_select(config.selector, inputs)
     # Chunks of 3 heads split the GQA groups of 2: the pooled keys must follow each query head.
-    monkeypatch.setattr("pbs.kernels.selection.SCORE_CHUNK_BYTES", per_head * 3)
+    monkeypatch.setattr("pbs.backends.planners.SCORE_CHUNK_BYTES", per_head * 3)
     chunked = mean_pool_select(config.selector, inputs)
     assert torch.equal(chunked.counts, whole.counts) and torch.equal(chunked.indices, whole.indices)
 
@@ -112,12 +113,12 @@ def test_plan_uses_the_triton_implementations_when_asked(monkeypatch, permuter, 
     config = case_config(*case[6:], permuter=permuter, selector=selector)
     reference = pbs.plan(q, k, config)
     calls = []
-    for registry, component in ((permuter_registry, config.permuter), (selector_registry, config.selector)):
-        impl = registry.implementation(component, "triton")
+    for kind, component in (("permuter", config.permuter), ("selector", config.selector)):
+        impl = backend_registry.planner_for(kind, component.name, "triton")
         if impl is not None:
             spy = lambda c, i, impl=impl, n=component.name: calls.append(n) or impl(c, i)  # noqa: E731
-            monkeypatch.setitem(registry._impls, (component.name, "triton"), spy)
-    monkeypatch.setattr("pbs.planning.planning_implementation", lambda backend, device: "triton")
+            monkeypatch.setitem(backend_registry._PLANNERS, (kind, component.name, "triton"), spy)
+    monkeypatch.setattr("pbs.planning.planning_family", lambda backend, device: "triton")
     fast = pbs.plan(q, k, config)
     assert selector in calls
     assert (config.permuter.name in calls) == (config.permuter.name == "last_block")

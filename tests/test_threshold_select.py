@@ -9,7 +9,8 @@ import torch
 import pbs
 from pbs.kernels.block_sets import block_sets
 from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
-from pbs.planning import finalize_selection, make_layout
+from pbs.planning import make_layout
+from pbs.reference.block_sets import finalize_selection
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.types import BlockMask, Permutation

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pbs
+from pbs.backends import planner_for
 from pbs.components import SelectionInputs
 from pbs.types import BlockMask
 from tests.helpers import small_config
@@ -55,7 +56,8 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
     # pbs.kernels registers the members' Triton implementations; in the interpreter on the CPU.
     import pbs.kernels  # noqa: F401
     from pbs.components import selector_registry
-    from pbs.planning import build_plan, finalize_selection
+    from pbs.planning import build_plan
+from pbs.reference.block_sets import finalize_selection
 
     q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
     config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference", selector={
@@ -63,7 +65,7 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
     plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
     inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
                              query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
-    fast = selector_registry.implementation(config.selector, "triton")
+    fast = planner_for("selector", config.selector.name, "triton")
     assert fast is not None
     fused = fast(config.selector, inputs)
     # The members are merged inside vertical_slash's compaction: a BlockMask, no dense round trip.
@@ -73,7 +75,7 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
     # mean_pool's kernel and reference may differ on a block at the threshold (fp32 sums).
     assert (got != want).float().mean().item() < 0.01
     # Exactly the OR of the members' own fast selections.
-    members = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
+    members = [planner_for("selector", m.name, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
     assert torch.equal(got, members[0] | members[1])
     assert torch.equal(fused.counts, got.sum(-1, dtype=torch.int32))
 
@@ -91,8 +93,8 @@ def test_the_fast_union_of_three_members_is_the_or_of_their_fast_selections():
     plan, q_perm, _, _ = build_plan(q, k, config, 32**-0.5)
     inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
                              query_positions=plan.query_positions(), key_positions=plan.key_positions(), scale=32**-0.5)
-    got = selector_registry.implementation(config.selector, "triton")(config.selector, inputs).to_dense()
-    each = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
+    got = planner_for("selector", config.selector.name, "triton")(config.selector, inputs).to_dense()
+    each = [planner_for("selector", m.name, "triton")(m, inputs).to_dense() for m in config.selector.selectors]
     assert torch.equal(got, each[0] | each[1] | each[2])
 
 

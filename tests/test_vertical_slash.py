@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pbs
+from pbs.backends import planner_for
 from pbs.components import SelectionInputs
 from pbs.selectors.vertical_slash import (
     blocks_of_lines,
@@ -194,9 +195,7 @@ def test_gpu_plan_and_attention_match_the_cpu_reference(seq_len, seq_len_q, sele
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on the GPU machine)")
 def test_gpu_scores_and_fused_union_at_32k_in_bf16():
     # Long rows exercise the persistent tile loop and the atomics that add up the slash scores.
-    import pbs.kernels  # noqa: F401
-    from pbs.components import selector_registry
-    from pbs.kernels.vertical_slash import last_rows_scores
+    from pbs.kernels.vertical_slash import line_scores
     from pbs.planning import build_plan
     from pbs.selectors.vertical_slash import _scores_of_reversed_rows, last_rows_attention
 
@@ -207,18 +206,18 @@ def test_gpu_scores_and_fused_union_at_32k_in_bf16():
     inputs = SelectionInputs(q=q_perm, k=None, source_k=k, key_permutation=plan.key_permutation, layout=plan.layout,
                              query_positions=plan.query_positions(), key_positions=plan.key_positions(),
                              scale=128**-0.5)
-    vertical, slash = last_rows_scores(inputs, 64)
+    vertical, slash = line_scores(inputs.q, inputs.source_k, inputs.layout, inputs.scale, 64)
     probs, last = last_rows_attention(inputs, 64, slice(0, 8), k.flip(2))
     want_vertical, want_slash = _scores_of_reversed_rows(probs, last)
     assert (vertical - want_vertical).abs().max().item() < 1e-3
     assert (slash - want_slash).abs().max().item() < 1e-3
     assert slash.sum(-1).sub(1).abs().max().item() < 1e-3
     union = config.selector
-    fused = selector_registry.implementation(union, "triton")(union, inputs)
-    each = [selector_registry.implementation(m, "triton")(m, inputs).to_dense() for m in union.selectors]
+    fused = planner_for("selector", union.name, "triton")(union, inputs)
+    each = [planner_for("selector", m.name, "triton")(m, inputs).to_dense() for m in union.selectors]
     assert torch.equal(fused.to_dense(), each[0] | each[1])
     choice = pbs.PBSConfig(permuter="none", selector={"name": "head_choice", "min_coverage": 0.8}).selector
-    chosen = selector_registry.implementation(choice, "triton")(choice, inputs).to_dense()
+    chosen = planner_for("selector", choice.name, "triton")(choice, inputs).to_dense()
     lines, pooled = each
     for h in range(8):
         assert torch.equal(chosen[0, h], pooled[0, h]) or torch.equal(chosen[0, h], pooled[0, h] | lines[0, h])
@@ -247,16 +246,12 @@ def _triton_inputs(seq_len, seq_len_q, dtype, seed=0, block=32, causal=True):
 
 
 @pytest.mark.parametrize("seq_len,seq_len_q", [(300, None), (300, 130), (256, None)])
-@pytest.mark.parametrize("skew_by_gather", [True, False])
-def test_triton_scores_match_the_reference(seq_len, seq_len_q, skew_by_gather, monkeypatch):
-    from pbs.kernels import vertical_slash as kernel
-    from pbs.kernels.vertical_slash import last_rows_scores
-
-    monkeypatch.setattr(kernel, "SKEW_BY_GATHER", skew_by_gather)
+def test_triton_scores_match_the_reference(seq_len, seq_len_q):
+    from pbs.kernels.vertical_slash import line_scores
     from pbs.selectors.vertical_slash import _scores_of_reversed_rows, last_rows_attention
 
     inputs = _triton_inputs(seq_len, seq_len_q, torch.float32)
-    vertical, slash = last_rows_scores(inputs, 64)
+    vertical, slash = line_scores(inputs.q, inputs.source_k, inputs.layout, inputs.scale, 64)
     probs, last = last_rows_attention(inputs, 64, slice(0, 4), inputs.source_k.flip(2))
     want_vertical, want_slash = _scores_of_reversed_rows(probs, last)
     assert torch.allclose(vertical, want_vertical, atol=1e-5) and torch.allclose(slash, want_slash, atol=1e-5)
@@ -266,8 +261,8 @@ def test_triton_scores_match_the_reference(seq_len, seq_len_q, skew_by_gather, m
                          [(300, None, 0.6, True), (300, 130, 0.75, True), (260, None, 0.9, True), (300, None, 0.75, False)])
 @pytest.mark.parametrize("force_sink", [True, False])
 def test_triton_selection_matches_the_reference(seq_len, seq_len_q, threshold, causal, force_sink):
-    from pbs.kernels.vertical_slash import vertical_slash_select
-    from pbs.planning import finalize_selection
+    from pbs.backends.planners import vertical_slash_select
+    from pbs.reference.block_sets import finalize_selection
 
     inputs = _triton_inputs(seq_len, seq_len_q, torch.float32, seed=1, causal=causal)
     inputs.force_sink_block = force_sink
@@ -315,15 +310,15 @@ def test_kept_lines_kernel_takes_tied_scores_in_index_order():
 
 
 def test_triton_selection_falls_back_to_the_reference_for_permuted_keys():
-    from pbs.kernels.vertical_slash import supports_fast_path
+    from pbs.backends.planners import lines_fast_path
 
-    assert not supports_fast_path(_inputs("last_block"))
-    assert supports_fast_path(_triton_inputs(300, None, torch.float32))
+    assert not lines_fast_path(_inputs("last_block"))
+    assert lines_fast_path(_triton_inputs(300, None, torch.float32))
 
 
 def test_triton_selection_in_half_precision_stays_close_to_the_reference():
-    from pbs.kernels.vertical_slash import vertical_slash_select
-    from pbs.planning import finalize_selection
+    from pbs.backends.planners import vertical_slash_select
+    from pbs.reference.block_sets import finalize_selection
 
     inputs = _triton_inputs(300, None, torch.float16, seed=2)
     selector = pbs.PBSConfig(selector={"name": "vertical_slash", "threshold": 0.7}).selector

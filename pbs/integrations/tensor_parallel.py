@@ -10,11 +10,11 @@ single-process result, with three exceptions that this module removes:
 
 * **decisions over all heads.** ``dense_fallback.max_density`` and ``max_planned_density``
   (``backend="auto"`` on CUDA) compare a density averaged over the heads (the pre-planning
-  probe's, and the plan's) with a limit. Each
-  rank sees only its heads, so ranks could decide differently, and differently from one process.
-  `attention_on_shard` averages those densities over the ranks (one ``all_reduce`` of one
-  number per rule, where one process already reads that number on the host) so every rank decides as one process
-  would.
+  probe's, and the plan's) with a limit. Each rank sees only its heads, so ranks could decide
+  differently, and differently from one process. `attention_on_shard` gives the dense policy a
+  ``reduce`` hook that averages those densities over the ranks (one ``all_reduce`` of one number
+  per rule, where one process already reads that number on the host), so every rank decides as
+  one process would.
 * **seeded draws.** The ``random`` permuter and the ``budget`` selector draw one tensor over the
   head axis; inside `pbs.reference.seeded.head_shard` a rank takes its heads' slice of the draw
   for all heads.
@@ -189,17 +189,21 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _mean_over_ranks(value: torch.Tensor | float, shard: HeadShard, device: torch.device) -> float:
-    """The mean of ``value`` over the ranks: one all_reduce and one read on the host.
+def _mean_over_ranks(shard: HeadShard, device: torch.device) -> Callable[[torch.Tensor | float], float]:
+    """The dense policy's ``reduce`` hook: the mean of a density over the ranks, with one
+    all_reduce and one read on the host.
 
     Every rank holds the same number of heads, so the mean of the ranks' per-head averages is the
     average over all heads.
     """
     import torch.distributed as dist
 
-    t = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
-    dist.all_reduce(t, group=shard.group)
-    return float(t) / shard.size
+    def reduce(value: torch.Tensor | float) -> float:
+        t = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
+        dist.all_reduce(t, group=shard.group)
+        return float(t) / shard.size
+
+    return reduce
 
 
 def attention_on_shard(
@@ -213,6 +217,8 @@ def attention_on_shard(
 ) -> tuple[torch.Tensor, Any, str | None]:
     """`pbs.attention` on one rank's heads, deciding as one process over all heads would.
 
+    The dense policy (`pbs.dense.DensePolicy`) runs with the ranks' mean as its ``reduce`` hook.
+
     Args:
         q, k, v: this rank's heads, ``(B, Hq_local, Nq, D)`` and ``(B, Hkv_local, Nk, D)``.
         config: the layer's `PBSConfig`.
@@ -221,76 +227,19 @@ def attention_on_shard(
 
     Returns:
         ``(out (B, Hq_local, Nq, Dv), plan, dense_reason)``. ``dense_reason`` is set when
-        ``config.dense_fallback`` ran dense SDPA instead, the plan is then ``None`` (decided
+        ``config.dense_fallback`` ran dense attention instead; the plan is then ``None`` (decided
         before planning) or has ``fallback`` set; otherwise ``plan`` is what ran.
     """
-    from pbs.api import attention, plan, run
+    from pbs.api import attend
+    from pbs.dense import DensePolicy
 
     if shard is None or shard.size == 1:
         with _device_guard(q):
-            out, p = attention(q, k, v, config, scale=scale, return_plan=True)
-        return out, p, _dense_reason(config, q, k, p)
+            return attend(q, k, v, DensePolicy(config), scale=scale)
 
     from pbs.reference.seeded import head_shard
 
+    policy = DensePolicy(config, reduce=_mean_over_ranks(shard, q.device),
+                         scope=f" over the {shard.size} tensor-parallel ranks")
     with _device_guard(q), head_shard(shard.rank, shard.size):
-        if not _density_rule_applies(config, q, k):
-            # Only shape rules (the same on every rank) can send this call to dense attention.
-            out, p = attention(q, k, v, config, scale=scale, return_plan=True)
-            return out, p, _dense_reason(config, q, k, p)
-        from pbs.dense import dense_attention_sdpa
-
-        policy = config.dense_fallback
-        limit = policy.max_density
-        s = q.shape[-1] ** -0.5 if scale is None else scale
-        probe = _local_probe(config, q, k, s)
-        if probe is not None:
-            estimate = _mean_over_ranks(probe, shard, q.device)
-            if estimate > limit:
-                reason = (
-                    f"the density probe estimates {estimate:.3f} over the {shard.size} tensor-parallel ranks, "
-                    f"above dense_fallback.max_density = {limit}"
-                )
-                return dense_attention_sdpa(q, k, v, scale=s, causal=config.causal), None, reason
-        # Plan with both density rules off here, then apply the plan's rule to every rank's heads.
-        relaxed = config.model_copy(update={"dense_fallback": policy.model_copy(update={"max_density": None})})
-        p = dataclasses.replace(plan(q, k, relaxed, scale=scale), config=config)
-        layout = p.layout
-        allowed = layout.batch * layout.heads_q * layout.total_allowed_blocks
-        density = _mean_over_ranks(p.mask.counts.sum(dtype=torch.float64) / allowed, shard, q.device)
-        planned_limit = policy.max_planned_density
-        if planned_limit is not None and density > planned_limit:
-            reason = (
-                f"density {density:.3f} over the {shard.size} tensor-parallel ranks is above "
-                f"dense_fallback.max_planned_density = {planned_limit}"
-            )
-            out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)
-            return out, dataclasses.replace(p, fallback=reason), reason
-        return run(p, q, k, v, scale=scale), p, None
-
-
-def _density_rule_applies(config: Any, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``dense_fallback`` would read a density for this call (not just its shapes)."""
-    from pbs.dense import length_fallback_reason, policy_applies
-
-    if config.dense_fallback.max_density is None or not policy_applies(config, q.device):
-        return False
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False  # pbs.attention skips the density rules inside a capture too
-    return length_fallback_reason(config, q, k) is None
-
-
-def _local_probe(config: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | float | None:
-    """The pre-planning density probe on this rank's heads, or ``None`` where there is none
-    (`pbs.dense.probe_estimate`: a 0-d tensor off the Triton path, read only after the all_reduce)."""
-    from pbs.dense import probe_estimate
-
-    return probe_estimate(config, q, k, scale)
-
-
-def _dense_reason(config: Any, q: torch.Tensor, k: torch.Tensor, p: Any) -> str | None:
-    if p is not None:
-        return p.fallback
-    from pbs.dense import length_fallback_reason
-
-    return length_fallback_reason(config, q, k) or "the density probe estimated a density above dense_fallback.max_density"
+        return attend(q, k, v, policy, scale=scale)

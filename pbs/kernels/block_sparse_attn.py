@@ -263,7 +263,6 @@ def block_sparse_attention(
     causal: bool = True,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
-    kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention of every query over the key blocks its query block selected (Triton).
 
@@ -280,59 +279,16 @@ def block_sparse_attention(
         causal: mask pairs with ``key_position > query_position``.
         config: tile shape and schedule; default `select_config`.
         out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype (16-byte aligned rows).
-        kernel: ``"auto"`` runs the warp-specialized Gluon kernel
-            (`pbs.kernels.hopper_attn`) where it applies (Hopper, fp16/bf16, head dim 64 or
-            128, mask block 128, no ``config``) and this Triton kernel elsewhere; ``"triton"``
-            always runs this one; ``"hopper"`` insists on the Gluon one.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
-    if use_hopper_kernel(call, kernel, config):
-        from pbs.kernels.hopper_attn import launch_hopper
-
-        launch_hopper(call, sm_count(q.device))
-        return call.out
     if config is None:
         config = _select(call)
     _launch(call, config.fitted(mask.layout.block_size))
     return call.out
-
-
-KERNELS = ("auto", "triton", "hopper")
-
-
-def use_hopper_kernel(call: "_Call", kernel: str, config: KernelConfig | None) -> bool:
-    """Whether `block_sparse_attention` with ``kernel`` and ``config`` runs the Gluon kernel on ``call``."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "triton" or (kernel == "auto" and (config is not None or interpreting())):
-        return False
-    if call.q.device.type != "cuda":
-        reasons = ["needs CUDA tensors"]
-    else:
-        try:
-            from pbs.kernels.hopper_attn import hopper_not_supported_reasons
-        except ImportError as exc:  # a Triton without Gluon, or with another Gluon API
-            reasons = [f"this Triton has no usable Gluon ({exc})"]
-        else:
-            reasons = hopper_not_supported_reasons(call.q, call.k, call.v, call.mask.layout.block_size)
-    if reasons and kernel == "hopper":
-        raise ValueError("kernel='hopper' cannot run this call: " + "; ".join(reasons))
-    return not reasons
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
 
 
 def select_config(

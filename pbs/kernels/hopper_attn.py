@@ -19,8 +19,9 @@ each tile's rank to the consumers through shared memory. A CTA that drew light t
 and CTAs running at the same time work on neighbouring ranks, which share K/V in L2. The producer
 loads the next tile's Q and first K/V blocks while the consumers finish the current one.
 
-It covers the common case only, and `hopper_not_supported_reasons` says when it does not
-apply: fp16/bf16, head dims 64 or 128 (same for values), mask blocks of 128. Causality is checked
+It covers the common case only (`SUPPORTED_DTYPES`, `SUPPORTED_HEAD_DIMS` for queries and
+values alike, mask blocks of `BLOCK_SIZE`, compute capability 9.x); the dispatch layer's
+`pbs.backends.eligibility.gluon_kernel_reasons` says when it does not apply. Causality is checked
 on original positions in the masked tail of each list exactly as in the Triton kernel, which is
 this kernel's differential twin (``tests/test_hopper_attn.py``); where that tail starts is read
 from the mask (``BlockMask.full_counts``, one rule for every backend), not worked out here.
@@ -36,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, tma_descriptor
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, sm_count, tma_descriptor
 from pbs.layout import cdiv
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
@@ -45,6 +46,9 @@ if _tma_load is None or "functions_and_args" not in inspect.signature(gl.warp_sp
     raise ImportError("pbs.kernels.hopper_attn is written for the Gluon API of Triton 3.6-3.9")
 
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+COMPUTE_CAPABILITY_MAJOR = 9
 HALF_ROWS = 64  # query rows per consumer warpgroup
 BLOCK = gl.constexpr(BLOCK_SIZE)
 HALF = gl.constexpr(HALF_ROWS)
@@ -403,27 +407,6 @@ def _hopper_block_sparse_attn_fwd(
     )
 
 
-def hopper_not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_block: int) -> list[str]:
-    """Why this kernel cannot take the call (empty: it can); the Triton kernel takes the rest."""
-    return hopper_not_supported_reasons_for(q.device, q.dtype, q.shape[-1], v.shape[-1], mask_block)
-
-
-def hopper_not_supported_reasons_for(
-    device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int, mask_block: int
-) -> list[str]:
-    """`hopper_not_supported_reasons` from the properties it reads (a cache key, no tensors)."""
-    reasons = []
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        reasons.append("needs a Hopper GPU (compute capability 9.x)")
-    if dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"dtype {dtype} is not float16 or bfloat16")
-    if head_dim not in (64, 128) or head_dim_v != head_dim:
-        reasons.append(f"head dims ({head_dim}, {head_dim_v}) are not both 64 or both 128")
-    if mask_block != BLOCK_SIZE:
-        reasons.append(f"mask block {mask_block} is not {BLOCK_SIZE}")
-    return reasons
-
-
 def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     block = [1, 1, rows, x.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
@@ -510,6 +493,24 @@ def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
     """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
     grid, args, kwargs = launch_arguments(call, sm_count, stages)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
+
+
+def hopper_block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
+    (no tile ``config``), same result, on inputs the kernel supports (the caller checks).
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order.
+    """
+    from pbs.kernels.block_sparse_attn import prepare_call
+
+    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    launch_hopper(call, sm_count(q.device))
+    return call.out
 
 
 def launch_hopper_dense(

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.components import PermutationInputs, Permutations
 from pbs.kernels._common import LOG2_E
+from pbs.layout import Layout
 from pbs.types import Permutation
 
 
@@ -165,11 +165,18 @@ def _sort_segments(
         tl.store(inverse_ptr + base + o_s, (first + o_s).to(tl.int64), mask=m_s)
 
 
-def last_block_key_scores(inputs: PermutationInputs, num_queries: int, causal: bool | None = None) -> torch.Tensor:
+def last_block_key_scores(
+    q: torch.Tensor, k: torch.Tensor, layout: Layout, gqa: str, scale: float, num_queries: int,
+    causal: bool | None = None,
+) -> torch.Tensor:
     """Attention each key gets from the last ``num_queries`` queries (Eq. 3): ``(B, Hs, L)`` float32.
 
     Args:
-        inputs: the permuter's inputs.
+        q: ``(B, Hq, Nq, D)`` queries, k: ``(B, Hkv, Nk, D)`` keys, both in original order.
+        layout: the call's geometry.
+        gqa: ``"per_head"`` (a score row per query head) or ``"shared"`` (per KV head, the group's
+            queries averaged).
+        scale: softmax scale.
         num_queries: how many of the last queries score the keys.
         causal: mask each proxy query's future keys and normalise over all keys (``L = Nk``);
             False (Eq. 3): no mask, softmax over the full-segment keys only
@@ -178,12 +185,11 @@ def last_block_key_scores(inputs: PermutationInputs, num_queries: int, causal: b
 
     ``Hs`` is ``Hkv`` in shared GQA mode (the group's queries averaged) and ``Hq`` in per-head mode.
     """
-    layout = inputs.layout
     causal = layout.causal if causal is None else bool(causal) and layout.causal
-    q = inputs.q if inputs.q.stride(-1) == 1 else inputs.q.contiguous()
-    k = inputs.k if inputs.k.stride(-1) == 1 else inputs.k.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
     b, hq, nq, d = q.shape
-    hs = hq if inputs.gqa == "per_head" else layout.heads_kv
+    hs = hq if gqa == "per_head" else layout.heads_kv
     # Keys that are read and normalised over; the proxy queries' positions use the true Nk.
     nk = layout.seq_len_k if causal else layout.permutable_key_len
     first_query_pos = layout.seq_len_k - num_queries
@@ -208,7 +214,7 @@ def last_block_key_scores(inputs: PermutationInputs, num_queries: int, causal: b
     )
     part_max = torch.empty(b * hs, splits, m_pad, dtype=torch.float32, device=k.device)
     part_sum = torch.empty_like(part_max)
-    qk_scale = inputs.scale * LOG2_E
+    qk_scale = scale * LOG2_E
     _row_stats[(splits, b * hs)](q, k, part_max, part_sum, *common, chunks_per_split, splits, qk_scale, **meta)
     scores = torch.empty(b, hs, nk, dtype=torch.float32, device=k.device)
     _key_scores[(chunks, b * hs)](
@@ -243,17 +249,3 @@ def sort_segments(scores: torch.Tensor, segment_size: int, total_len: int | None
             num_warps=max(1, min(8, s_pad // 128)),
         )
     return Permutation(indices=indices, inverse=inverse)
-
-
-def last_block_permute(config, inputs: PermutationInputs) -> Permutations:
-    """``triton`` implementation of `LastBlockPermuter`.
-
-    ``config.causal_scoring`` (on a causal layout) selects the causal rule; the default is Eq. 3.
-    """
-    layout = inputs.layout
-    if layout.permutable_key_len == 0:
-        return Permutations(keys=None)
-    causal = bool(config.causal_scoring) and layout.causal
-    m = min(layout.seq_len_q, config.num_queries or layout.block_size)
-    scores = last_block_key_scores(inputs, m, causal=causal)
-    return Permutations(keys=sort_segments(scores, layout.segment_size, total_len=layout.seq_len_k))

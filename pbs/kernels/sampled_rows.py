@@ -11,7 +11,7 @@ Two launches per chunk of query heads, one pass over the keys:
 
 The scratch of step 1 is ``(B, hc, Tq * R, Tk)`` fp32, bounded by chunking the heads.
 
-Registered as the selector's ``triton`` implementation: tests/test_kernel_gpu_selection.py checks it
+The selector's ``triton`` planner (`pbs.backends.planners`) launches it: tests/test_kernel_gpu_selection.py checks it
 against the reference (its GPU tests passed on an H100), and
 benchmarks/bench_planning.py times it (docs/benchmarks.md).
 """
@@ -194,26 +194,3 @@ def sampled_block_shares(
         R=rows_per_block, TK_PAD=tk_pad, num_warps=max(1, min(8, tk_pad * rows_per_block // 1024)),
     )
     return out
-
-
-def sampled_rows_select(config, inputs) -> "BlockMask":
-    """``triton`` implementation of `SampledRowsSelector`.
-
-    Like the reference, it ranks every allowed block, the forced ones (sink, on-diagonal segment)
-    first with their estimated mass counting towards the threshold.
-    """
-    from pbs.kernels.selection import _permuted_key_rows, select_in_head_chunks
-
-    k_rows, k_indices = _permuted_key_rows(inputs)
-    rows = config.rows_per_block
-
-    def shares(h0: int, h1: int, allowed: torch.Tensor) -> torch.Tensor:
-        return sampled_block_shares(
-            inputs.q, k_rows, inputs.query_positions, inputs.key_positions, inputs.layout, rows,
-            inputs.scale, allowed, key_indices=k_indices, head_start=h0, head_stop=h1,
-        )
-
-    return select_in_head_chunks(
-        inputs, config.threshold, shares, from_logits=False, forced_first=True, rank_allowed=True,
-        heads_step=heads_per_scratch(inputs.layout, rows),
-    )

@@ -1,29 +1,27 @@
-"""``vertical_slash`` selection on the GPU: the fast twin of `pbs.selectors.vertical_slash`.
+"""``vertical_slash`` line scores and their block lists on the GPU: launchers behind the
+``triton`` planner of `pbs.selectors.vertical_slash` (`pbs.backends.planners`).
 
-Four launches and a few allocations instead of the reference's dozens of ops:
+Four launches instead of the reference's dozens of ops:
 
 1. ``_row_stats``: the log-sum-exp of the last ``R`` queries' rows, split over the keys (one
    program per query head and key split, online softmax);
 2. ``_row_lines``: combines those partial statistics, then takes each row's softmax over a key
    tile; the per-key sum (vertical score) is stored directly, and the per-offset sums (slash
-   scores) come from the same tile read skewed (``tl.gather`` in registers, or through a small
-   per-program scratch tile in L2), so that a sum over rows is a sum along one offset, added into
-   the offsets with atomics (persistent grid; the probabilities never go to memory);
+   scores) come from the same tile read skewed with ``tl.gather`` in registers, so that a sum over
+   rows is a sum along one offset, added into the offsets with atomics (persistent grid; the
+   probabilities never go to memory);
 3. ``_kept_lines``: the reference's cumulative threshold (`kept_lines`: the fewest keys and
    offsets whose shares reach the threshold) without sorting: the cut below which scores are
    dropped is found four bits of its float pattern at a time, then one pass writes which key
    blocks hold a kept key and the running count of kept offsets;
 4. ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
    or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`, and counts
-   the list's full/masked split on the way; a union's other member is merged there too
-   (`union_select`), and `head_choice_select` picks per head, on the device, between the pooled
-   selection alone and that merge.
+   the list's full/masked split on the way; another selection of the same layout can be merged in
+   the same pass (a union's other member).
 
-It runs for unsegmented layouts whose keys and queries are in their original order (the
-``none`` permuter, the selector's intended use); anything else falls back to the reference.
-Differences to the reference come only from rounding, the logits' (``tl.dot`` against an fp32
-einsum) and the order in which shares are summed (per cut candidate here, a running sum after
-the sort there): either can flip a key or offset that sits exactly at a threshold.
+The launchers assume an unsegmented layout with keys and queries in their original order.
+Differences to the reference come only from rounding and summation order, which can flip a key or
+offset that sits exactly at a threshold.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E, interpreting
+from pbs.kernels._common import LOG2_E, interpreting, sm_count
+from pbs.layout import Layout
 from pbs.types import BlockMask, block_index_dtype
 
 PROGRAMS_PER_SM = 4
@@ -40,9 +39,6 @@ KEY_TILE = 64
 KEPT_LINES_TILES = (2048, 4096)
 """Scores per step of `_kept_lines` below / from 64K keys (H100: 0.117 / 0.156 ms at 16K for
 2048 / 4096, 1.02 / 0.74 ms at 128K)."""
-SKEW_BY_GATHER = True
-"""`_row_lines` skews each tile of probabilities with ``tl.gather`` in registers; False: through
-a per-program scratch tile in L2 (the earlier way, kept for the A/B measurement)."""
 
 
 @triton.jit
@@ -125,19 +121,16 @@ def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.co
 
 
 @triton.jit
-def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr, scratch_ptr,
+def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-               GATHER: tl.constexpr):
-    # Persistent: each program walks (head, key tile) pairs and owns one ROWS x BLOCK_N scratch tile,
-    # small enough to stay in L2, instead of writing every row's probabilities out to memory.
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    # Persistent: each program walks (head, key tile) pairs; a tile's probabilities stay in registers.
     pid = tl.program_id(0)
     o_r = tl.arange(0, ROWS)
     o_n = tl.arange(0, BLOCK_N)
     o_x = tl.arange(0, SKEW)
-    scratch = scratch_ptr + pid.to(tl.int64) * (ROWS * BLOCK_N)
     # Skewed read: entry (r, x) is the tile's column BLOCK_N - 1 - (x - r), whose offset from row r
     # is the same for every r (first_offset + x, below), so a sum over rows is a per-offset sum.
     column = BLOCK_N - 1 - (o_x[None, :] - o_r[:, None])
@@ -157,13 +150,7 @@ def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr, scratch_ptr,
         p = tl.where(o_r[:, None] < rows, p, 0.0)
         line = pid_bh.to(tl.int64) * seq_len_k
         tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
-        if GATHER:  # skewed inside the registers
-            skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
-        else:  # through the scratch tile
-            tl.debug_barrier()  # the previous tile's skewed reads are done
-            tl.store(scratch + o_r[:, None] * BLOCK_N + o_n[None, :], p)
-            tl.debug_barrier()
-            skewed = tl.load(scratch + o_r[:, None] * BLOCK_N + column, mask=on_tile, other=0.0, cache_modifier=".cg")
+        skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
         # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
         # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
         # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
@@ -239,27 +226,17 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
     tl.store(full_counts_ptr + pid, full)
 
 
-def supports_fast_path(inputs) -> bool:
-    """The kernels assume unsegmented blocks with keys and queries in their original order."""
-    layout = inputs.layout
-    if layout.segmented or (inputs.q.device.type != "cuda" and not interpreting()):
-        return False
-    perm = inputs.key_permutation
-    return perm is None or perm.is_identity
+def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, last_rows: int) -> torch.Tensor:
+    """Vertical and slash scores of the last ``last_rows`` queries: ``(2, B, Hq, Nk)`` float32.
 
+    Index 0 holds each key's mean attention from those rows, index 1 each offset's; both equal
+    `pbs.selectors.vertical_slash.vertical_and_slash_scores` up to rounding.
 
-def last_rows_scores(inputs, last_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vertical, slash)``, each ``(B, Hq, Nk)`` float32: what
-    `pbs.selectors.vertical_slash.vertical_and_slash_scores` returns for the same rows."""
-    scores = line_scores(inputs, last_rows)
-    return scores[0], scores[1]
-
-
-def line_scores(inputs, last_rows: int) -> torch.Tensor:
-    """`last_rows_scores` stacked in one ``(2, B, Hq, Nk)`` float32 buffer: vertical, then slash."""
-    layout = inputs.layout
-    q = inputs.q
-    k = inputs.source_k if inputs.source_k is not None else inputs.k
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries, original order; k: ``(B, Hkv, Nk, D)`` keys, original order.
+        layout: the call's geometry (unsegmented).
+        scale: softmax scale.
+    """
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     group = hq // hk
@@ -269,7 +246,7 @@ def line_scores(inputs, last_rows: int) -> torch.Tensor:
     d_pad = max(16, triton.next_power_of_2(d))
     block_n = max(KEY_TILE, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
     ieee = q.dtype == torch.float32
-    qk_scale = inputs.scale * LOG2_E
+    qk_scale = scale * LOG2_E
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), hq, group, rows_start, rows)
     meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee)
     # Enough programs to fill the GPU: split the keys of each head's rows.
@@ -285,11 +262,10 @@ def line_scores(inputs, last_rows: int) -> torch.Tensor:
     vertical, slash = scores[0], scores[1].zero_()
     key_tiles = triton.cdiv(nk, block_n)
     total_tiles = b * hq * key_tiles
-    programs = min(total_tiles, PROGRAMS_PER_SM * _sm_count(q.device))
-    scratch = torch.empty(1 if SKEW_BY_GATHER else programs * rows_pad * block_n, dtype=torch.float32, device=q.device)
-    _row_lines[(programs,)](q, k, part_max, part_sum, vertical, slash, scratch, *common, nk, layout.query_offset,
+    programs = min(total_tiles, PROGRAMS_PER_SM * _programs_base(q.device))
+    _row_lines[(programs,)](q, k, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
                             key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
-                            SPLITS=triton.next_power_of_2(splits), GATHER=SKEW_BY_GATHER, **meta)
+                            SPLITS=triton.next_power_of_2(splits), **meta)
     slash.div_(rows)
     return scores
 
@@ -387,105 +363,42 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     return vertical_blocks, prefix
 
 
-def _sm_count(device: torch.device) -> int:
+def _programs_base(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter runs programs one after another: a few exercise the tile loop
-    from pbs.kernels.block_sparse_attn import sm_count
-
     return sm_count(device)
 
 
-def vertical_slash_select(config, inputs, extra: BlockMask | None = None) -> BlockMask:
-    """``triton`` implementation of `VerticalSlashSelector` (reference fallback off its fast path).
+def lines_to_block_mask(
+    vertical_blocks: torch.Tensor, prefix: torch.Tensor, layout: Layout, force_sink_block: bool,
+    extra: BlockMask | None = None,
+) -> BlockMask:
+    """The `BlockMask` of the kept lines (`kept_line_blocks`), forced blocks included.
 
     Args:
-        extra: another selection of the same layout whose blocks are kept too (a `union`'s other
-            member): merged while the lines are compacted, with no dense mask in between.
+        vertical_blocks: ``(B, Hq, Tk)`` int8; prefix: ``(B, Hq, Nk + 1)`` int32.
+        layout: the call's geometry (unsegmented, keys in original order).
+        force_sink_block: keep key block 0.
+        extra: another selection of the same layout whose blocks are kept too (a union's other
+            member), merged in the same compaction with no dense mask in between.
     """
-    from pbs.planning import finalize_selection
-
-    if not supports_fast_path(inputs):
-        selected = config.select(inputs)
-        if extra is not None:
-            selected = selected | extra.to_dense()
-        return finalize_selection(selected, inputs.layout, inputs.key_positions, inputs.force_sink_block)
-    return _lines_and_vertical(config, inputs, extra)[0]
-
-
-def _lines_and_vertical(config, inputs, extra: BlockMask | None) -> tuple[BlockMask, torch.Tensor]:
-    """The fast path of `vertical_slash_select`, with the vertical scores ``(B, Hq, Nk)`` it used."""
-    layout = inputs.layout
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
-    scores = line_scores(inputs, config.last_rows)
-    vertical_blocks, prefix = kept_line_blocks(scores, config.threshold, config.vertical_threshold, bs)
-    counts = torch.empty(b, hq, tq, dtype=torch.int32, device=inputs.q.device)
+    device = prefix.device
+    counts = torch.empty(b, hq, tq, dtype=torch.int32, device=device)
     full_counts = torch.empty_like(counts)
-    indices = torch.full((b, hq, tq, tk), -1, dtype=block_index_dtype(tk), device=inputs.q.device)
+    indices = torch.full((b, hq, tq, tk), -1, dtype=block_index_dtype(tk), device=device)
     if extra is None:
         extra_counts, extra_indices, marks = counts, indices, counts  # never read
     else:
         if tuple(extra.indices.shape) != (b, hq, tq, tk):
             raise ValueError(f"extra must be a BlockMask of shape {(b, hq, tq, tk)}, got {tuple(extra.indices.shape)}")
         extra_counts, extra_indices = extra.counts.contiguous(), extra.indices.contiguous()
-        marks = torch.zeros(b, hq, tq, tk, dtype=torch.int8, device=inputs.q.device)
+        marks = torch.zeros(b, hq, tq, tk, dtype=torch.int8, device=device)
     _lines_to_blocks[(b * hq * tq,)](
         vertical_blocks, prefix, counts, indices, full_counts, extra_counts, extra_indices, marks,
         tq, tk, layout.seq_len_q, nk, layout.query_offset,
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
-        FORCE_SINK=inputs.force_sink_block, EXTRA=extra is not None,
+        FORCE_SINK=force_sink_block, EXTRA=extra is not None,
     )
-    return BlockMask(counts=counts, indices=indices, layout=layout, full_counts=full_counts), scores[0]
-
-
-def union_select(config, inputs) -> BlockMask | torch.Tensor:
-    """``triton`` implementation of `UnionSelector`.
-
-    With a ``vertical_slash`` member on its fast path, the other members' selection is merged into
-    that member's compaction (`vertical_slash_select`'s ``extra``): no dense ``(B, Hq, Tq, Tk)``
-    masks are built and compacted again. Otherwise the OR of the members' fast implementations.
-    """
-    from pbs.planning import finalize_selection
-    from pbs.components import selector_registry
-    from pbs.selectors.union import UnionSelector, union_of_members
-
-    lines = next((m for m in config.selectors if m.name == "vertical_slash"), None)
-    if lines is None or not supports_fast_path(inputs):
-        return union_of_members(config, inputs, implementation="triton")
-    others = tuple(m for m in config.selectors if m is not lines)
-    if len(others) == 1:
-        fast = selector_registry.implementation(others[0], "triton")
-        extra = fast(others[0], inputs) if fast is not None else others[0].select(inputs)
-    else:
-        extra = union_of_members(UnionSelector.model_construct(selectors=others), inputs, implementation="triton")
-    if not isinstance(extra, BlockMask):
-        extra = finalize_selection(extra, inputs.layout, inputs.key_positions, inputs.force_sink_block)
-    return vertical_slash_select(lines, inputs, extra=extra)
-
-
-def head_choice_select(config, inputs) -> BlockMask | torch.Tensor:
-    """``triton`` implementation of `HeadChoiceSelector`: the pooled selector's fast implementation,
-    the lines merged with it in one compaction (`vertical_slash_select`'s ``extra``), and per head
-    the one of the two the coverage test picks, chosen on the device (no host sync)."""
-    from pbs.components import selector_registry
-    from pbs.planning import finalize_selection
-    from pbs.reference.block_means import sum_per_key_block
-    from pbs.selectors.head_choice import pooled_coverage
-
-    if not supports_fast_path(inputs):
-        return config.select(inputs)
-    layout = inputs.layout
-    fast = selector_registry.implementation(config.pooled, "triton")
-    pooled = fast(config.pooled, inputs) if fast is not None else config.pooled.select(inputs)
-    if not isinstance(pooled, BlockMask):
-        pooled = finalize_selection(pooled, layout, inputs.key_positions, inputs.force_sink_block)
-    both, vertical = _lines_and_vertical(config.lines, inputs, pooled)
-    tk = layout.num_key_blocks
-    last = pooled.indices[:, :, -1]
-    kept_last = torch.zeros(*last.shape[:-1], tk + 1, dtype=torch.bool, device=last.device)
-    kept_last.scatter_(-1, torch.where(last < 0, tk, last).long(), True)
-    mass = sum_per_key_block(vertical, layout.block_size)
-    first = torch.zeros(last.shape[:2], dtype=torch.long, device=last.device)  # kept_last's only row
-    trusted = pooled_coverage(mass, kept_last[:, :, None, :tk], first) >= config.min_coverage  # (B, Hq)
-    return BlockMask(counts=torch.where(trusted[..., None], pooled.counts, both.counts),
-                     indices=torch.where(trusted[..., None, None], pooled.indices, both.indices), layout=layout)
+    return BlockMask(counts=counts, indices=indices, layout=layout, full_counts=full_counts)

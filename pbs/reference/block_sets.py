@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pbs.layout import Layout
+from pbs.types import BlockMask
 
 
 def sink_blocks(layout: Layout, key_positions: torch.Tensor) -> torch.Tensor:
@@ -36,3 +37,26 @@ def forced_blocks(layout: Layout, key_positions: torch.Tensor, force_sink_block:
         sink = sink_blocks(layout, key_positions)
         forced.scatter_(-1, sink[:, :, None, None].expand(*shape[:3], 1), True)
     return forced & layout.allowed_blocks(device)
+
+
+def finalize_selection(
+    selected: torch.Tensor, layout: Layout, key_positions: torch.Tensor, force_sink_block: bool
+) -> BlockMask:
+    """A selector's bool selection as the `BlockMask` that runs: forced blocks added, blocks wholly
+    in the future dropped.
+
+    Args:
+        selected: ``(B, Hq, Tq, Tk)`` bool from a selector.
+        layout: geometry of the call.
+        key_positions: ``(B, Hk, Nk)`` original position of every permuted key slot.
+        force_sink_block: keep the block holding position 0.
+    """
+    expected = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+    if selected.dtype != torch.bool or tuple(selected.shape) != expected:
+        raise ValueError(
+            f"a selector must return a bool tensor of shape (B, Hq, Tq, Tk) = {expected}, "
+            f"got {selected.dtype} {tuple(selected.shape)}"
+        )
+    allowed = layout.allowed_blocks(selected.device)
+    dense = (selected | forced_blocks(layout, key_positions, force_sink_block)) & allowed
+    return BlockMask.from_dense(dense, layout)

@@ -1,0 +1,70 @@
+"""The built-in attention backends, in the order ``backend="auto"`` tries them.
+
+* ``"hopper"``: the warp-specialized, persistent Gluon kernel of `pbs.kernels.hopper_attn` on
+  Hopper GPUs (fp16/bf16, head dim 64 or 128, mask block 128);
+* ``"triton"``: the software-pipelined Triton kernel of `pbs.kernels.block_sparse_attn` on any
+  CUDA GPU of compute capability 8.0 or newer; on CPU tensors it runs in the Triton interpreter
+  when ``TRITON_INTERPRET=1`` and ``backend="triton"`` is named (the tests do), never through
+  ``auto``;
+* ``"reference"``: `pbs.reference.block_sparse_attn`, pure PyTorch, anywhere (auto's last resort);
+* ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
+  chosen by ``auto``), a second, independent implementation to compare against.
+
+The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
+imported when they first run, so ``import pbs`` works without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pbs.backends.eligibility import flex_reasons, gluon_kernel_reasons, triton_auto_reasons, triton_kernel_reasons
+from pbs.backends.registry import AttentionBackend, AttentionCall, CallSpec, register_backend
+
+
+def _kernel_arguments(call: AttentionCall) -> dict:
+    """Keyword arguments every kernel takes; positions only where something moved."""
+    plan = call.plan
+    return dict(
+        query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
+        key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
+        scale=call.scale,
+        causal=plan.layout.causal,
+    )
+
+
+def _run_reference(call: AttentionCall) -> torch.Tensor:
+    from pbs.reference.block_sparse_attn import block_sparse_attention_reference
+
+    plan = call.plan
+    return block_sparse_attention_reference(call.q, call.k, call.v, plan.mask, plan.query_positions(),
+                                            plan.key_positions(), scale=call.scale, causal=plan.layout.causal)
+
+
+def _run_triton(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.block_sparse_attn import block_sparse_attention
+
+    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+
+
+def _run_hopper(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.hopper_attn import hopper_block_sparse_attention
+
+    return hopper_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+
+
+def _run_flex(call: AttentionCall) -> torch.Tensor:
+    from pbs.kernels.flex import flex_block_sparse_attention
+
+    return flex_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+
+
+def _no_reasons(spec: CallSpec) -> list[str]:
+    return []
+
+
+register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton"))
+register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
+                                  plans_with="triton"))
+register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100))
+register_backend(AttentionBackend("flex", flex_reasons, _run_flex, plans_with="triton"))

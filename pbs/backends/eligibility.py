@@ -1,0 +1,159 @@
+"""Which kernel can run a call: one reasons function per kernel, used by every caller.
+
+Each function returns why its kernel cannot run calls of a `CallSpec` (an empty list: it can).
+Planning asks them once per call through `pbs.backends.resolve_backend`; the dense policy asks
+`gated_dense_reasons` and `probe_kernel_reasons`. They are cached per spec (they run in every
+layer of every call), and whether Triton and Gluon import is asked once, here only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+from pbs.backends.registry import CallSpec
+from pbs.kernels._common import interpreting
+
+MAX_HEAD_DIM = 256
+"""The largest head dim the Triton kernels take."""
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_kernel_module():
+    """`pbs.kernels.hopper_attn`, or the reason it cannot be imported (a Triton without Gluon, or
+    with another Gluon API)."""
+    if not _triton_installed():
+        return "triton is not installed"
+    try:
+        return importlib.import_module("pbs.kernels.hopper_attn")
+    except ImportError as exc:
+        return f"this Triton has no usable Gluon ({exc})"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _head_dim_reasons(spec: CallSpec) -> list[str]:
+    reasons = []
+    # TMA needs rows of a multiple of 16 bytes.
+    multiple = 16 // spec.dtype.itemsize
+    for name, dim in (("head dim", spec.head_dim), ("value head dim", spec.head_dim_v)):
+        if dim > MAX_HEAD_DIM:
+            reasons.append(f"{name} {dim} is larger than {MAX_HEAD_DIM}")
+        elif dim % multiple:
+            reasons.append(f"{name} {dim} is not a multiple of {multiple} (16 bytes of {spec.dtype})")
+    return reasons
+
+
+def triton_kernel_reasons(spec: CallSpec) -> list[str]:
+    """Why the Triton kernel (`pbs.kernels.block_sparse_attn`) cannot run ``spec``: it runs on
+    CUDA GPUs of compute capability 8.0 or newer, and on CPU tensors in Triton's interpreter
+    (``TRITON_INTERPRET=1``), where bfloat16 dot products are wrong."""
+    return list(_triton_kernel_reasons(spec, interpreting()))
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_kernel_reasons(spec: CallSpec, interpret: bool) -> tuple[str, ...]:
+    reasons = []
+    if not _triton_installed():
+        reasons.append("triton is not installed")
+    if spec.device.type != "cuda":
+        if not interpret:
+            reasons.append(f"inputs are on {spec.device.type}, not CUDA (set TRITON_INTERPRET=1 to run the kernel "
+                           "in the interpreter)")
+        elif spec.dtype == torch.bfloat16:
+            reasons.append("the Triton interpreter computes bfloat16 dot products wrongly; use float16 or float32")
+    elif _capability(spec.device) < (8, 0):
+        reasons.append("the Triton kernel needs a GPU of compute capability 8.0 or newer")
+    if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {spec.dtype} is not float16, bfloat16 or float32")
+    return tuple(reasons + _head_dim_reasons(spec))
+
+
+def triton_auto_reasons(spec: CallSpec) -> list[str]:
+    """Why ``auto`` passes over the Triton kernel although it could run ``spec``: the interpreter
+    is right but slow, so only a named ``backend="triton"`` runs it."""
+    if spec.device.type != "cuda":
+        return ["auto uses the Triton kernel on CUDA only (name backend='triton' to run the interpreter)"]
+    return []
+
+
+def gluon_kernel_reasons(spec: CallSpec) -> list[str]:
+    """Why the warp-specialized Gluon kernel (`pbs.kernels.hopper_attn`) cannot run ``spec``: it
+    runs on Hopper GPUs, fp16/bf16, head dims 64 or 128 (the same for values), mask block 128."""
+    return list(_gluon_kernel_reasons(spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
+    reasons = []
+    if spec.device.type != "cuda":
+        reasons.append(f"inputs are on {spec.device.type}, not CUDA (the Gluon kernel has no interpreter)")
+    kernel = _gluon_kernel_module()
+    if isinstance(kernel, str):
+        return (*reasons, kernel)
+    if spec.device.type == "cuda" and _capability(spec.device)[0] != kernel.COMPUTE_CAPABILITY_MAJOR:
+        reasons.append(f"needs a Hopper GPU (compute capability {kernel.COMPUTE_CAPABILITY_MAJOR}.x)")
+    if spec.dtype not in kernel.SUPPORTED_DTYPES:
+        reasons.append(f"dtype {spec.dtype} is not float16 or bfloat16")
+    dims = kernel.SUPPORTED_HEAD_DIMS
+    if spec.head_dim not in dims or spec.head_dim_v != spec.head_dim:
+        reasons.append(f"head dims ({spec.head_dim}, {spec.head_dim_v}) are not both one of {dims}")
+    if spec.block_size != kernel.BLOCK_SIZE:
+        reasons.append(f"mask block {spec.block_size} is not {kernel.BLOCK_SIZE}")
+    return tuple(reasons)
+
+
+def flex_reasons(spec: CallSpec) -> list[str]:
+    """Why the FlexAttention lowering (`pbs.kernels.flex`) cannot run ``spec``."""
+    reasons = []
+    if spec.device.type != "cuda":
+        reasons.append(f"inputs are on {spec.device.type}, not CUDA (FlexAttention runs compiled on CUDA only)")
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        reasons.append(f"torch {torch.__version__} has no torch.nn.attention.flex_attention")
+    if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {spec.dtype} is not float16, bfloat16 or float32")
+    return reasons
+
+
+def probe_kernel_reasons(device: torch.device, head_dim: int) -> list[str]:
+    """Why the density probe's Triton kernel (`pbs.kernels.density_probe`) cannot run on CUDA
+    ``device`` (then its eager twin runs)."""
+    return list(_probe_kernel_reasons(device, head_dim))
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_kernel_reasons(device: torch.device, head_dim: int) -> tuple[str, ...]:
+    if device.type != "cuda":
+        return (f"inputs are on {device.type}, not CUDA",)
+    if not _triton_installed():
+        return ("triton is not installed",)
+    reasons = []
+    if _capability(device) < (8, 0):
+        reasons.append("compute capability below 8.0")
+    if head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head dim above {MAX_HEAD_DIM}")
+    return tuple(reasons)
+
+
+def gated_dense_reasons(spec: CallSpec) -> list[str]:
+    """Why the dense policy cannot queue the Gluon kernel in dense mode behind the density probe,
+    gated on the probe's counters (`pbs.dense.DensePolicy`), for ``spec`` (its ``block_size`` is
+    not read: dense mode walks the kernel's own blocks)."""
+    if interpreting():
+        return ["the Triton interpreter cannot run Gluon"]
+    kernel = _gluon_kernel_module()
+    if isinstance(kernel, str):
+        return [kernel]
+    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
+    return gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)

@@ -1,0 +1,186 @@
+"""The registries of the dispatch layer: attention backends and the planners that plan for them.
+
+One registry answers "what runs this": ``auto`` picks, by ``auto_priority``, the first backend
+with no reasons against the call; a named backend that cannot run it raises with its reasons (and
+``auto`` with every backend's). `resolve_backend` is the only place a backend is chosen: planning
+calls it once and records the name in the `Plan`, and `run` obeys the plan.
+
+A *planner* is the fast implementation of a permuter or selector for one planning family
+(``"triton"``); a backend names the family that plans for it (``plans_with``). Planning off CUDA
+(or without Triton) always uses the components' reference methods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from pbs.types import Plan
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What a backend's eligibility depends on: the properties of one attention call.
+
+    Hashable, so that the eligibility rules (`pbs.backends.eligibility`) are cached per spec and
+    cost a dict lookup per call.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    block_size: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int) -> "CallSpec":
+        device = q.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Permuted tensors and the plan for one attention call."""
+
+    q: torch.Tensor  # (B, Hq, Nq, D), permuted queries
+    k: torch.Tensor  # (B, Hk, Nk, D), permuted keys
+    v: torch.Tensor  # (B, Hk, Nk, Dv), permuted values
+    plan: "Plan"
+    scale: float
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A way to run block-sparse attention: the one registry that ``PBSConfig.backend``, ``auto``,
+    ``pbs list``, the demo's choices and planning all read.
+
+    Attributes:
+        name: the ``PBSConfig.backend`` value that selects it.
+        not_supported_reasons: why it cannot run calls of a `CallSpec` (empty list: it can).
+        run: returns ``(B, Hq, Nq, Dv)`` in permuted query order, in any float dtype.
+        not_chosen_by_auto_reasons: further reasons for ``auto`` to pass it over although it can
+            run a call when asked by name (e.g. the Triton interpreter on CPU: right but slow).
+        auto_priority: ``auto`` tries backends by increasing priority; None: never by ``auto``.
+        plans_with: the planner family (`register_planner`) used to plan for it on CUDA;
+            planning off CUDA always uses the reference.
+    """
+
+    name: str
+    not_supported_reasons: Callable[[CallSpec], list[str]]
+    run: Callable[[AttentionCall], torch.Tensor]
+    not_chosen_by_auto_reasons: Callable[[CallSpec], list[str]] | None = None
+    auto_priority: int | None = None
+    plans_with: str = "reference"
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Adds (or replaces, by name) an attention backend; ``auto`` is reserved."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is not a backend name: it chooses among the registered backends")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def list_backends() -> list[str]:
+    """Names of the registered attention backends, in the order ``auto`` tries them (then the
+    ones ``auto`` never chooses)."""
+    ranked = sorted((b for b in _BACKENDS.values() if b.auto_priority is not None), key=lambda b: b.auto_priority)
+    return [b.name for b in ranked] + [name for name, b in _BACKENDS.items() if b.auto_priority is None]
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend registered as ``name``; the error names the registered ones."""
+    try:
+        return _BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown backend {name!r}; available: auto, {', '.join(list_backends())}") from None
+
+
+def check_backend_name(name: str) -> None:
+    """Raises the `get_backend` error unless ``name`` is ``auto`` or a registered backend (for
+    callers that want to fail before loading a model)."""
+    if name != "auto":
+        get_backend(name)
+
+
+def resolve_backend(requested: str, spec: CallSpec) -> AttentionBackend:
+    """``requested`` (a backend name or ``auto``) as the backend that runs calls of ``spec``.
+
+    Raises:
+        ValueError: a named backend that cannot run ``spec`` (its reasons), or no backend for
+            ``auto`` (every backend's reasons).
+    """
+    if requested != "auto":
+        backend = get_backend(requested)
+        reasons = backend.not_supported_reasons(spec)
+        if reasons:
+            raise ValueError(f"backend {requested!r} cannot run this call: " + "; ".join(reasons))
+        return backend
+    all_reasons = []
+    for name in list_backends():
+        backend = _BACKENDS[name]
+        if backend.auto_priority is None:
+            continue
+        reasons = backend.not_supported_reasons(spec)
+        if not reasons and backend.not_chosen_by_auto_reasons is not None:
+            reasons = backend.not_chosen_by_auto_reasons(spec)
+        if not reasons:
+            return backend
+        all_reasons.append(f"{name}: {'; '.join(reasons)}")
+    raise ValueError("no backend can run this call: " + " | ".join(all_reasons))
+
+
+ComponentKind = Literal["permuter", "selector"]
+Planner = Callable[[Any, Any], Any]
+_PLANNERS: dict[tuple[str, str, str], Planner] = {}
+_TRITON_AVAILABLE: list[bool] = []
+
+
+def register_planner(kind: ComponentKind, name: str, family: str) -> Callable[[Planner], Planner]:
+    """Decorator: ``fn(config, inputs)`` plans the ``kind`` (``"permuter"`` or ``"selector"``)
+    named ``name`` for the backends whose ``plans_with`` is ``family``.
+
+    A permuter planner returns `pbs.Permutations`; a selector planner a `pbs.BlockMask` (forced
+    blocks included) or a ``(B, Hq, Tq, Tk)`` bool tensor.
+    """
+    if kind not in ("permuter", "selector"):
+        raise ValueError(f"kind must be 'permuter' or 'selector', got {kind!r}")
+    if family == "reference":
+        raise ValueError("the reference family is the components' own methods; register another family name")
+
+    def decorator(fn: Planner) -> Planner:
+        _PLANNERS[(kind, name, family)] = fn
+        return fn
+
+    return decorator
+
+
+def planner_for(kind: ComponentKind, name: str, family: str) -> Planner | None:
+    """The planner registered for ``(kind, name, family)``, or None (the reference method runs)."""
+    return _PLANNERS.get((kind, name, family))
+
+
+def planning_family(backend: AttentionBackend, device: torch.device) -> str:
+    """The planner family for ``backend`` on ``device``: ``"reference"`` off CUDA or without
+    Triton, else the backend's ``plans_with``. A family that no registered backend plans with is
+    an error (a misspelt ``plans_with`` would otherwise never run)."""
+    if device.type != "cuda":
+        return "reference"
+    if not _TRITON_AVAILABLE:
+        _TRITON_AVAILABLE.append(importlib.util.find_spec("triton") is not None)
+    if not _TRITON_AVAILABLE[0]:
+        return "reference"
+    family = backend.plans_with
+    if family != "reference" and not any(f == family for (_, _, f) in _PLANNERS):
+        raise ValueError(f"backend {backend.name!r} plans with {family!r}, but no planner is registered for it")
+    return family
