@@ -18,44 +18,26 @@ GQAMode = Literal["per_head", "shared"]
 
 
 class DenseFallback(BaseModel):
-    """When ``backend="auto"`` runs dense attention (SDPA) instead, because sparse cannot win there.
+    """When ``backend="auto"`` runs dense attention instead of PBS: where sparse cannot win.
 
-    The defaults come from the crossovers measured on an H200 and an H100 with ``last_block`` +
-    ``mean_pool``, the default components then (docs/benchmarks.md):
-    below ``min_seq_len`` keys planning and launch costs eat the saving (at 16K sparse saved at
-    most 2-12% on structured inputs, while the density probe alone cost 4-10% on flat ones), and
-    above ``max_density`` (estimated before planning) planning plus the block-sparse kernel cost more
-    than cuDNN's dense kernel; ``max_planned_density`` was measured later (below).
+    `pbs.dense.DensePolicy` applies the rules in this order. The defaults come from crossovers
+    measured on H100 and H200 GPUs (docs/benchmarks.md, "Planning on the GPU and the dense fallback").
 
     Attributes:
-        min_seq_len: run dense when ``Nk`` is below this (decided from shapes: no planning, no sync).
-            0 turns the length rule off. The transformers integration reads the same field (its
-            ``min_seq_len`` sets it) and applies it on every device and backend.
-        max_density: run dense, without planning, when the density probe (`probe_blocks`)
-            estimates more than this: flat attention goes dense without paying for the key
-            permutation and the full selection. The check reads two numbers on the host (one
-            device-to-host sync) and is skipped (with a log line) while a CUDA graph is being
-            captured. On a Hopper GPU (fp16/bf16, head dim 64 or 128) the dense attention is
-            the Gluon kernel in dense mode, queued behind the probe before that read and gated on
-            the probe's counters on the GPU (`pbs.dense.dense_by_probe`), so the GPU does not
-            wait for the host; elsewhere SDPA runs after the read. None turns both density checks
-            (this one and ``max_planned_density``) off.
-        max_planned_density: run dense when the *planned* density is above this (the same sync
-            and capture rule). Planning is paid by then, so only the two attention times compare:
-            the block-sparse kernel took at most about density x cuDNN's dense time from 32K on
-            (H200: 0.90-0.97 at densities 0.76-0.82), so dense wins only near full density. None
-            turns this check off.
-        probe_blocks: query blocks the density probe samples (evenly spaced, the last included).
-            The probe mean-pools them and the key blocks in their original order and counts the
-            causal blocks needed to cover ``threshold`` of each row's pooled mass, sink and
-            diagonal blocks first (`pbs.reference.density_probe.probe_density`). Flat attention (random q, k) gives
-            about 0.9, structured attention 0.3-0.4; the probe is a screen for clearly dense
-            inputs, not the plan's density. It covers the selector's ``threshold`` (or
-            ``coverage``; for a ``union``, such as the default selector, the largest of its
-            members', `pbs.dense.probe_threshold`) and does not run for selectors without one
+        min_seq_len: run dense when ``Nk`` is below this (shapes only: no planning, no sync); 0
+            turns the rule off. The transformers integration applies the same field on every
+            device and backend.
+        max_density: run dense, before planning, when the density probe estimates more than
+            this (one read on the host, skipped inside a CUDA graph capture; on Hopper the dense
+            kernel is queued behind the probe so the GPU does not wait for that read). None turns
+            both density rules off.
+        max_planned_density: run dense when the planned density is above this (planning is paid
+            by then, so dense wins only near full density). None turns this rule off.
+        probe_blocks: query blocks the density probe samples (evenly spaced, the last included;
+            `pbs.reference.density_probe.probe_density`). It covers the selector's mass share
+            (`pbs.SelectorConfig.mass_share`) and does not run for a selector without one
             (``budget``). 0 turns the probe off.
-        devices: device types the policy applies to (the crossover was measured on CUDA; on CPU
-            the reference path is for study, not speed).
+        devices: device types the policy applies to (the crossovers were measured on CUDA).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -113,7 +95,9 @@ class PBSConfig(BaseModel):
         backend: ``"auto"`` (the first registered backend that can run the call: the Gluon
             kernel on Hopper, the Triton kernel on other CUDA GPUs, the reference elsewhere) or
             the name of a registered backend (`pbs.list_backends`: ``"hopper"``, ``"triton"``,
-            ``"reference"``, ``"flex"``, and any a plugin registers).
+            ``"reference"``, ``"flex"``, and any a plugin registers). The name is checked when a
+            call is planned (`pbs.backends.resolve_backend`, which records the backend in the
+            plan), so a backend a plugin registers later is accepted.
         force_sink_block: always compute the key block that holds position 0 (the attention sink).
         check_finite: reject NaN/inf inputs with a ``ValueError``. ``None`` (default): checked off
             CUDA (the reference path, where it costs little), not checked on CUDA, where it would
@@ -152,15 +136,6 @@ class PBSConfig(BaseModel):
     @classmethod
     def _parse_selector(cls, value: Any) -> SelectorConfig:
         return selector_registry.parse(value)
-
-    @field_validator("backend")
-    @classmethod
-    def _registered_backend(cls, value: str) -> str:
-        from pbs.backends import list_backends
-
-        if value != "auto" and value not in list_backends():
-            raise ValueError(f"unknown backend {value!r}; available: auto, {', '.join(list_backends())}")
-        return value
 
     @field_validator("block_size")
     @classmethod

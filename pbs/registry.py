@@ -1,9 +1,9 @@
-"""Registries that map component names to their config classes and backend implementations.
+"""Registries that map component names to their config classes.
 
 Users see config objects (``"last_block"``, ``{"name": "mean_pool", "threshold": 0.9}``); the
-registry turns a name into its config class and, per backend, into the function that runs it. The
-reference implementation is the config class's own method; faster backends register against the
-same name with `Registry.register_impl`, so a config never changes when the backend does.
+registry turns a name into its config class. The reference implementation is the config class's
+own method; GPU planners register against the same name in the dispatch layer
+(`pbs.backends.register_planner`), so a config never changes when the backend does.
 
 Third-party packages register components by exposing an entry point in the ``pbs.plugins`` group
 that points at a module (or callable) which calls `register_permuter` /
@@ -49,13 +49,12 @@ def load_plugins() -> list[str]:
 
 
 class Registry(Generic[C]):
-    """Name -> config class, and (name, backend) -> implementation, for one kind of component."""
+    """Name -> config class, for one kind of component."""
 
     def __init__(self, kind: str, base: type[C]):
         self.kind = kind
         self.base = base
         self._classes: dict[str, type[C]] = {}
-        self._impls: dict[tuple[str, str], Callable[..., Any]] = {}
 
     def register(self, cls: type[C] | None = None, *, overwrite: bool = False) -> Any:
         """Class decorator: registers a config class under the default of its ``name`` field."""
@@ -87,34 +86,8 @@ class Registry(Generic[C]):
         return decorator(cls) if cls is not None else decorator
 
     def unregister(self, name: str) -> None:
-        """Removes a component and its implementations (mainly for tests)."""
+        """Removes a component (mainly for tests)."""
         self._classes.pop(name, None)
-        for key in [k for k in self._impls if k[0] == name]:
-            del self._impls[key]
-
-    def register_impl(self, name: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator: registers ``fn(config, inputs)`` as the ``backend`` implementation of ``name``.
-
-        ``backend`` must be a registered attention backend (`pbs.list_backends`) whose
-        ``plans_with`` can name it, so that a misspelt name fails here rather than never running.
-        """
-        from pbs.backends import list_backends
-
-        if backend not in list_backends():
-            raise ValueError(
-                f"unknown backend {backend!r} for the implementation of {self.kind} {name!r}; "
-                f"registered backends: {', '.join(list_backends())}"
-            )
-
-        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self._impls[(name, backend)] = fn
-            return fn
-
-        return decorator
-
-    def implementation(self, config: C, backend: str) -> Callable[..., Any] | None:
-        """The ``backend`` implementation registered for ``config``'s name, or None."""
-        return self._impls.get((config.name, backend))  # type: ignore[attr-defined]
 
     def names(self) -> list[str]:
         """Registered names, sorted (loads plugins first)."""

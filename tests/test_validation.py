@@ -68,12 +68,8 @@ def test_bad_scale(scale):
 
 def test_unknown_backend_lists_the_available_ones():
     q, k, v = _qkv()
-    from pbs.backends import AttentionCall, choose_backend
-
-    plan = pbs.plan(q, k)
-    call = AttentionCall(q, k, v, plan, 0.25)
     with pytest.raises(ValueError, match="unknown backend 'nope'; available: auto, hopper, triton, reference, flex"):
-        choose_backend("nope", call)
+        pbs.attention(q, k, v, {"backend": "nope"})
 
 
 def test_check_finite_default_scans_off_cuda_only():

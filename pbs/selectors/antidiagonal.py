@@ -19,7 +19,7 @@ Which strided keys enter the softmax follows the layout:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,7 @@ class AntidiagonalSelector(SelectorConfig):
 
     name: Literal["antidiagonal"] = "antidiagonal"
     stride: int = Field(8, ge=1)
+    knob: ClassVar[str | None] = "threshold"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def check_compatible(self, config) -> None:

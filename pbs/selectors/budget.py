@@ -7,13 +7,13 @@ matter for speed, only how many, so this gives kernels a mask of known density.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from pbs.components import SelectionInputs, SelectorConfig, register_selector
-from pbs.reference.seeded import seeded_rand
+from pbs.reference.seeded import Seed, seeded_rand
 from pbs.reference.block_sets import forced_blocks
 
 
@@ -29,8 +29,10 @@ class BudgetSelector(SelectorConfig):
     """
 
     name: Literal["budget"] = "budget"
+    knob: ClassVar[str | None] = "density"
+    knob_is_mass_share: ClassVar[bool] = False
     density: float = Field(0.3, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: Seed = 0
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         layout = inputs.layout

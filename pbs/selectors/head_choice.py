@@ -71,6 +71,10 @@ class HeadChoiceSelector(SelectorConfig):
         self.pooled.check_compatible(config)
         self.lines.check_compatible(config)
 
+    def mass_share(self) -> float | None:
+        # Every head keeps the pooled blocks; where the lines are added they keep theirs too.
+        return self.pooled.mass_share()
+
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         pooled = self.pooled.select(inputs)
         if isinstance(pooled, BlockMask):

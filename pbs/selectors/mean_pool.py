@@ -15,7 +15,7 @@ blocks are added afterwards by planning.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -48,6 +48,7 @@ class MeanPoolSelector(SelectorConfig):
     """
 
     name: Literal["mean_pool"] = "mean_pool"
+    knob: ClassVar[str | None] = "threshold"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:

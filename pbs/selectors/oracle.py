@@ -7,7 +7,7 @@ the paper's coverage-density curves (Figure 1).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -26,6 +26,7 @@ class OracleSelector(SelectorConfig):
     """
 
     name: Literal["oracle"] = "oracle"
+    knob: ClassVar[str | None] = "coverage"
     coverage: float = Field(0.9, gt=0.0, le=1.0)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:

@@ -20,7 +20,7 @@ block; its quality on the real model is in docs/quality.md.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -79,6 +79,7 @@ class PooledQuerySelector(SelectorConfig):
     """
 
     name: Literal["pooled_query"] = "pooled_query"
+    knob: ClassVar[str | None] = "threshold"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:

@@ -14,7 +14,7 @@ Cost: ``rows_per_block / block_size`` of the query-key product of dense attentio
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -80,6 +80,7 @@ class SampledRowsSelector(SelectorConfig):
 
     name: Literal["sampled_rows"] = "sampled_rows"
     rows_per_block: int = Field(8, ge=1)
+    knob: ClassVar[str | None] = "threshold"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def check_compatible(self, config) -> None:

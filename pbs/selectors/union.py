@@ -3,7 +3,8 @@
 Estimators miss different things: a pooled score (``mean_pool``) follows what each query block's
 *average* query reads, the lines of ``vertical_slash`` follow what the last queries read at a
 fixed key or a fixed distance. Their union keeps both, at the sum of their densities minus the
-overlap. Each member runs its own reference ``select`` on the same inputs.
+overlap. Each member runs its own reference ``select`` on the same inputs (on the GPU, each its
+planner: `pbs.backends.composition`).
 """
 
 from __future__ import annotations
@@ -45,22 +46,16 @@ class UnionSelector(SelectorConfig):
         for member in self.selectors:
             member.check_compatible(config)
 
+    def mass_share(self) -> float | None:
+        # The union keeps every block each member keeps, so it covers at least the largest share.
+        shares = [share for share in (m.mass_share() for m in self.selectors) if share is not None]
+        return max(shares) if shares else None
+
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
-        return union_of_members(self, inputs, implementation="reference")
-
-
-def union_of_members(config: UnionSelector, inputs: SelectionInputs, implementation: str) -> torch.Tensor:
-    """OR of the members' selections, each from its ``implementation`` (``"triton"``: a member's
-    registered fast implementation where it has one, else its reference ``select``).
-
-    Returns:
-        ``(B, Hq, Tq, Tk)`` bool.
-    """
-    selected = None
-    for member in config.selectors:
-        fast = selector_registry.implementation(member, implementation)
-        result = fast(member, inputs) if fast is not None else member.select(inputs)
-        if isinstance(result, BlockMask):
-            result = result.to_dense()
-        selected = result if selected is None else selected | result
-    return selected
+        selected = None
+        for member in self.selectors:
+            result = member.select(inputs)
+            if isinstance(result, BlockMask):
+                result = result.to_dense()
+            selected = result if selected is None else selected | result
+        return selected

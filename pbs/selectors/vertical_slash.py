@@ -22,7 +22,7 @@ conservative for permuted ones (a permuted block's positions are not contiguous)
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -220,6 +220,7 @@ class VerticalSlashSelector(SelectorConfig):
     """
 
     name: Literal["vertical_slash"] = "vertical_slash"
+    knob: ClassVar[str | None] = "threshold"
     threshold: float = Field(0.9, gt=0.0, le=1.0)
     vertical_threshold: float | None = Field(None, gt=0.0, le=1.0)
     last_rows: int = Field(64, ge=1)
