@@ -143,10 +143,9 @@ def run(args) -> dict:
                                            "ratio_to_ideal": ms / point["ideal_ms"]})
                 print(f"  variant {name}: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)
             for stages in args.hopper_stages if kernel == "hopper" and n in args.variant_n else []:
-                from pbs.kernels._common import sm_count
                 from pbs.kernels.hopper_attn import launch_hopper
 
-                ms = time_ms(lambda s=stages: launch_hopper(call, sm_count(q.device), s))
+                ms = time_ms(lambda s=stages: launch_hopper(call, torch.cuda.get_device_properties(q.device).multi_processor_count, s))
                 result["variants"].append({"n": n, "density": plan.density, "config": f"hopper-stages{stages}", "ms": ms,
                                            "ratio_to_ideal": ms / point["ideal_ms"]})
                 print(f"  hopper, {stages} stages: {ms:.3f} ms = {ms / point['ideal_ms']:.3f} x ideal", flush=True)

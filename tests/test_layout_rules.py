@@ -148,3 +148,133 @@ def test_the_defaults_plot_draws_every_protocol_of_a_result(tmp_path):
     subprocess.run([sys.executable, str(BENCHMARKS / "plot_defaults.py"),
                     str(BENCHMARKS / "results" / "defaults" / "defaults_h100_launch_first.json"), "--out", str(out)], check=True)
     assert out.stat().st_size > 10_000
+
+
+# -- the floors of the package: every import looks down -------------------------------------------
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("values", ("pbs.layout", "pbs.types", "pbs.registry", "pbs.validation", "pbs.components", "pbs.config")),
+    ("eager twins and shared math", ("pbs.reference",)),
+    ("kernel launchers", ("pbs.kernels",)),
+    ("components", ("pbs.permuters", "pbs.selectors")),
+    ("dispatch", ("pbs.backends",)),
+    ("planning and the dense policy", ("pbs.planning", "pbs.dense")),
+    ("entry points", ("pbs.api", "pbs.ops", "pbs.testing")),
+    ("users of the entry points", ("pbs.integrations", "pbs.cli", "pbs.analysis", "pbs.demo", "pbs.__main__", "pbs")),
+)
+"""Floors from the bottom up (docs/contributing.md draws them): a module imports only modules of its
+own floor or of floors below. ``pbs`` itself (the package's public names) is the top floor."""
+
+KERNEL_FORBIDDEN = ("pbs.planning", "pbs.selectors", "pbs.permuters", "pbs.api", "pbs.dense", "pbs.integrations",
+                    "pbs.backends", "pbs.components", "pbs.config")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _pbs_imports(path: Path, typing_only: bool) -> set[str]:
+    """The pbs modules ``path`` imports, at module level or inside functions; imports under
+    ``if TYPE_CHECKING:`` count only when ``typing_only``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not typing_only:
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {name for name in found if name in MODULES}
+
+
+def _floor(module: str) -> int:
+    best = None
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is on no floor: add it to FLOORS in tests/test_layout_rules.py"
+    return best[0]
+
+
+def test_every_import_looks_down_the_floors():
+    offenders = []
+    for module, path in sorted(MODULES.items()):
+        for imported in sorted(_pbs_imports(path, typing_only=True) - {module}):
+            if imported == "pbs" and module != "pbs":
+                if _floor(module) < len(FLOORS) - 1:
+                    offenders.append(f"{module} imports the package root pbs")
+            elif _floor(imported) > _floor(module):
+                offenders.append(f"{module} ({FLOORS[_floor(module)][0]}) imports {imported} "
+                                 f"({FLOORS[_floor(imported)][0]})")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_kernel_launchers_import_no_floor_above_them():
+    offenders = {
+        module: sorted(name for name in _pbs_imports(path, typing_only=True)
+                       if any(name == f or name.startswith(f + ".") for f in KERNEL_FORBIDDEN))
+        for module, path in MODULES.items() if module.startswith("pbs.kernels")
+    }
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, f"kernels take tensors, a Layout and plain arguments: {offenders}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_circle_even_through_function_level_imports():
+    """Imports inside functions count (they hide a circle, they do not remove it); only imports
+    for type annotations (``if TYPE_CHECKING:``) do not."""
+    graph = {module: _pbs_imports(path, typing_only=False) - {module} for module, path in MODULES.items()}
+    assert not _cycles(graph)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -1,4 +1,12 @@
-"""Registered permuters; importing this package registers the built-in ones."""
+"""Registered permuters; importing this package registers the built-in ones.
+
+Every module of the package is imported (a new permuter file registers itself with no line here);
+the names below are the public classes.
+"""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 
 from pbs.permuters.avg_query import AvgQueryPermuter
 from pbs.permuters.greedy import GreedyPermuter
@@ -19,3 +27,6 @@ __all__ = [
     "RandomPermuter",
     "RandomQueryPermuter",
 ]
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,4 +1,12 @@
-"""Registered selectors; importing this package registers the built-in ones."""
+"""Registered selectors; importing this package registers the built-in ones.
+
+Every module of the package is imported (a new selector file registers itself with no line here);
+the names below are the public classes.
+"""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 
 from pbs.selectors.antidiagonal import AntidiagonalSelector
 from pbs.selectors.budget import BudgetSelector
@@ -13,3 +21,6 @@ from pbs.selectors.vertical_slash import VerticalSlashSelector
 __all__ = ["AntidiagonalSelector", "BudgetSelector", "HeadChoiceSelector", "MeanPoolSelector", "OracleSelector", "PooledQuerySelector",
            "SampledRowsSelector", "UnionSelector",
            "VerticalSlashSelector"]
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")
