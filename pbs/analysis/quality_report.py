@@ -1,4 +1,5 @@
-"""Writing a `QualityReport`: summary, JSON, markdown and pictures.
+"""Writing a `QualityReport` (`pbs.analysis.quality_results`, which also holds its summary): JSON,
+markdown and pictures.
 
 * ``<name>.json``: everything (per sample, per layer, the summary, the texts' hashes);
 * ``<name>.md``: one table per text set, the GPU agreement, a per-layer table;
@@ -14,88 +15,13 @@ import math
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pbs.analysis.quality import Method, QualityReport
-
-SET_ORDER = ("heldout", "tuning")
+from pbs.analysis.quality_methods import Method
+from pbs.analysis.quality_results import QualityReport, summarize
 
 
-def _mean(values: list[float]) -> float | None:
-    return mean(values) if values else None
-
-
-def summarize(report: "QualityReport") -> list[dict[str, Any]]:
-    """One entry per (method, text set): the means the tables and pictures show.
-
-    Keys: ``method``, ``family``, ``threshold``, ``set``; ``density`` (mean over the set's samples);
-    ``loss`` (length -> mean document loss), ``loss_mean`` (over every document sample) and
-    ``delta_loss`` (minus dense's); ``copy_loss`` and ``first_loss`` (filler -> mean loss on the
-    second / first passage), ``copy_mean`` and ``worst_delta_copy`` (the largest excess over dense
-    at any filler length); ``layer_rel_error``, ``layer_coverage``, ``layer_density`` (means over
-    layers and probe samples; None without probes).
-    """
-    by_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for row in report.results:
-        by_key[(row["method"], row["set"])].append(row)
-    layer_rows: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for row in report.layers:
-        layer_rows[(row["method"], row["set"])].append(row)
-    sets = [s for s in SET_ORDER if any(r["set"] == s for r in report.results)]
-    sets += sorted({r["set"] for r in report.results} - set(sets))
-    summary = []
-    # dense first, so every other row can be compared with it
-    ordered = sorted(report.methods, key=lambda m: not m.is_dense)
-    for text_set in sets:
-        dense_entry = None
-        for method in ordered:
-            rows = by_key.get((method.label, text_set), [])
-            if not rows:
-                continue
-            docs = [r for r in rows if r["kind"] == "document"]
-            copies = [r for r in rows if r["kind"] == "copy"]
-            lengths = sorted({r["tokens"] for r in docs})
-            fillers = sorted({r["filler"] for r in copies})
-            entry: dict[str, Any] = {
-                "method": method.label,
-                "family": method.family,
-                "threshold": method.threshold,
-                "set": text_set,
-                "density": _mean([r["density"] for r in rows]),
-                "loss": {str(n): _mean([r["loss"] for r in docs if r["tokens"] == n]) for n in lengths},
-                "loss_mean": _mean([r["loss"] for r in docs]),
-                "copy_loss": {str(f): _mean([r["copy_loss"] for r in copies if r["filler"] == f]) for f in fillers},
-                "first_loss": {str(f): _mean([r["first_loss"] for r in copies if r["filler"] == f]) for f in fillers},
-                "copy_mean": _mean([r["copy_loss"] for r in copies]),
-            }
-            layers = layer_rows.get((method.label, text_set), [])
-            entry["layer_rel_error"] = _mean([r["rel_error"] for r in layers])
-            entry["layer_coverage"] = _mean([r["coverage"] for r in layers])
-            entry["layer_density"] = _mean([r["density"] for r in layers])
-            if method.is_dense:
-                dense_entry = entry
-            _add_deltas(entry, dense_entry)
-            summary.append(entry)
-    return summary
-
-
-def _add_deltas(entry: dict[str, Any], dense: dict[str, Any] | None) -> None:
-    entry["delta_loss"] = None
-    entry["worst_delta_copy"] = None
-    if dense is None:
-        return
-    if entry["loss_mean"] is not None and dense["loss_mean"] is not None:
-        entry["delta_loss"] = entry["loss_mean"] - dense["loss_mean"]
-    deltas = [
-        value - dense["copy_loss"][f]
-        for f, value in entry["copy_loss"].items()
-        if value is not None and dense["copy_loss"].get(f) is not None
-    ]
-    entry["worst_delta_copy"] = max(deltas) if deltas else None
-
-
-def gpu_agreement(report: "QualityReport") -> dict[str, float] | None:
+def gpu_agreement(report: QualityReport) -> dict[str, float] | None:
     """Largest differences between the GPU backend and the reference over every (method, sample)."""
     if not report.gpu:
         return None
@@ -117,7 +43,7 @@ def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
-def markdown_tables(report: "QualityReport", summary: list[dict[str, Any]] | None = None) -> str:
+def markdown_tables(report: QualityReport, summary: list[dict[str, Any]] | None = None) -> str:
     """The report as markdown: a table per text set, the GPU agreement and a per-layer table."""
     summary = summarize(report) if summary is None else summary
     meta = report.meta
@@ -169,7 +95,7 @@ def markdown_tables(report: "QualityReport", summary: list[dict[str, Any]] | Non
     return "\n".join(lines) + "\n"
 
 
-def _representative_methods(methods: list["Method"], target: float = 0.9) -> list["Method"]:
+def _representative_methods(methods: list[Method], target: float = 0.9) -> list[Method]:
     """Per family, the method whose threshold is nearest ``target`` (dense excluded). Methods
     without a threshold (a ``union``, a fixed budget) are not points of one curve: each keeps its
     own entry, even where several share a family name."""
@@ -186,7 +112,7 @@ def _representative_methods(methods: list["Method"], target: float = 0.9) -> lis
     return list(chosen.values())
 
 
-def _layer_means(report: "QualityReport", label: str, key: str) -> dict[int, float]:
+def _layer_means(report: QualityReport, label: str, key: str) -> dict[int, float]:
     values: dict[int, list[float]] = defaultdict(list)
     for row in report.layers:
         if row["method"] == label:
@@ -194,7 +120,7 @@ def _layer_means(report: "QualityReport", label: str, key: str) -> dict[int, flo
     return {layer: mean(v) for layer, v in sorted(values.items())}
 
 
-def _layer_table(report: "QualityReport") -> list[str]:
+def _layer_table(report: QualityReport) -> list[str]:
     if not report.layers:
         return []
     methods = _representative_methods(report.methods)
@@ -217,7 +143,7 @@ def _layer_table(report: "QualityReport") -> list[str]:
 # Pictures
 
 
-def plot_loss_density(report: "QualityReport", path: str | Path, *, text_set: str | None = None,
+def plot_loss_density(report: QualityReport, path: str | Path, *, text_set: str | None = None,
                       summary: list[dict[str, Any]] | None = None, dpi: int = 120) -> Path:
     """Long-text loss and copy loss against density: a curve per family, dense as a line.
 
@@ -268,7 +194,7 @@ def plot_loss_density(report: "QualityReport", path: str | Path, *, text_set: st
     return _save(fig, path, dpi)
 
 
-def plot_layers(report: "QualityReport", path: str | Path, *, threshold: float = 0.9, dpi: int = 120) -> Path:
+def plot_layers(report: QualityReport, path: str | Path, *, threshold: float = 0.9, dpi: int = 120) -> Path:
     """Per-layer coverage and attention error of each family at the threshold nearest ``threshold``."""
     from pbs.analysis.plotting import _new_figure, _save
 
@@ -299,7 +225,7 @@ def _colours(n: int) -> list[Any]:
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def write_report(report: "QualityReport", out: str | Path, name: str = "quality", *, pictures: bool = True) -> dict[str, Path]:
+def write_report(report: QualityReport, out: str | Path, name: str = "quality", *, pictures: bool = True) -> dict[str, Path]:
     """Writes ``<name>.json``, ``<name>.md`` and (with matplotlib) the pictures into ``out``.
 
     Returns:

@@ -22,7 +22,8 @@ def _layer_list(text: str) -> list[int]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pbs.analysis.quality import DEFAULT_GGUF_FILE, DEFAULT_THRESHOLDS, KNOWN_MODELS
+    from pbs.analysis.quality_methods import DEFAULT_THRESHOLDS
+    from pbs.analysis.quality_models import DEFAULT_GGUF_FILE, KNOWN_MODELS
     from pbs.analysis.quality_texts import TEXT_SET_CHOICES
 
     parser = sub.add_parser(
@@ -83,17 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pbs.analysis.quality import (
-        DENSE,
-        DenseFallbackError,
-        check_unique_labels,
-        default_methods,
-        load_methods,
-        load_model,
-        make_method,
-        named_model_location,
-        run_quality,
-    )
+    from pbs.analysis.quality import run_quality
+    from pbs.analysis.quality_methods import DENSE, check_unique_labels, default_methods, load_methods, make_method
+    from pbs.analysis.quality_models import load_model, named_model_location
+    from pbs.analysis.quality_probes import DenseFallbackError
     from pbs.analysis.quality_report import write_report
     from pbs.analysis.quality_texts import TextLibrary, build_samples, text_sets
 

@@ -1,0 +1,146 @@
+"""What ``pbs quality`` measures: next-token losses, a sample's loss / copy loss / density row, and
+one layer's attention error, coverage and density against dense attention.
+
+* `token_losses`: per-token losses of one sequence; `sample_result`: the row of one method on one
+  sample (document loss, copy and first-passage loss of a copy probe, density);
+* `ForwardResult`: one forward pass's losses and per-layer density (a dense layer counting 1);
+* `layer_metrics`: every method on one layer's ``q``/``k``/``v``, against dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pbs.analysis.quality_methods import Method
+from pbs.analysis.quality_texts import Sample, span_loss
+from pbs.config import PBSConfig
+from pbs.dense import dense_attention_sdpa
+from pbs.reference.block_mass import attention_coverage, block_attention_mass
+
+
+def token_losses(model: torch.nn.Module, input_ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Next-token losses ``(N - 1,)`` float32 of one sequence; ``[j]`` is the loss of token ``j + 1``.
+
+    The logits are computed ``chunk`` positions at a time from the decoder's last hidden state, so an
+    8K-token sequence never holds the full ``(N, vocab)`` logits.
+    """
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    with torch.no_grad():
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        targets = ids[0, 1:]
+        out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, targets.shape[0], chunk):
+            logits = head(hidden[start : start + chunk]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            out[start : start + chunk] = F.cross_entropy(logits, targets[start : start + chunk], reduction="none")
+    return out.cpu()
+
+
+@dataclass
+class ForwardResult:
+    """Per-token losses of one forward pass and the density of every attention layer."""
+
+    losses: torch.Tensor
+    layer_density: dict[int, float]
+    seconds: float
+
+    @property
+    def density(self) -> float:
+        return sum(self.layer_density.values()) / max(1, len(self.layer_density))
+
+
+def sample_result(method: Method, sample: Sample, forward: ForwardResult, backend: str) -> dict[str, Any]:
+    """The report row of ``method`` on ``sample``: loss over the whole sequence, density (mean and per
+    layer), seconds; for a copy probe also ``filler``, ``copy_loss`` and ``first_loss``."""
+    row: dict[str, Any] = {
+        "method": method.label,
+        "sample": sample.name,
+        "set": sample.text_set,
+        "kind": sample.kind,
+        "tokens": sample.length,
+        "backend": backend,
+        "loss": span_loss(forward.losses, (1, sample.length)),
+        "density": forward.density,
+        "layer_density": [forward.layer_density[i] for i in sorted(forward.layer_density)],
+        "seconds": round(forward.seconds, 3),
+    }
+    if sample.kind == "copy":
+        row["filler"] = sample.filler
+        row["copy_loss"] = span_loss(forward.losses, sample.copy_span)
+        row["first_loss"] = span_loss(forward.losses, sample.first_span)
+    return row
+
+
+@dataclass(frozen=True)
+class LayerMetric:
+    """One method in one layer: ``||out - dense|| / ||dense||``, the share of the exact attention
+    mass inside the selected blocks, and the density (head means)."""
+
+    rel_error: float
+    coverage: float
+    density: float
+
+
+class _MassCache:
+    """Exact block mass of one layer's q/k, once per distinct permutation."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float):
+        self.q, self.k, self.scale = q, k, scale
+        self._entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def mass(self, plan: Any) -> torch.Tensor:
+        qi, ki = plan.query_permutation.indices, plan.key_permutation.indices
+        for q_idx, k_idx, mass in self._entries:
+            if q_idx.shape == qi.shape and k_idx.shape == ki.shape and torch.equal(q_idx, qi) and torch.equal(k_idx, ki):
+                return mass
+        q_perm = plan.query_permutation.apply(self.q)
+        k_perm = plan.key_permutation.apply(self.k)
+        mass = block_attention_mass(q_perm, k_perm, plan.query_positions(), plan.key_positions(), plan.layout, self.scale)
+        self._entries.append((qi, ki, mass))
+        return mass
+
+
+def layer_metrics(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    configs: dict[str, PBSConfig | None],
+    *,
+    scale: float | None = None,
+) -> dict[str, LayerMetric]:
+    """Every config on one layer's inputs, against dense attention on the same inputs.
+
+    Args:
+        q: ``(B, Hq, N, D)``; k, v: ``(B, Hkv, N, D)`` (computed in float32).
+        configs: label -> PBS config, or ``None`` for dense attention (error 0, coverage 1, density 1).
+        scale: softmax scale, default ``D ** -0.5``.
+    """
+    import pbs
+
+    q, k, v = q.float(), k.float(), v.float()
+    s = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    dense = dense_attention_sdpa(q, k, v, scale=s, causal=True).float()
+    dense_norm = dense.norm()
+    masses = _MassCache(q, k, s)
+    out: dict[str, LayerMetric] = {}
+    for label, config in configs.items():
+        if config is None:
+            out[label] = LayerMetric(0.0, 1.0, 1.0)
+            continue
+        plan = pbs.plan(q, k, config, scale=s)
+        result = pbs.run(plan, q, k, v, scale=s).float()
+        coverage = attention_coverage(masses.mass(plan), plan.mask.to_dense(), plan.layout)
+        out[label] = LayerMetric(
+            rel_error=float((result - dense).norm() / dense_norm),
+            coverage=float(coverage.double().mean()),
+            density=float(plan.density),
+        )
+    return out
