@@ -53,6 +53,25 @@ class DenseFallback(BaseModel):
     def _name_valid_fields(cls, data: Any, handler: Any) -> Any:
         return name_valid_fields(cls, data, handler)
 
+    @field_validator("devices")
+    @classmethod
+    def _device_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # The policy compares an input's device.type with these: "cuda:0" would never match.
+        import torch
+
+        for entry in value:
+            try:
+                device = torch.device(entry)
+            except (RuntimeError, TypeError):
+                device = None
+            if device is None or device.type != entry or device.index is not None:
+                raise ValueError(
+                    f"dense_fallback.devices holds device types, got {entry!r}; give a device type "
+                    'such as "cuda" or "cpu", without an index (the policy applies to every device '
+                    "of that type)"
+                )
+        return value
+
 
 DEFAULT_PRESET = "vertical_slash_pooled"
 """The preset whose components are `PBSConfig`'s defaults (one definition in `PRESETS`, so the two

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 import torch
+
+from pbs.layout import Layout
+from pbs.types import BlockMask
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
@@ -12,7 +18,7 @@ def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> Non
     """Validates ``q (B, Hq, Nq, D)``, ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)``.
 
     Raises:
-        TypeError: a non-tensor or a non-floating dtype.
+        TypeError: a non-tensor, a sparse or nested tensor (not strided), or a non-floating dtype.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims/devices/dtypes, empty
             batch, heads or sequences, ``Nq > Nk``, meta tensors, inputs that require grad while
             grad mode is on (PBS is forward-only), or NaN/inf values (when ``check_finite``).
@@ -32,6 +38,11 @@ def _passes_all_checks(q: object, k: object, v: object) -> bool:
     why; tests/test_validation.py checks that the two agree.
     """
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    strided = torch.strided
+    if not (q.layout is strided and k.layout is strided and v.layout is strided) or (
+        q.is_nested or k.is_nested or v.is_nested
+    ):
         return False
     dtype = q.dtype
     if dtype not in _FLOAT_DTYPE_SET or k.dtype is not dtype or v.dtype is not dtype:
@@ -55,6 +66,15 @@ def _raise_first_problem(q: object, k: object, v: object) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout is not torch.strided or x.is_nested:
+            got, fix = (
+                ("a nested tensor", "torch.nested.to_padded_tensor") if x.is_nested
+                else (f"layout {x.layout}", f"{name}.to_dense()")
+            )
+            raise TypeError(
+                f"{name} must be a strided (dense) tensor, got {got}; PBS attention takes strided "
+                f"(dense) tensors only (convert with {fix})"
+            )
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
         if x.dim() != 4:
@@ -77,6 +97,17 @@ def _raise_first_problem(q: object, k: object, v: object) -> None:
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share a dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
+    check_attention_shapes(q, k, v)
+    raise AssertionError("unreachable: _passes_all_checks refused inputs that every named check accepts")
+
+
+def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raises ``ValueError`` naming the first shape rule that 4-D ``q``, ``k``, ``v`` break.
+
+    The rules of `check_qkv` that concern sizes only (any dtype and device), shared with
+    `pbs.reference.dense_attention`: positive sizes, one batch, ``k`` and ``v`` agreeing in
+    ``(B, Hkv, Nk)``, one head dim for ``q`` and ``k``, ``Hq % Hkv == 0`` and ``Nq <= Nk``.
+    """
     b, hq, nq, d = q.shape
     if b == 0:
         raise ValueError(f"the batch size must be positive, got q of shape {tuple(q.shape)}")
@@ -103,9 +134,9 @@ def _raise_first_problem(q: object, k: object, v: object) -> None:
         raise ValueError(f"sequence lengths must be positive, got Nq = {nq}, Nk = {nk}")
     if nq > nk:
         raise ValueError(
-            f"q has more positions (Nq = {nq}) than k (Nk = {nk}); queries are the last Nq of the Nk positions"
+            f"q has more positions (Nq = {nq}) than k (Nk = {nk}); queries are the last Nq of the "
+            "Nk positions, so Nq must be <= Nk"
         )
-    raise AssertionError("unreachable: _passes_all_checks refused inputs that every named check accepts")
 
 
 def check_all_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -125,6 +156,113 @@ def check_all_finite(tensors: dict[str, torch.Tensor]) -> None:
     for name, ok in zip(tensors, finite):
         if not ok:
             raise ValueError(f"{name} contains NaN or inf values")
+
+
+# scale * q.k is formed in fp32: 1e4 is far above any softmax scale in use (D**-0.5 <= 0.25, 1 to
+# ~30 with QK-norm) yet keeps it finite for every fp16 product (|q.k| <= 65504**2 * D); 1e300 zeroed every row.
+MAX_SCALE = 1e4
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale to use: ``head_dim ** -0.5`` for None, else ``scale`` as a float.
+
+    Raises:
+        ValueError: a bool or a non-number, NaN, inf, ``scale <= 0`` or ``scale > MAX_SCALE``.
+    """
+    if scale is None:
+        return head_dim**-0.5
+    # bool is a numbers.Real; `0 < scale <= MAX_SCALE` is False for NaN as well.
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < scale <= MAX_SCALE:
+        raise ValueError(
+            f"scale must be a positive finite number in (0, {MAX_SCALE:g}] or None (the default "
+            f"head_dim ** -0.5 = {head_dim**-0.5:.4g}), got {scale!r}"
+        )
+    return float(scale)
+
+
+def check_selector_result(result: object, layout: Layout, device: torch.device, name: str) -> None:
+    """Checks what a selector's ``select`` returned before planning uses it.
+
+    ``result`` must be a ``(B, Hq, Tq, Tk)`` bool tensor or a `BlockMask` built for ``layout``
+    (equal in every field), on ``device``, with int32 ``counts`` in ``0..Tk``, int16/int32
+    ``indices`` that list each query block's key blocks in ascending order, in ``0..Tk-1``, then
+    ``-1``, and ``0 <= full_counts <= counts`` where given. Shapes, dtypes, devices and the layout
+    are read on the host; the values are checked by one device-side assert on CUDA (no host
+    sync: a bad mask stops the process with a CUDA assertion naming the rule) and raise
+    ``ValueError`` elsewhere.
+
+    Args:
+        result: what ``select`` returned.
+        layout: the geometry of the call.
+        device: the device of the queries.
+        name: the selector's name, for the messages.
+
+    Raises:
+        TypeError: ``result`` is neither a tensor nor a `BlockMask`.
+        ValueError: any other rule broken (off CUDA, also a bad value).
+    """
+    device = torch.device(device)
+    expected = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+    if isinstance(result, torch.Tensor):
+        if result.dtype != torch.bool or tuple(result.shape) != expected:
+            raise ValueError(
+                f"selector {name!r}: a selector must return a bool tensor of shape (B, Hq, Tq, Tk) = "
+                f"{expected}, got {result.dtype} {tuple(result.shape)}"
+            )
+        _check_on_device(result, device, f"selector {name!r} returned its mask")
+        return
+    if not isinstance(result, BlockMask):
+        raise TypeError(
+            f"selector {name!r} returned {type(result).__name__}; select() must return a "
+            "(B, Hq, Tq, Tk) bool tensor or a pbs.BlockMask"
+        )
+    what = f"selector {name!r} returned a BlockMask"
+    if result.layout != layout:
+        if not isinstance(result.layout, Layout):
+            raise ValueError(f"{what} whose layout is a {type(result.layout).__name__}, not a pbs.layout.Layout")
+        differ = ", ".join(
+            f"{f.name}={getattr(result.layout, f.name)!r} (expected {getattr(layout, f.name)!r})"
+            for f in dataclasses.fields(Layout)
+            if getattr(result.layout, f.name) != getattr(layout, f.name)
+        )
+        raise ValueError(f"{what} built for another layout: {differ}; build it with inputs.layout")
+    tk = layout.num_key_blocks
+    full = result.__dict__.get("_full_counts")  # None: derived later from the lists, nothing to check
+    parts = {"counts": (result.counts, expected[:3], (torch.int32,)),
+             "indices": (result.indices, expected, (torch.int16, torch.int32) if tk < 2**15 else (torch.int32,))}
+    if full is not None:
+        parts["full_counts"] = (full, expected[:3], (torch.int32,))
+    for part, (x, shape, dtypes) in parts.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{what} whose {part} is a {type(x).__name__}, not a torch.Tensor")
+        if tuple(x.shape) != shape or x.dtype not in dtypes:
+            accepted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(
+                f"{what} whose {part} is {x.dtype} {tuple(x.shape)}; expected {accepted} of shape {shape}"
+            )
+        _check_on_device(x, device, f"{what} whose {part} lies")
+    counts, indices = result.counts, result.indices  # int16 indices compare with tk < 2**15 as they are
+    listed = torch.arange(tk, device=device, dtype=torch.int32) < counts[..., None]
+    # Inside each list: 0..Tk-1 and ascending; past it: -1 (one rule per slot, then one reduction).
+    rising = torch.cat([indices[..., :1] >= 0, indices[..., 1:] > indices[..., :-1]], dim=-1)
+    ok = torch.where(listed, rising & (indices < tk), indices == -1).all()
+    ok &= ((counts >= 0) & (counts <= tk)).all()
+    if full is not None:
+        ok &= ((full >= 0) & (full <= counts)).all()
+    message = (
+        f"{what} with invalid values: counts must lie in 0..{tk} (Tk), each list "
+        f"indices[b, h, i, :counts[b, h, i]] must hold key blocks in 0..{tk - 1} in ascending order "
+        "followed by -1, and 0 <= full_counts <= counts"
+    )
+    if device.type == "cuda":
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+def _check_on_device(x: torch.Tensor, device: torch.device, what: str) -> None:
+    if x.device.type != device.type or (device.index is not None and x.device.index != device.index):
+        raise ValueError(f"{what} on {x.device}; it must be on {device}, the device of q")
 
 
 def _layout_hint(name: str) -> str:

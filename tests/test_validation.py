@@ -113,6 +113,13 @@ def _input_variants():
     yield "empty sequence", q[:, :, :0], k, v, True
     yield "meta k", q, k.to("meta"), v, True
     yield "all meta", q.to("meta"), k.to("meta"), v.to("meta"), True
+    yield "sparse q", q.to_sparse(), k, v, True
+    yield "sparse v", q, k, v.to_sparse(), True
+    yield "nested k", q, _nested(k), v, True
+
+
+def _nested(x):
+    return torch.nested.nested_tensor(list(x.unbind(0)), layout=torch.jagged)
 
 
 @pytest.mark.parametrize("label, q, k, v, grad_enabled", list(_input_variants()), ids=lambda x: x if isinstance(x, str) else "")
@@ -158,3 +165,99 @@ def test_dense_by_length_launches_before_it_checks(monkeypatch):
     out, plan = pbs.attention(q, k, v, DENSE_BY_LENGTH_ON_CPU, return_plan=True)
     assert order == ["sdpa", "checks"] and plan is None
     torch.testing.assert_close(out, pbs.reference.dense_attention(q, k, v).to(q.dtype), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("call", ["attention", "plan"])
+@pytest.mark.parametrize("config", [None, DENSE_BY_LENGTH_ON_CPU], ids=["planned", "dense_by_length"])
+def test_a_number_as_q_is_named(call, config):
+    # Needs pbs.api to check q before it reads q.device (today an AttributeError from api.py).
+    _, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got float"):
+        if call == "attention":
+            pbs.attention(1.0, k, v, config)
+        else:
+            pbs.plan(1.0, k, config)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("config", [None, DENSE_BY_LENGTH_ON_CPU], ids=["planned", "dense_by_length"])
+def test_sparse_tensors_are_refused_by_name(which, config):
+    # A sparse COO tensor used to reach the finite check and fail there (aten::aminmax on SparseCPU).
+    tensors = dict(zip("qkv", _qkv()))
+    tensors[which] = tensors[which].to_sparse()
+    with pytest.raises(TypeError, match=rf"{which} must be a strided \(dense\) tensor, got layout torch.sparse_coo"):
+        pbs.attention(tensors["q"], tensors["k"], tensors["v"], config)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_nested_and_other_layouts_are_refused_by_name():
+    from pbs.validation import check_qkv
+
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"k must be a strided \(dense\) tensor, got a nested tensor"):
+        check_qkv(q, _nested(k), v)
+    with pytest.raises(TypeError, match=r"v must be a strided \(dense\) tensor, got layout torch.sparse_csr"):
+        check_qkv(q, k, v[0, 0].to_sparse_csr())
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e5, 10**400, True], ids=["1e300", "1e5", "10**400", "True"])
+def test_a_scale_that_overflows_the_logits_is_refused(scale):
+    # Needs pbs.api to take the scale from pbs.validation.check_scale: 1e300 was accepted and
+    # every output row was exactly 0.
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number in \(0, 10000\]"):
+        pbs.attention(q, k, v, scale=scale)
+
+
+def test_check_scale():
+    from pbs.validation import MAX_SCALE, check_scale
+
+    assert check_scale(None, 64) == 0.125
+    assert check_scale(2, 64) == 2.0 and type(check_scale(2, 64)) is float
+    assert check_scale(MAX_SCALE, 64) == MAX_SCALE and check_scale(1e-30, 64) == 1e-30
+    for bad in [0, -1.0, float("nan"), float("inf"), float("-inf"), MAX_SCALE * 1.01, 1e300, 10**400, True, False,
+                "0.1", torch.tensor(0.1), [0.1]]:
+        with pytest.raises(ValueError, match=r"scale must be a positive finite number in \(0, 10000\] or None \(the default head_dim \*\* -0.5 = 0.125\)"):
+            check_scale(bad, 64)
+
+
+def _mask_and_layout(batch=1, heads=2, seq_len=192, block=64):
+    from pbs.layout import Layout
+    from pbs.types import BlockMask
+
+    layout = Layout(batch, heads, heads, seq_len, seq_len, block, block, segmented=False)
+    return BlockMask.from_dense(layout.allowed_blocks().expand(batch, heads, -1, -1).clone(), layout), layout
+
+
+def test_check_selector_result_accepts_good_results():
+    from pbs.validation import check_selector_result
+
+    mask, layout = _mask_and_layout()
+    check_selector_result(mask, layout, torch.device("cpu"), "mine")
+    check_selector_result(mask.to_dense(), layout, "cpu", "mine")
+    given = pbs.BlockMask(mask.counts, mask.indices, layout, full_counts=mask.full_counts.clone())
+    check_selector_result(given, layout, "cpu", "mine")
+    empty = pbs.BlockMask.from_dense(torch.zeros_like(mask.to_dense()), layout)
+    check_selector_result(empty, layout, "cpu", "mine")
+
+
+@pytest.mark.parametrize("mutate, error, message", [
+    (lambda m, l: None, TypeError, r"selector 'mine' returned NoneType"),
+    (lambda m, l: m.to_dense().int(), ValueError, r"bool tensor of shape \(B, Hq, Tq, Tk\) = \(1, 2, 3, 3\), got torch.int32"),
+    (lambda m, l: m.to_dense()[..., :2], ValueError, r"got torch.bool \(1, 2, 3, 2\)"),
+    (lambda m, l: pbs.BlockMask(m.counts.long(), m.indices, l), ValueError, r"whose counts is torch.int64 \(1, 2, 3\); expected int32"),
+    (lambda m, l: pbs.BlockMask(m.counts, m.indices[..., :2], l), ValueError, r"whose indices is torch.int16 \(1, 2, 3, 2\); expected int16 or int32 of shape \(1, 2, 3, 3\)"),
+    (lambda m, l: pbs.BlockMask(m.counts, m.indices, l, full_counts=m.counts + 1), ValueError, r"invalid values.*full_counts <= counts"),
+    (lambda m, l: pbs.BlockMask(m.counts - 1, m.indices, l), ValueError, r"invalid values.*followed by -1"),
+    (lambda m, l: pbs.BlockMask(m.counts, m.indices.clamp(min=0), l), ValueError, r"invalid values"),
+    (lambda m, l: pbs.BlockMask(m.counts, m.indices, "layout"), ValueError, r"whose layout is a str"),
+    (lambda m, l: pbs.BlockMask(m.counts, m.indices, __import__("dataclasses").replace(l, causal=False)), ValueError,
+     r"built for another layout: causal=False \(expected True\); build it with inputs.layout"),
+], ids=["none", "int_tensor", "short_tensor", "int64_counts", "short_indices", "full_counts_above_counts",
+        "entry_past_count", "no_padding", "not_a_layout", "other_layout"])
+def test_check_selector_result_names_the_problem(mutate, error, message):
+    from pbs.validation import check_selector_result
+
+    mask, layout = _mask_and_layout()
+    with pytest.raises(error, match=message):
+        check_selector_result(mutate(mask, layout), layout, "cpu", "mine")

@@ -8,7 +8,7 @@ import torch
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
 from pbs.permuters._segments import sort_within_segments, to_key_permutation
-from pbs.reference.seeded import seeded_rand
+from pbs.reference.seeded import Seed, seeded_rand
 
 
 @register_permuter
@@ -20,7 +20,7 @@ class RandomPermuter(PermuterConfig):
     """
 
     name: Literal["random"] = "random"
-    seed: int = 0
+    seed: Seed = 0
 
     def permute(self, inputs: PermutationInputs) -> Permutations:
         layout = inputs.layout

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
-from pbs.reference.seeded import seeded_generator
+from pbs.reference.seeded import Seed, seeded_generator
 from pbs.permuters.last_block import key_permutation_from_proxy_queries
 
 
@@ -23,7 +23,7 @@ class RandomQueryPermuter(PermuterConfig):
 
     name: Literal["random_query"] = "random_query"
     num_queries: int = Field(128, ge=1)
-    seed: int = 0
+    seed: Seed = 0
 
     def permute(self, inputs: PermutationInputs) -> Permutations:
         nq = inputs.layout.seq_len_q

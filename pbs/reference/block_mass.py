@@ -53,7 +53,7 @@ def block_attention_mass(
         probs = sum_per_key_block(probs, bs)
         block_of_row = torch.arange(r0, r1, device=q.device) // bs
         out.index_add_(2, block_of_row, probs)
-    rows_per_block = torch.full((tq,), float(bs), device=q.device)
+    rows_per_block = torch.full((tq,), float(bs), dtype=torch.float32, device=q.device)
     rows_per_block[-1] = nq - (tq - 1) * bs
     return out / rows_per_block[:, None]
 
@@ -71,6 +71,6 @@ def attention_coverage(mass: torch.Tensor, dense_mask: torch.Tensor, layout: Lay
     """
     per_block = (mass * dense_mask).sum(-1)
     bs, tq, nq = layout.block_size, layout.num_query_blocks, layout.seq_len_q
-    weights = torch.full((tq,), float(bs), device=mass.device)
+    weights = torch.full((tq,), float(bs), dtype=torch.float32, device=mass.device)
     weights[-1] = nq - (tq - 1) * bs
     return (per_block * weights).sum(-1) / nq

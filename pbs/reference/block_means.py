@@ -23,7 +23,7 @@ def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if pad:
         xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
     sums = xf.view(b, h, nb, block_size, d).sum(3)
-    counts = torch.full((nb,), float(block_size), device=x.device)
+    counts = torch.full((nb,), float(block_size), dtype=torch.float32, device=x.device)
     counts[-1] = block_size - pad
     return sums / counts[:, None]
 

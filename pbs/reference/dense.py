@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from pbs.validation import check_attention_shapes
+
 _CHUNK_ELEMENTS = 1 << 26
+_SHAPES = {"q": "(B, Hq, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}
 
 
 def dense_attention(
@@ -28,7 +31,18 @@ def dense_attention(
 
     Returns:
         ``(B, Hq, Nq, Dv)`` float32.
+
+    Raises:
+        TypeError: a non-tensor.
+        ValueError: shapes that break the rules of `pbs.validation.check_qkv` (e.g. ``Nq > Nk``,
+            which would leave the first queries with no key, or ``Hq % Hkv != 0``).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions {_SHAPES[name]}, got shape {tuple(x.shape)}")
+    check_attention_shapes(q, k, v)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv

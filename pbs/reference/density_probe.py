@@ -45,7 +45,7 @@ def probe_density(
         A 0-d float32 tensor on ``q``'s device, in ``(0, 1]``.
     """
     if threshold >= 1.0:
-        return torch.ones((), device=q.device)
+        return torch.ones((), dtype=torch.float32, device=q.device)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
