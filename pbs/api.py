@@ -15,17 +15,13 @@ from pbs.config import PBSConfig
 from pbs.dense import Attended, DensePolicy, dense_attention_sdpa
 from pbs.planning import build_plan, permute_keys_and_values, run_planned
 from pbs.types import Plan
-from pbs.validation import check_all_finite, check_qkv
+from pbs.validation import check_all_finite, check_qkv, check_scale
 
 ConfigLike = PBSConfig | dict[str, Any] | str | None
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
-    if scale is None:
-        return q.shape[-1] ** -0.5
-    if not isinstance(scale, (int, float)) or not scale > 0 or scale != scale or scale == float("inf"):
-        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-    return float(scale)
+    return check_scale(scale, q.shape[-1])
 
 
 def _check_inputs(config: PBSConfig, q: Any, k: Any, v: Any) -> None:

@@ -17,6 +17,7 @@ from pbs.config import PBSConfig
 from pbs.layout import Layout
 from pbs.reference.block_sets import finalize_selection
 from pbs.types import BlockMask, Permutation, Plan
+from pbs.validation import check_selector_result
 
 
 def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
@@ -123,6 +124,10 @@ def run_selector(
     )
     select = planner_for("selector", config.selector.name, family)
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
+    if not (q_perm.is_cuda and type(config.selector).__module__.startswith("pbs.")):
+        # A custom selector's result is checked before anything reads it; pbs's own are trusted
+        # on the GPU, where the check costs launches (0.25-0.5 ms per call on an H100).
+        check_selector_result(result, layout, q_perm.device, config.selector.name)
     if isinstance(result, BlockMask):
         return result
     if not isinstance(result, torch.Tensor):

@@ -260,3 +260,29 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
     ran = pbs.run(p, q[:, :, :4096], k[:, :, :4096], v[:, :, :4096])
     assert ran.device == q.device and ran.isfinite().all()
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("rule, fallback, expected", [
+    ("length", {"min_seq_len": 10**6}, "below dense_fallback.min_seq_len"),
+    ("probe", {"min_seq_len": 0, "max_density": 0.01}, "the density probe estimates"),
+    ("planned density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01},
+     "above dense_fallback.max_planned_density"),
+])
+def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
+    """The dense policy applies on CPU when asked (``devices=["cpu"]``), and whichever rule sends a
+    call to dense attention says why: `pbs.api.attend` returns the reason (the transformers
+    integration records it in its dispatch trace), and a plan made first carries it."""
+    from pbs.api import attend
+    from pbs.dense import DensePolicy
+
+    q, k, v = _qkv()
+    config = pbs.PBSConfig(**SMALL, dense_fallback={**fallback, "devices": ["cpu"]})
+    out, plan, reason = attend(q, k, v, DensePolicy(config))
+    assert reason is not None and expected in reason, reason
+    torch.testing.assert_close(out, dense_attention_sdpa(q, k, v, scale=q.shape[-1] ** -0.5))
+    if rule == "planned density":
+        assert plan is not None and plan.fallback == reason
+    else:
+        assert plan is None
+    _, no_reason_plan, no_reason = attend(q, k, v, DensePolicy(pbs.PBSConfig(**SMALL)))  # devices: cuda only
+    assert no_reason is None and no_reason_plan.fallback is None

@@ -111,11 +111,9 @@ def test_head_choice_round_trips_and_checks_its_fields():
 
 
 def test_the_fast_choice_picks_per_head_between_the_fast_pooled_and_union_selections():
-    # pbs.kernels registers the Triton implementations; in the interpreter on the CPU.
-    import pbs.kernels  # noqa: F401
-    from pbs.components import selector_registry
+    # The triton planners, in the interpreter on the CPU.
     from pbs.planning import build_plan
-from pbs.reference.block_sets import finalize_selection
+    from pbs.reference.block_sets import finalize_selection
 
     q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
     config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference",

@@ -53,11 +53,9 @@ def test_union_config_round_trips_and_rejects_bad_members():
 
 
 def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_reference():
-    # pbs.kernels registers the members' Triton implementations; in the interpreter on the CPU.
-    import pbs.kernels  # noqa: F401
-    from pbs.components import selector_registry
+    # The members' triton planners, in the interpreter on the CPU.
     from pbs.planning import build_plan
-from pbs.reference.block_sets import finalize_selection
+    from pbs.reference.block_sets import finalize_selection
 
     q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
     config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference", selector={
@@ -81,8 +79,6 @@ from pbs.reference.block_sets import finalize_selection
 
 
 def test_the_fast_union_of_three_members_is_the_or_of_their_fast_selections():
-    import pbs.kernels  # noqa: F401
-    from pbs.components import selector_registry
     from pbs.planning import build_plan
 
     q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
