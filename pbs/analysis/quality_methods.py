@@ -5,7 +5,7 @@ around an integration config.
   the components that differ from their defaults (``"last_block + mean_pool (per_head) @ 0.9"``);
 * `default_methods`: dense, the library's defaults and the default families at every threshold;
   `load_methods`: methods from a JSON file;
-* `selector_threshold` and `THRESHOLD_FIELDS`: which selector field a sweep varies;
+* `selector_threshold`: which selector field a sweep varies (the selector's `knob`);
 * `with_backend`: a method's config with every layer on one backend.
 """
 
@@ -23,9 +23,6 @@ from pbs.integrations.dispatch import PBSIntegrationConfig
 
 DEFAULT_THRESHOLDS = (0.8, 0.9, 0.95)
 # Selector fields that act as the threshold a method is swept over, in order of preference.
-THRESHOLD_FIELDS = ("threshold", "coverage", "density")
-
-
 @dataclass(frozen=True)
 class Method:
     """One row of the report.
@@ -75,12 +72,9 @@ def _component_label(config: Any, registry: Any, skip: Sequence[str] = ()) -> st
 
 
 def selector_threshold(config: PBSConfig) -> tuple[str | None, float | None]:
-    """The selector field a sweep varies (``threshold``, ``coverage`` or ``density``) and its value."""
-    for name in THRESHOLD_FIELDS:
-        value = getattr(config.selector, name, None)
-        if isinstance(value, (int, float)):
-            return name, float(value)
-    return None, None
+    """The selector field a sweep varies (its `pbs.SelectorConfig.knob`) and its value, or
+    ``(None, None)`` for a selector without one (a ``union``)."""
+    return config.selector.knob, config.selector.knob_value()
 
 
 def coerce_integration(config: Any) -> PBSIntegrationConfig:
