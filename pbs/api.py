@@ -39,7 +39,9 @@ def _on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None) -> Plan:
+def plan(
+    q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None, return_lse: bool = False
+) -> Plan:
     """Computes the permutation and the block mask without running attention.
 
     Args:
@@ -47,9 +49,12 @@ def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: 
         k: ``(B, Hkv, Nk, D)`` keys, ``Hq % Hkv == 0``.
         config: a `PBSConfig`, a dict or JSON string of one, or None for the defaults.
         scale: softmax scale, default ``D ** -0.5``.
+        return_lse: plan for a `run` that returns the log-sum-exp (the backend chosen must
+            return it).
 
     Returns:
-        The `Plan`: ``key_permutation``, ``query_permutation``, ``mask`` and ``density``.
+        The `Plan`: ``backend``, ``key_permutation``, ``query_permutation``, ``mask`` and
+        ``density``.
 
     Example:
         ```python
@@ -64,19 +69,25 @@ def plan(q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: 
     config = PBSConfig.coerce(config)
     _check_inputs(config, q, k, k)
     with _on_device_of(q):
-        return build_plan(q, k, config, _scale(q, scale))[0]
+        return build_plan(q, k, config, _scale(q, scale), return_lse=return_lse)[0]
 
 
-def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Runs block-sparse attention for a plan made by `plan` on the same ``q`` and ``k``.
+def run(
+    plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Runs block-sparse attention for a plan made by `plan` on the same ``q`` and ``k``, on the
+    backend the plan recorded.
 
     Args:
-        plan: from `plan`.
+        plan: from `plan` (with ``return_lse=True`` there when it is asked for here).
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
         scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the log-sum-exp (see `attention`).
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and original query order.
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and original query order; with ``return_lse``,
+        ``(out, lse)``.
     """
     if not isinstance(plan, Plan):
         raise TypeError(
@@ -96,7 +107,7 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     with _on_device_of(q):
         q_perm = plan.query_permutation.apply(q)
         k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k, v)
-        return run_planned(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale))
+        return run_planned(plan, q_perm, k_perm, v_perm, q.dtype, _scale(q, scale), return_lse=return_lse)
 
 
 def attention(
@@ -107,7 +118,8 @@ def attention(
     *,
     scale: float | None = None,
     return_plan: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, Plan]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple:
     """Permuted block-sparse attention: plan, then run.
 
     Args:
@@ -118,9 +130,14 @@ def attention(
         config: a `PBSConfig`, a dict or JSON string of one, or None for the defaults.
         scale: softmax scale, default ``D ** -0.5``.
         return_plan: also return the `Plan` (density, mask, permutations).
+        return_lse: also return the log-sum-exp: float32 ``(B, Hq, Nq)``, the natural-log
+            log-sum-exp of each query's scaled scores over the keys it attends to (the selected
+            blocks, causal), ``-inf`` for a query that sees no key. Partial results over
+            disjoint keys merge with `pbs.merge_attention_states`.
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype, and with ``return_plan`` the plan. With
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype; ``(out, lse)`` with ``return_lse``, ``(out, plan)``
+        with ``return_plan``, ``(out, lse, plan)`` with both. With
         ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense attention instead
         (`pbs.dense.DensePolicy`): the plan is then None (decided before planning) or has
         ``plan.fallback`` set (the planned density was too high).
@@ -138,17 +155,22 @@ def attention(
         ```
     """
     if torch.compiler.is_compiling():
-        if return_plan:
-            raise ValueError("return_plan=True is not supported under torch.compile (the plan is not a tensor)")
+        if return_plan or return_lse:
+            raise ValueError("return_plan=True and return_lse=True are not supported under torch.compile")
         return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
     policy = DensePolicy(config)
     # Nq > Nk is refused below, before SDPA could warn about the NaN rows it would produce.
-    if _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2] and policy.runs_dense_by_length(q, k):
+    if (not return_lse and _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2]
+            and policy.runs_dense_by_length(q, k)):
         out = _dense_then_checks(config, q, k, v, scale)
         return (out, None) if return_plan else out
-    out, p, _ = attend(q, k, v, policy, scale=scale)
-    return (out, p) if return_plan else out
+    if return_lse:
+        policy = DensePolicy(config, return_lse=True)
+    attended = attend(q, k, v, policy, scale=scale)
+    if return_lse:
+        return (attended.out, attended.lse, attended.plan) if return_plan else (attended.out, attended.lse)
+    return (attended.out, attended.plan) if return_plan else attended.out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: DensePolicy, *, scale: float | None = None) -> Attended:

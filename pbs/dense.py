@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pbs.backends import CallSpec
 from pbs.backends.eligibility import gated_dense_reasons, probe_kernel_reasons
 from pbs.config import PBSConfig
-from pbs.planning import build_plan, run_planned
+from pbs.planning import build_plan, full_plan, run_planned
 from pbs.reference.density_probe import probe_density
 from pbs.types import Plan
 
@@ -129,11 +129,14 @@ class Attended(NamedTuple):
         plan: the plan that ran, or the plan made before dense attention ran instead (its
             ``fallback`` set), or None when dense attention ran before planning.
         reason: why dense attention ran, or None when PBS ran.
+        lse: with ``return_lse``, the float32 ``(B, Hq, Nq)`` log-sum-exp of each query's scaled
+            scores over the keys it attended to (all visible keys where dense attention ran).
     """
 
     out: torch.Tensor
     plan: Plan | None
     reason: str | None
+    lse: torch.Tensor | None = None
 
 
 Reduce = Callable[[torch.Tensor | float], float]
@@ -166,15 +169,26 @@ class DensePolicy:
             only this process's heads.
         scope: words appended to a density in the reasons (e.g. ``" over the 2 tensor-parallel
             ranks"``).
+        return_lse: calls return the log-sum-exp too. Dense attention then runs as a full mask on
+            a backend that returns it (SDPA does not), and the gated Gluon path is not used.
     """
 
-    __slots__ = ("config", "fallback", "reduce", "scope")
+    __slots__ = ("config", "fallback", "reduce", "scope", "return_lse")
 
-    def __init__(self, config: PBSConfig, *, reduce: Reduce | None = None, scope: str = ""):
+    def __init__(self, config: PBSConfig, *, reduce: Reduce | None = None, scope: str = "", return_lse: bool = False):
         self.config = config
         self.fallback = config.dense_fallback
         self.reduce = reduce
         self.scope = scope
+        self.return_lse = return_lse
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dense attention, ``(out, lse)``: SDPA (cuDNN first; ``lse`` None), or with
+        ``return_lse`` every allowed block on a backend that returns the log-sum-exp."""
+        if not self.return_lse:
+            return dense_attention_sdpa(q, k, v, scale=scale, causal=self.config.causal), None
+        plan = full_plan(q, k, self.config, v.shape[-1], return_lse=True)
+        return run_planned(plan, q, k, v, q.dtype, scale, return_lse=True)
 
     def applies(self, device: torch.device) -> bool:
         """Whether the policy may replace PBS on ``device`` (``backend="auto"`` on its devices)."""
@@ -215,7 +229,7 @@ class DensePolicy:
 
     def probe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, str | None]:
         """Rule 2: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
-        ``(None, None)``.
+        ``(None, None)``. With ``return_lse`` the dense output is ``(out, lse)``.
 
         Args:
             q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
@@ -226,13 +240,14 @@ class DensePolicy:
         args = self.probe_arguments(scale)
         if args is None:
             return None, None
-        if self.reduce is None and args["threshold"] < 1.0 and q.is_cuda:
+        if self.reduce is None and not self.return_lse and args["threshold"] < 1.0 and q.is_cuda:
             if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], self.config.block_size)):
                 return self._probe_with_gated_dense(q, k, v, args)
         estimate = (self.reduce or _read)(self.probe_estimate(q, k, scale))
         if estimate > limit:
             reason = f"the density probe estimates {estimate:.3f}{self.scope}, above dense_fallback.max_density = {limit}"
-            return dense_attention_sdpa(q, k, v, scale=scale, causal=self.config.causal), reason
+            out, lse = self.dense(q, k, v, scale)
+            return (out if lse is None else (out, lse)), reason
         return None, None
 
     def _probe_with_gated_dense(
@@ -283,16 +298,19 @@ class DensePolicy:
                 device.
             scale: softmax scale.
         """
-        causal = self.config.causal
         reason = self.length_reason(q, k)
         if reason is not None:
-            return Attended(dense_attention_sdpa(q, k, v, scale=scale, causal=causal), None, reason)
-        out, reason = self.probe(q, k, v, scale)
-        if out is not None:
-            return Attended(out, None, reason)
-        plan, q_perm, k_perm, v_perm = build_plan(q, k, self.config, scale, v)
+            out, lse = self.dense(q, k, v, scale)
+            return Attended(out, None, reason, lse)
+        dense_out, reason = self.probe(q, k, v, scale)
+        if dense_out is not None:
+            out, lse = dense_out if isinstance(dense_out, tuple) else (dense_out, None)
+            return Attended(out, None, reason, lse)
+        plan, q_perm, k_perm, v_perm = build_plan(q, k, self.config, scale, v, return_lse=self.return_lse)
         reason = self.planned_density_reason(plan)
         if reason is not None:
-            out = dense_attention_sdpa(q, k, v, scale=scale, causal=causal)
-            return Attended(out, dataclasses.replace(plan, fallback=reason), reason)
-        return Attended(run_planned(plan, q_perm, k_perm, v_perm, q.dtype, scale), plan, None)
+            out, lse = self.dense(q, k, v, scale)
+            return Attended(out, dataclasses.replace(plan, fallback=reason), reason, lse)
+        result = run_planned(plan, q_perm, k_perm, v_perm, q.dtype, scale, return_lse=self.return_lse)
+        out, lse = result if self.return_lse else (result, None)
+        return Attended(out, plan, None, lse)

@@ -12,6 +12,7 @@ import importlib.util
 import torch
 
 from pbs.backends import AttentionCall, CallSpec, get_backend, planner_for, planning_family, resolve_backend
+from pbs.backends.registry import backend_reasons
 from pbs.components import PermutationInputs, Permutations, SelectionInputs
 from pbs.config import PBSConfig
 from pbs.layout import Layout
@@ -139,7 +140,8 @@ def run_selector(
 
 
 def build_plan(
-    q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None,
+    return_lse: bool = False,
 ) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Chooses the backend, then runs the permuter and the selector.
 
@@ -149,6 +151,7 @@ def build_plan(
         scale: softmax scale.
         v: values, when attention follows: they are permuted together with the keys (without
             them the backend is chosen for values of ``q``'s head dim).
+        return_lse: plan for a run that returns the log-sum-exp (a backend that can).
 
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
@@ -156,7 +159,7 @@ def build_plan(
         not gathered here (``k_perm`` and ``v_perm`` are None), which keeps `pbs.plan` light.
     """
     layout = make_layout(q, k, config)
-    spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size)
+    spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size, return_lse)
     backend = resolve_backend(config.backend, spec)
     family = planning_family(backend, q.device)
     key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
@@ -168,27 +171,51 @@ def build_plan(
 
 
 def run_planned(
-    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v_perm: torch.Tensor, dtype: torch.dtype, scale: float
-) -> torch.Tensor:
+    plan: Plan, q_perm: torch.Tensor, k_perm: torch.Tensor, v_perm: torch.Tensor, dtype: torch.dtype, scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention of permuted tensors on the backend the plan recorded.
 
     Args:
         q_perm: ``(B, Hq, Nq, D)``, k_perm: ``(B, Hk, Nk, D)``, v_perm: ``(B, Hk, Nk, Dv)``, in the
             plan's permuted orders.
         dtype: the output dtype (the inputs').
+        return_lse: also return the log-sum-exp.
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in original query order.
+        ``(B, Hq, Nq, Dv)`` in original query order; with ``return_lse`` also the float32
+        ``(B, Hq, Nq)`` log-sum-exp of each query's scaled scores over the keys it attends to.
     """
     backend = get_backend(plan.backend)
-    reasons = backend.not_supported_reasons(CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size))
+    spec = CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size, return_lse)
+    reasons = backend_reasons(backend, spec)
     if reasons:
         raise ValueError(
             f"the plan was made for backend {plan.backend!r}, which cannot run these inputs: {'; '.join(reasons)} "
-            "(plan again with these inputs: pbs.plan(q, k, config))"
+            "(plan again for them: pbs.plan(q, k, config, return_lse=...))"
         )
-    out = backend.run(AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale))
-    return plan.query_permutation.unapply(out).to(dtype)
+    result = backend.run(AttentionCall(q=q_perm, k=k_perm, v=v_perm, plan=plan, scale=scale, return_lse=return_lse))
+    if not return_lse:
+        return plan.query_permutation.unapply(result).to(dtype)
+    out, lse = result
+    lse = plan.query_permutation.unapply(lse[..., None])[..., 0]
+    return plan.query_permutation.unapply(out).to(dtype), lse
+
+
+def full_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, head_dim_v: int, return_lse: bool = False) -> Plan:
+    """The plan of dense attention: nothing permuted, every causally allowed block selected, on the
+    backend ``config`` resolves to (for dense attention that returns the log-sum-exp)."""
+    layout = Layout(
+        batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seq_len_q=q.shape[2], seq_len_k=k.shape[2],
+        block_size=config.block_size, segment_size=config.block_size, causal=config.causal, segmented=False,
+    )
+    backend = resolve_backend(config.backend, CallSpec.of(q, head_dim_v, layout.block_size, return_lse))
+    shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
+    mask = BlockMask.from_dense(layout.allowed_blocks(q.device).expand(shape), layout)
+    b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
+    return Plan(key_permutation=Permutation.identity(b, layout.heads_kv, layout.seq_len_k, q.device),
+                query_permutation=Permutation.identity(b, hq, nq, q.device), mask=mask, config=config,
+                backend=backend.name)
 
 
 def _check_permutation(perm: Permutation, expected: tuple[int, int, int], what: str) -> None:

@@ -277,12 +277,12 @@ def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
 
     q, k, v = _qkv()
     config = pbs.PBSConfig(**SMALL, dense_fallback={**fallback, "devices": ["cpu"]})
-    out, plan, reason = attend(q, k, v, DensePolicy(config))
+    out, plan, reason, _ = attend(q, k, v, DensePolicy(config))
     assert reason is not None and expected in reason, reason
     torch.testing.assert_close(out, dense_attention_sdpa(q, k, v, scale=q.shape[-1] ** -0.5))
     if rule == "planned density":
         assert plan is not None and plan.fallback == reason
     else:
         assert plan is None
-    _, no_reason_plan, no_reason = attend(q, k, v, DensePolicy(pbs.PBSConfig(**SMALL)))  # devices: cuda only
+    _, no_reason_plan, no_reason, _ = attend(q, k, v, DensePolicy(pbs.PBSConfig(**SMALL)))  # devices: cuda only
     assert no_reason is None and no_reason_plan.fallback is None

@@ -10,7 +10,8 @@
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
 
-The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
+``triton`` and ``reference`` also return the log-sum-exp, so a call that asks for it runs on
+the Triton kernel on Hopper too. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
 imported when they first run, so ``import pbs`` works without Triton.
 """
 
@@ -33,18 +34,21 @@ def _kernel_arguments(call: AttentionCall) -> dict:
     )
 
 
-def _run_reference(call: AttentionCall) -> torch.Tensor:
+def _run_reference(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 
     plan = call.plan
     return block_sparse_attention_reference(call.q, call.k, call.v, plan.mask, plan.query_positions(),
-                                            plan.key_positions(), scale=call.scale, causal=plan.layout.causal)
+                                            plan.key_positions(), scale=call.scale, causal=plan.layout.causal,
+                                            return_lse=call.return_lse)
 
 
-def _run_triton(call: AttentionCall) -> torch.Tensor:
+def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from pbs.kernels.block_sparse_attn import block_sparse_attention
 
-    return block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+    lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
+    out = block_sparse_attention(call.q, call.k, call.v, call.plan.mask, lse=lse, **_kernel_arguments(call))
+    return (out, lse) if lse is not None else out
 
 
 def _run_hopper(call: AttentionCall) -> torch.Tensor:
@@ -65,6 +69,6 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton"))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
-                                  plans_with="triton"))
-register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100))
+                                  plans_with="triton", returns_lse=True))
+register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True))
 register_backend(AttentionBackend("flex", flex_reasons, _run_flex, plans_with="triton"))

@@ -36,13 +36,14 @@ class CallSpec:
     head_dim: int
     head_dim_v: int
     block_size: int
+    needs_lse: bool = False
 
     @classmethod
-    def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int) -> "CallSpec":
+    def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int, needs_lse: bool = False) -> "CallSpec":
         device = q.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size)
+        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class AttentionCall:
     v: torch.Tensor  # (B, Hk, Nk, Dv), permuted values
     plan: "Plan"
     scale: float
+    return_lse: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,12 +66,15 @@ class AttentionBackend:
     Attributes:
         name: the ``PBSConfig.backend`` value that selects it.
         not_supported_reasons: why it cannot run calls of a `CallSpec` (empty list: it can).
-        run: returns ``(B, Hq, Nq, Dv)`` in permuted query order, in any float dtype.
+        run: returns ``(B, Hq, Nq, Dv)`` in permuted query order, in any float dtype; with
+            ``call.return_lse``, ``(out, lse)`` with a float32 ``(B, Hq, Nq)`` log-sum-exp.
         not_chosen_by_auto_reasons: further reasons for ``auto`` to pass it over although it can
             run a call when asked by name (e.g. the Triton interpreter on CPU: right but slow).
         auto_priority: ``auto`` tries backends by increasing priority; None: never by ``auto``.
         plans_with: the planner family (`register_planner`) used to plan for it on CUDA;
             planning off CUDA always uses the reference.
+        returns_lse: whether ``run`` can return the log-sum-exp (calls that need it go to a
+            backend that can).
     """
 
     name: str
@@ -78,6 +83,7 @@ class AttentionBackend:
     not_chosen_by_auto_reasons: Callable[[CallSpec], list[str]] | None = None
     auto_priority: int | None = None
     plans_with: str = "reference"
+    returns_lse: bool = False
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -122,7 +128,7 @@ def resolve_backend(requested: str, spec: CallSpec) -> AttentionBackend:
     """
     if requested != "auto":
         backend = get_backend(requested)
-        reasons = backend.not_supported_reasons(spec)
+        reasons = _reasons(backend, spec)
         if reasons:
             raise ValueError(f"backend {requested!r} cannot run this call: " + "; ".join(reasons))
         return backend
@@ -131,13 +137,25 @@ def resolve_backend(requested: str, spec: CallSpec) -> AttentionBackend:
         backend = _BACKENDS[name]
         if backend.auto_priority is None:
             continue
-        reasons = backend.not_supported_reasons(spec)
+        reasons = _reasons(backend, spec)
         if not reasons and backend.not_chosen_by_auto_reasons is not None:
             reasons = backend.not_chosen_by_auto_reasons(spec)
         if not reasons:
             return backend
         all_reasons.append(f"{name}: {'; '.join(reasons)}")
     raise ValueError("no backend can run this call: " + " | ".join(all_reasons))
+
+
+def _reasons(backend: AttentionBackend, spec: CallSpec) -> list[str]:
+    reasons = backend.not_supported_reasons(spec)
+    if spec.needs_lse and not backend.returns_lse:
+        reasons = [*reasons, "it does not return the log-sum-exp (return_lse=True)"]
+    return reasons
+
+
+def backend_reasons(backend: AttentionBackend, spec: CallSpec) -> list[str]:
+    """Why ``backend`` cannot run calls of ``spec``: its own reasons, and the LSE when asked."""
+    return _reasons(backend, spec)
 
 
 ComponentKind = Literal["permuter", "selector"]

@@ -235,11 +235,13 @@ def attention_on_shard(
 
     if shard is None or shard.size == 1:
         with _device_guard(q):
-            return attend(q, k, v, DensePolicy(config), scale=scale)
+            attended = attend(q, k, v, DensePolicy(config), scale=scale)
+        return attended.out, attended.plan, attended.reason
 
     from pbs.reference.seeded import head_shard
 
     policy = DensePolicy(config, reduce=_mean_over_ranks(shard, q.device),
                          scope=f" over the {shard.size} tensor-parallel ranks")
     with _device_guard(q), head_shard(shard.rank, shard.size):
-        return attend(q, k, v, policy, scale=scale)
+        attended = attend(q, k, v, policy, scale=scale)
+    return attended.out, attended.plan, attended.reason

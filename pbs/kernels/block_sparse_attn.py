@@ -81,6 +81,7 @@ def _block_sparse_attn_fwd(
     indices_ptr,
     qpos_ptr,
     kpos_ptr,
+    lse_ptr,
     stride_cb,
     stride_ch,
     stride_ci,
@@ -96,6 +97,8 @@ def _block_sparse_attn_fwd(
     stride_kpb,
     stride_kph,
     stride_kpn,
+    stride_lb,
+    stride_lh,
     heads_k,
     group,
     seq_len_q,
@@ -114,6 +117,7 @@ def _block_sparse_attn_fwd(
     QUERIES_PERMUTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -200,6 +204,11 @@ def _block_sparse_attn_fwd(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = (acc / l_safe[:, None]).to(b_q.dtype)
     o_desc.store([i_b, i_hq, row0, 0], b_o.reshape(1, 1, BLOCK_M, HEAD_DIM_V))
+    if WRITE_LSE:
+        # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
+        b_lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        p_lse = lse_ptr + i_b.to(tl.int64) * stride_lb + i_hq.to(tl.int64) * stride_lh + o_m
+        tl.store(p_lse, b_lse, mask=o_m < seq_len_q)
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,7 @@ def block_sparse_attention(
     causal: bool = True,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query over the key blocks its query block selected (Triton).
 
@@ -279,12 +289,20 @@ def block_sparse_attention(
         causal: mask pairs with ``key_position > query_position``.
         config: tile shape and schedule; default `select_config`.
         out: optional ``(B, Hq, Nq, Dv)`` output buffer in ``q``'s dtype (16-byte aligned rows).
+        lse: optional contiguous ``(B, Hq, Nq)`` float32 buffer that receives each query's
+            log-sum-exp (natural log) of its scaled scores over the keys it attends to, ``-inf``
+            where it sees none.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    if lse is not None:
+        if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or not lse.is_contiguous():
+            raise ValueError(f"lse must be a contiguous {tuple(q.shape[:3])} float32 tensor on {q.device}, got "
+                             f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
+        call.lse = lse
     if config is None:
         config = _select(call)
     _launch(call, config.fitted(mask.layout.block_size))
@@ -329,6 +347,7 @@ class _Call:
     causal: bool
     head_dim: int
     head_dim_v: int
+    lse: torch.Tensor | None = None
 
 
 def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:
@@ -378,9 +397,11 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         tma_descriptor(TensorDescriptor, call.v, config.block_n, call.head_dim_v),
         tma_descriptor(TensorDescriptor, call.out, config.block_m, call.head_dim_v),
         call.counts, call.full_counts, indices, call.qpos, call.kpos,
+        call.counts if call.lse is None else call.lse,  # any pointer will do when unused
         *call.counts.stride(), *call.full_counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
+        *((0, 0) if call.lse is None else call.lse.stride()[:2]),
         hk, hq // hk, nq, nk, tiles_per_head,
         nk - nq,
         call.scale * LOG2_E,
@@ -396,6 +417,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         # fp32 inputs: three tf32 products per dot, close to fp32 accuracy at tensor-core speed.
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
         INTERPRET=interpreting(),
+        WRITE_LSE=call.lse is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -24,7 +24,8 @@ def block_sparse_attention_reference(
     key_positions: torch.Tensor,
     scale: float | None = None,
     causal: bool = True,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over the key blocks its query block selected.
 
     Args:
@@ -36,9 +37,13 @@ def block_sparse_attention_reference(
         key_positions: ``(B, Hk, Nk)`` original position of each key slot.
         scale: softmax scale, default ``D ** -0.5``.
         causal: mask pairs with ``key_position > query_position``.
+        return_lse: also return the log-sum-exp of each query's scaled scores over the keys it
+            attends to.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` float32 in permuted query order. A query with no selected key gets 0.
+        With ``return_lse``, also ``(B, Hq, Nq)`` float32 (natural log; ``-inf`` for a query with
+        no selected key).
     """
     layout = mask.layout
     b, hq, nq, d = q.shape
@@ -54,6 +59,7 @@ def block_sparse_attention_reference(
     k32, v32 = k.float(), v.float()
     kpos = key_positions.repeat_interleave(group, dim=1) if group > 1 else key_positions
     out = torch.empty(b, hq, nq, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device) if return_lse else None
     rows_per_chunk = max(bs, (_CHUNK_ELEMENTS // max(1, b * hq * nk)) // bs * bs)
     s = layout.segment_size
     for r0 in range(0, nq, rows_per_chunk):
@@ -73,10 +79,13 @@ def block_sparse_attention_reference(
         if causal and first_future < n_keys:
             tail = keep[..., first_future:] & (kpos[:, :, None, first_future:n_keys] <= qpos[..., None])
             keep[..., first_future:] = tail
-        probs = logits.masked_fill_(~keep, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        logits = logits.masked_fill_(~keep, float("-inf"))
+        if lse is not None:
+            lse[:, :, r0:r1] = logits.logsumexp(-1)
+        probs = logits.softmax(-1).nan_to_num_(0.0)
         grouped = probs.view(b, hk, group, m, n_keys)
         out[:, :, r0:r1] = torch.einsum("bhgmn,bhnd->bhgmd", grouped, v32[:, :, :n_keys]).reshape(b, hq, m, dv)
-    return out
+    return (out, lse) if lse is not None else out
 
 
 def _segment_start(position: int, layout) -> int:
