@@ -22,9 +22,10 @@ from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False) -> dict:
+def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False, lse: bool = False) -> dict:
     """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
-    ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches."""
+    ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches; ``lse``: the
+    variant that also writes the log-sum-exp."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
@@ -39,6 +40,8 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
         # Permuted queries and keys, a partial last key block: every constexpr branch of the kernel.
         plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="key_aware_query", causal=causal)
         call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
+        if lse:
+            call.lse = torch.empty(q.shape[:3], dtype=torch.float32)
         grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
@@ -52,13 +55,14 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, stages, dense",
-    [(128, True, 2, False), (128, True, 3, False), (64, False, 2, False), (128, True, 3, True)],
-    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated"],
+    "head_dim, causal, stages, dense, lse",
+    [(128, True, 2, False, False), (128, True, 3, False, False), (64, False, 2, False, False),
+     (128, True, 3, True, False), (128, True, 3, False, True)],
+    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse"],
 )
-def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense):
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse):
     report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
-                                   stages=stages, dense=dense)
+                                   stages=stages, dense=dense, lse=lse)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM

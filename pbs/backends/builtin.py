@@ -10,8 +10,7 @@
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
 
-``triton`` and ``reference`` also return the log-sum-exp, so a call that asks for it runs on
-the Triton kernel on Hopper too. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
+``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not). The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
 imported when they first run, so ``import pbs`` works without Triton.
 """
 
@@ -51,10 +50,12 @@ def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     return (out, lse) if lse is not None else out
 
 
-def _run_hopper(call: AttentionCall) -> torch.Tensor:
+def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
-    return hopper_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
+    lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
+    out = hopper_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, lse=lse, **_kernel_arguments(call))
+    return (out, lse) if lse is not None else out
 
 
 def _run_flex(call: AttentionCall) -> torch.Tensor:
@@ -67,7 +68,8 @@ def _no_reasons(spec: CallSpec) -> list[str]:
     return []
 
 
-register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton"))
+register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
+                                  returns_lse=True))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
                                   plans_with="triton", returns_lse=True))
 register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True))

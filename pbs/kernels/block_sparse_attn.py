@@ -298,11 +298,7 @@ def block_sparse_attention(
         key gets 0.
     """
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
-    if lse is not None:
-        if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or not lse.is_contiguous():
-            raise ValueError(f"lse must be a contiguous {tuple(q.shape[:3])} float32 tensor on {q.device}, got "
-                             f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
-        call.lse = lse
+    attach_lse(call, lse)
     if config is None:
         config = _select(call)
     _launch(call, config.fitted(mask.layout.block_size))
@@ -348,6 +344,18 @@ class _Call:
     head_dim: int
     head_dim_v: int
     lse: torch.Tensor | None = None
+
+
+def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
+    """Checks an LSE buffer (contiguous ``(B, Hq, Nq)`` float32 on ``q``'s device) and gives it to
+    the prepared call; None leaves the call without one."""
+    if lse is None:
+        return
+    expected = tuple(call.q.shape[:3])
+    if tuple(lse.shape) != expected or lse.dtype != torch.float32 or lse.device != call.q.device or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous {expected} float32 tensor on {call.q.device}, got "
+                         f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
+    call.lse = lse
 
 
 def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:

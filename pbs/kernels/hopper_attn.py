@@ -219,13 +219,14 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
 def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-              QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr):
+              QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
     qpos_ptr, kpos_ptr, o_ptr = ptrs[2], ptrs[3], ptrs[4]
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi) = strides
+     stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
+     stride_lb, stride_lh) = strides
     seq_len_q, seq_len_k, num_tiles, query_offset, qk_scale = dims[2], dims[3], dims[5], dims[6], dims[7]
     NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
     dtype: gl.constexpr = q_desc.dtype
@@ -318,6 +319,12 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         p_out = (o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
                  + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0))
         gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
+        if WRITE_LSE:
+            # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
+            lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            p_lse = ptrs[8] + i_b.to(gl.int64) * stride_lb + i_hq.to(gl.int64) * stride_lh + o_m
+            gl.store(p_lse, lse, mask=o_m < seq_len_q)
         t += 1
         rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
 
@@ -343,24 +350,27 @@ def _mask_scores(s, start_n, q_pos, p_kpos, stride_kpn, seq_len_k, s_cols: gl.co
 def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr):
+               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
+               WRITE_LSE: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
         _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE)
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
     q_desc, k_desc, v_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, gate_ptr,
+    lse_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
     heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
-    DENSE: gl.constexpr, GATED: gl.constexpr,
+    DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -389,18 +399,19 @@ def _hopper_block_sparse_attn_fwd(
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
-    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
-               stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi)
+               stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
+               stride_lb, stride_lh)
     dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit)
     gl.warp_specialize(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -425,6 +436,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, 
                       *(call.kpos.stride() if call.keys_permuted else (0, 0, 0))),
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
+        lse=call.lse,
     )
 
 
@@ -456,7 +468,7 @@ def dense_launch_arguments(
 
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
-               keys_permuted, queries_permuted, dense, gated) -> tuple[tuple, tuple, dict]:
+               keys_permuted, queries_permuted, dense, gated, lse=None) -> tuple[tuple, tuple, dict]:
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
@@ -467,8 +479,10 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         _nvmma_descriptor(k, BLOCK_SIZE),
         _nvmma_descriptor(v, BLOCK_SIZE),
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
+        tile_counter if lse is None else lse,  # any pointer will do when unused
         *list_strides,
         out.stride(0), out.stride(1), out.stride(2),
+        *((0, 0) if lse is None else lse.stride()[:2]),
         hk, hq // hk, nq, nk, tiles_per_head, num_tiles, nk - nq,
         scale * LOG2_E, gate_limit,
     )
@@ -481,6 +495,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         QUERIES_PERMUTED=queries_permuted,
         DENSE=dense,
         GATED=gated,
+        WRITE_LSE=lse is not None,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
@@ -498,17 +513,21 @@ def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
 def hopper_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
-    (no tile ``config``), same result, on inputs the kernel supports (the caller checks).
+    (no tile ``config``; ``lse`` the same optional float32 buffer), same result, on inputs the
+    kernel supports (the caller checks).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order.
     """
     from pbs.kernels.block_sparse_attn import prepare_call
 
+    from pbs.kernels.block_sparse_attn import attach_lse
+
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    attach_lse(call, lse)
     launch_hopper(call, sm_count(q.device))
     return call.out
 
