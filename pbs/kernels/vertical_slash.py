@@ -37,8 +37,8 @@ from pbs.types import BlockMask, block_index_dtype
 PROGRAMS_PER_SM = 4
 KEY_TILE = 64
 KEPT_LINES_TILES = (2048, 4096)
-"""Scores per step of `_kept_lines` below / from 64K keys (H100: 0.117 / 0.156 ms at 16K for
-2048 / 4096, 1.02 / 0.74 ms at 128K)."""
+"""Scores per step of `_kept_lines` below / from 64K keys: the faster of the two at each length on
+an H100 (docs/notes.md, "Planning the default selector on the GPU")."""
 
 
 @triton.jit

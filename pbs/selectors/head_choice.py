@@ -2,8 +2,7 @@
 pooled blocks and lines where they do not.
 
 The union of ``vertical_slash`` and ``mean_pool`` keeps dense quality on a real model, but in
-many heads the pooled blocks alone already hold the mass and the lines only add blocks (SmolLM2's
-layers 15-29: ``mean_pool`` covers 0.90-0.96 of the true mass at densities 0.10-0.22). FlexPrefill
+many heads the pooled blocks alone already hold the mass and the lines only add blocks. FlexPrefill
 (Lai et al., 2025) chooses a pattern per head from the last queries' exact attention; here the
 test is direct: the share of the last ``lines.last_rows`` queries' exact attention that the pooled
 selection keeps for the query block of the last query. Where it reaches ``min_coverage``, the head
@@ -11,16 +10,10 @@ keeps the pooled blocks alone; elsewhere the lines are added. Those rows are the
 ``vertical_slash`` scores anyway. Permuted layouts work too (the mass follows each key to its
 slot); the GPU implementation runs the unpermuted case.
 
-**Measured, it loses** (docs/quality.md): on the tuning texts it saves a little density (0.44 and
-0.48 at ``min_coverage`` 0.8 and 0.9, against the union's 0.51) and loses quality (loss +0.085 and
-+0.058, copy up to +0.33 nats): the last rows' coverage does not speak for the earlier query
+On a real model it loses quality for little density (docs/quality.md, where FlexPrefill's own
+Jensen-Shannon test is compared too): the last rows' coverage does not speak for the earlier query
 blocks, which the lines also serve. Kept as a building block for per-head choices, not as a
 recommendation.
-
-(FlexPrefill's own test, the Jensen-Shannon distance between the block distribution the pooled
-query predicts and the exact one, was measured first and chose worse on this model: it kept the
-lines where the pooled blocks covered 0.93-0.96 and dropped them where they covered 0.70; see
-docs/quality.md.)
 """
 
 from __future__ import annotations
