@@ -30,6 +30,7 @@ from pbs.components import (
 )
 from pbs.config import DenseFallback, PBSConfig
 from pbs.layout import Layout
+from pbs.serving import merge_attention_states, varlen_attention
 from pbs.types import BlockMask, Permutation, Plan
 
 __version__ = "0.1.0"
@@ -51,10 +52,12 @@ __all__ = [
     "list_backends",
     "list_permuters",
     "list_selectors",
+    "merge_attention_states",
     "plan",
     "reference",
     "register_permuter",
     "register_selector",
     "run",
     "testing",
+    "varlen_attention",
 ]

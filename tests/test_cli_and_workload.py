@@ -124,8 +124,8 @@ def test_public_api_is_pinned():
     assert sorted(pbs.__all__) == sorted([
         "BlockMask", "DenseFallback", "Layout", "PBSConfig", "PermutationInputs", "Permutation", "Permutations",
         "PermuterConfig", "Plan", "SelectionInputs", "SelectorConfig", "__version__", "attention",
-        "list_backends", "list_permuters", "list_selectors", "plan", "reference", "register_permuter",
-        "register_selector", "run", "testing",
+        "list_backends", "list_permuters", "list_selectors", "merge_attention_states", "plan", "reference",
+        "register_permuter", "register_selector", "run", "testing", "varlen_attention",
     ])
     for name in pbs.__all__:
         assert hasattr(pbs, name)
