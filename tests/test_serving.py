@@ -21,11 +21,14 @@ except TypeError:
 needs_lse = pytest.mark.skipif(not HAS_LSE, reason="pbs.attention(..., return_lse=True) is not there yet")
 
 REFERENCE = {"backend": "reference"}
+# The Triton backend runs on the GPU where there is one, else in Triton's interpreter
+# (tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_BLOCKS = {"selector": {"name": "budget", "density": 1.0}}  # every causally allowed block
 
 
 # -- building packed batches -----------------------------------------------------------------------
-def make_sequences(lengths, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.float32, seed=0):
+def make_sequences(lengths, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.float32, seed=0, device="cpu"):
     """One ``(q, k, v)`` per ``(len_q, len_k)``, each ``(1, H, n, D)`` as `pbs.attention` takes it."""
     gen = torch.Generator().manual_seed(seed)
     sequences = []
@@ -33,7 +36,7 @@ def make_sequences(lengths, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.floa
         q = torch.randn(1, heads_q, len_q, head_dim, generator=gen).to(dtype)
         k = torch.randn(1, heads_kv, len_k, head_dim, generator=gen).to(dtype)
         v = torch.randn(1, heads_kv, len_k, head_dim, generator=gen).to(dtype)
-        sequences.append((q, k, v))
+        sequences.append((q.to(device), k.to(device), v.to(device)))
     return sequences
 
 
@@ -128,10 +131,10 @@ def test_varlen_with_a_permuting_sparse_config_equals_the_loop(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_varlen_on_the_triton_backend_equals_the_loop(dtype, monkeypatch):
-    # The Triton kernel in its interpreter (tests/conftest.py sets TRITON_INTERPRET=1 on CPU).
     config = {"backend": "triton", "block_size": 32, "segment_size": 64,
               "selector": {"name": "budget", "density": 0.5}}
-    sequences = make_sequences([(65, 65), (0, 10), (20, 100)], heads_q=4, heads_kv=1, head_dim=16, dtype=dtype, seed=4)
+    sequences = make_sequences([(65, 65), (0, 10), (20, 100)], heads_q=4, heads_kv=1, head_dim=16, dtype=dtype, seed=4,
+                               device=TRITON_DEVICE)
     _, spy = check_varlen_equals_loop(sequences, config, monkeypatch)
     assert {plan.backend for plan in spy.plans} == {"triton"}
 
@@ -402,8 +405,8 @@ def masked_scores_logsumexp(q, k, plan, scale=None):
     _, heads_q, nq, d = q.shape
     nk = k.shape[2]
     scale = d**-0.5 if scale is None else scale
-    query_positions = torch.arange(nk - nq, nk).expand(1, heads_q, nq)
-    key_positions = torch.arange(nk).expand(1, k.shape[1], nk)
+    query_positions = torch.arange(nk - nq, nk, device=q.device).expand(1, heads_q, nq)
+    key_positions = torch.arange(nk, device=q.device).expand(1, k.shape[1], nk)
     keep_blocks = None
     if plan is not None:  # the plan's mask is over permuted slots: score in that order
         q, k = plan.query_permutation.apply(q), plan.key_permutation.apply(k)
@@ -431,7 +434,8 @@ def masked_scores_logsumexp(q, k, plan, scale=None):
     {"backend": "triton", "block_size": 32, "segment_size": 64, "selector": {"name": "budget", "density": 0.5}},
 ], ids=["full", "sparse-permuted", "triton"])
 def test_attention_lse_equals_logsumexp_of_the_masked_scores(config):
-    (q, k, v), = make_sequences([(70, 200)], heads_q=4, heads_kv=2, seed=11)
+    device = TRITON_DEVICE if config["backend"] == "triton" else "cpu"
+    (q, k, v), = make_sequences([(70, 200)], heads_q=4, heads_kv=2, seed=11, device=device)
     out, lse, plan = pbs.attention(q, k, v, config, return_lse=True, return_plan=True)
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, 70)
     torch.testing.assert_close(lse.double(), masked_scores_logsumexp(q, k, plan), rtol=0, atol=1e-4)
