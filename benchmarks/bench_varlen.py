@@ -1,0 +1,100 @@
+"""A mixed batch of long prompts through `pbs.varlen_attention` against the same prompts one by one.
+
+Protocol: prompts of 16K, 32K, 64K and 128K tokens (structured synthetic inputs, `pbs.testing.make_qkv`,
+one seed per prompt), packed along the token axis; Hq=32, Hkv=8, D=128, bf16, causal. Timed with
+CUDA events after warm-up, L2 flushed before each call (`benchmarks.common.time_ms`):
+
+* ``varlen``: `pbs.varlen_attention` on the packed batch (defaults, and the preset ``pbs_paper``);
+* ``loop``: `pbs.attention` on each prompt in turn, the same configs;
+* ``cudnn``: SDPA (cuDNN first) on each prompt in turn, dense;
+* ``torch_varlen``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` on the packed batch (dense),
+  where this torch has it (K/V repeated to the query heads if it has no GQA).
+
+    python benchmarks/bench_varlen.py --json benchmarks/results/serving/varlen_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_varlen.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import environment, save, time_ms  # noqa: E402
+from pbs.dense import dense_attention_sdpa  # noqa: E402
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+
+
+def packed_batch(lengths: list[int]) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """Per-prompt ``(1, H, N, D)`` tensors and the packed ``(T, H, D)`` q, k, v with cu_seq."""
+    prompts = [pbs.testing.make_qkv(batch=1, heads_q=HEADS_Q, heads_kv=HEADS_KV, seq_len=n, head_dim=HEAD_DIM,
+                                    dtype=torch.bfloat16, device="cuda", seed=i) for i, n in enumerate(lengths)]
+    q, k, v = (torch.cat([p[j][0].transpose(0, 1) for p in prompts]).contiguous() for j in range(3))
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    views = [tuple(x[b0:b1].transpose(0, 1).unsqueeze(0) for x in (q, k, v)) for b0, b1 in zip(bounds, bounds[1:])]
+    return views, (q, k, v, cu)
+
+
+def torch_varlen(q, k, v, cu, max_len):
+    """PyTorch's dense varlen attention, or None (with the reason printed) where it does not run."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as error:
+        print(f"torch {torch.__version__}: no torch.nn.attention.varlen ({error})")
+        return None
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))
+
+    def call():
+        return varlen_attn(q, k_rep, v_rep, cu, cu, max_len, max_len, window_size=(-1, 0))  # (-1, 0): causal
+
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
+        print(f"varlen_attn failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+        return None
+    return call
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    views, (q, k, v, cu) = packed_batch(args.lengths)
+    max_len = max(args.lengths)
+    result = {**environment("cuda"), "lengths": args.lengths,
+              "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                        "causal": True}, "rows": []}
+    scale = HEAD_DIM**-0.5
+    cudnn_ms = time_ms(lambda: [dense_attention_sdpa(*view, scale=scale) for view in views])
+    result["cudnn_per_prompt_ms"] = cudnn_ms
+    print(f"cuDNN, prompt by prompt: {cudnn_ms:.2f} ms", flush=True)
+    baseline = torch_varlen(q, k, v, cu, max_len)
+    result["torch_varlen_ms"] = time_ms(baseline) if baseline is not None else None
+    if baseline is not None:
+        print(f"torch varlen_attn (dense): {result['torch_varlen_ms']:.2f} ms", flush=True)
+    for name, config in (("defaults", None), ("pbs_paper", "pbs_paper")):
+        varlen_ms = time_ms(lambda: pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len, config))
+        loop_ms = time_ms(lambda: [pbs.attention(*view, config) for view in views])
+        row = {"config": name, "varlen_ms": varlen_ms, "loop_ms": loop_ms, "varlen_over_loop": varlen_ms / loop_ms,
+               "varlen_over_cudnn": varlen_ms / cudnn_ms}
+        result["rows"].append(row)
+        print(f"{name}: varlen {varlen_ms:.2f} ms, loop {loop_ms:.2f} ms ({row['varlen_over_loop']:.3f}x), "
+              f"{row['varlen_over_cudnn']:.3f}x cuDNN", flush=True)
+    if args.json:
+        save(result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
