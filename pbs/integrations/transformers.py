@@ -6,6 +6,11 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pbs")
     model.set_attn_implementation("pbs")            # or switch a model that is already loaded
 
+    # continuous batching (model.generate_batch, ContinuousBatchingManager): long prefills through
+    # pbs.varlen_attention, decode steps dense
+    pbs_hf.switch_attention(model, pbs_hf.CONTINUOUS_BATCHING_NAME)
+    outputs = model.generate_batch(prompts, generation_config=generation_config)
+
 `register` adds two things to transformers, under the name ``"pbs"``:
 
 * an **attention function** (``AttentionInterface``) that runs `pbs.attention` on prefill
@@ -16,6 +21,14 @@
   when the call is plain causal attention over unpadded keys with the queries at the end (the case
   PBS runs), and otherwise the boolean mask SDPA would get, fully materialised.
 
+and the same two under `CONTINUOUS_BATCHING_NAME` (``"pbs_flash_varlen"``), the name for continuous
+batching: its attention function, `pbs_continuous_batching_forward`, runs a continuous-batching
+step's packed requests through `pbs.varlen_attention` where the same rules give them PBS, and
+every other call as ``"pbs"`` does (`pbs.integrations.continuous_batching` says why the name
+contains "flash"). transformers' own ``set_attn_implementation`` and ``from_pretrained`` refuse that
+name (they try to import a FlashAttention kernel for any name containing "flash"), so switch to it
+with `switch_attention`.
+
 Why a call fell back is logged once per reason and per model (logger
 ``pbs.integrations.transformers``; WARNING, except for decode and layers configured dense, which
 are INFO), and `trace_dispatch` records every decision. transformers is imported only when `register`
@@ -24,6 +37,7 @@ are INFO), and `trace_dispatch` records every decision. transformers is imported
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import weakref
@@ -35,14 +49,18 @@ from typing import Any, Literal
 import torch
 
 from pbs.config import PRESETS, PBSConfig
+from pbs.integrations.continuous_batching import CONTINUOUS_BATCHING_NAME, PackedBatch, attend_packed, unpack_call
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig, choose_attention
 from pbs.integrations.tensor_parallel import HeadShard, attention_on_shard, head_shard_of, local_heads
 
 __all__ = [
     "ATTENTION_NAME",
+    "CONTINUOUS_BATCHING_NAME",
     "Dispatch",
     "PBSIntegrationConfig",
+    "continuous_batching_implementation",
     "pbs_attention_forward",
+    "pbs_continuous_batching_forward",
     "pbs_mask",
     "register",
     "registered_config",
@@ -81,6 +99,9 @@ class Dispatch:
             layer's heads (``None`` when the call holds every head). ``density`` is then that of
             this rank's heads; each rank records its own calls.
         tp_size: how many ranks split the heads (``None`` without tensor parallelism).
+        request: for a continuous-batching step (`pbs_continuous_batching_forward`), the request's
+            index among the step's packed requests; the call then has one record per request, with
+            that request's ``q_len`` and ``kv_len``. ``None`` for other calls.
     """
 
     layer_idx: int | None
@@ -92,15 +113,18 @@ class Dispatch:
     detail: str | None = None
     tp_rank: int | None = None
     tp_size: int | None = None
+    request: int | None = None
 
 
 @contextmanager
 def trace_dispatch() -> Iterator[list[Dispatch]]:
-    """Records every call of the ``pbs`` attention function made inside the ``with`` block.
+    """Records every call of the ``pbs`` attention functions made inside the ``with`` block.
 
     Yields:
-        A list that fills with one `Dispatch` per layer call, in call order. PBS calls also
-        measure their density, which costs a host sync per layer: trace to inspect, not to time.
+        A list that fills with one `Dispatch` per layer call (one per request and layer for a
+        continuous-batching step), in call order, also from continuous batching's generation thread.
+        PBS calls also measure their density, which costs a host sync per layer (and on the
+        continuous-batching route a second solo call per PBS request): trace to inspect, not to time.
     """
     records: list[Dispatch] = []
     _active_traces.append(records)
@@ -185,6 +209,10 @@ def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
             ``skip_first_layers=2, min_seq_len=4096`` (``min_seq_len`` sets
             ``dense_fallback.min_seq_len`` of every layer's `PBSConfig`).
 
+    Both names are registered: ``"pbs"`` and `CONTINUOUS_BATCHING_NAME` (for
+    ``model.generate_batch`` and the ``ContinuousBatchingManager``; switch to it with
+    `switch_attention`), which share the config.
+
     Returns:
         The integration config now in effect.
 
@@ -199,6 +227,12 @@ def register(config: Any = None, /, **fields: Any) -> PBSIntegrationConfig:
 
     transformers.AttentionInterface.register(ATTENTION_NAME, pbs_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, pbs_mask)
+    # The continuous-batching name: its mask function serves it outside continuous batching (a padded
+    # generate()); inside, transformers builds no mask for a paged cache or a "paged|" name.
+    transformers.AttentionInterface.register(CONTINUOUS_BATCHING_NAME, pbs_continuous_batching_forward)
+    AttentionMaskInterface.register(CONTINUOUS_BATCHING_NAME, pbs_mask)
+    if _batches_through_paged_names(transformers):
+        transformers.AttentionInterface.register(f"paged|{CONTINUOUS_BATCHING_NAME}", pbs_continuous_batching_forward)
     _registered = integration
     _logged_reasons.clear()
     return integration
@@ -209,7 +243,24 @@ def switch_attention(model: torch.nn.Module, name: str = ATTENTION_NAME) -> None
 
     ``model.set_attn_implementation(name)`` where transformers has it (4.55 and later); before
     that, the layers read the shared config at call time, so setting it there is enough.
+
+    `CONTINUOUS_BATCHING_NAME` is written into the model's configs directly, spelled as
+    `continuous_batching_implementation` says: transformers' ``set_attn_implementation`` tries
+    to load a FlashAttention kernel for every name containing "flash" and fails on this one.
+
+    Raises:
+        ValueError: ``name`` is `CONTINUOUS_BATCHING_NAME` and `register` has not run.
     """
+    if name in (CONTINUOUS_BATCHING_NAME, f"paged|{CONTINUOUS_BATCHING_NAME}"):
+        implementation = continuous_batching_implementation()
+        configs = {id(model.config): model.config}
+        for module in model.modules():  # sub-models may hold configs of their own
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                configs.setdefault(id(config), config)
+        for config in configs.values():
+            config._attn_implementation = implementation
+        return
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:
@@ -219,6 +270,35 @@ def switch_attention(model: torch.nn.Module, name: str = ATTENTION_NAME) -> None
 def registered_config() -> PBSIntegrationConfig | None:
     """The config of the last `register` call, or ``None`` before the first."""
     return _registered
+
+
+def continuous_batching_implementation() -> str:
+    """How a model's config must name the continuous-batching route for the installed transformers.
+
+    ``"pbs_flash_varlen"`` where continuous batching takes bare names (5.24), and
+    ``"paged|pbs_flash_varlen"`` where it runs ``"paged|<name>"`` implementations (5.17, which
+    registers ``"paged|sdpa"``): there continuous batching would switch a bare name to its paged
+    form through ``set_attn_implementation``, which refuses it.
+
+    Raises:
+        ValueError: `register` has not run.
+    """
+    transformers = _import_transformers()
+    implementation = (
+        f"paged|{CONTINUOUS_BATCHING_NAME}" if _batches_through_paged_names(transformers) else CONTINUOUS_BATCHING_NAME
+    )
+    if transformers.AttentionInterface().get(implementation) is not pbs_continuous_batching_forward:
+        raise ValueError(
+            f"attention implementation {implementation!r} is not registered: call "
+            "pbs.integrations.transformers.register() first"
+        )
+    return implementation
+
+
+def _batches_through_paged_names(transformers: Any) -> bool:
+    """Whether continuous batching runs ``"paged|<name>"`` implementations (transformers 5.17
+    registers ``"paged|sdpa"``; 5.24 serves ``"sdpa"`` itself and keeps only ``"paged|eager"``)."""
+    return "paged|sdpa" in transformers.AttentionInterface()
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,6 +382,121 @@ def pbs_attention_forward(
     elif _active_traces:
         _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=plan.density, tp_rank=tp[0], tp_size=tp[1]))
     return wrap(out.transpose(1, 2).contiguous()), None
+
+
+def pbs_continuous_batching_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function of `CONTINUOUS_BATCHING_NAME`: a continuous-batching step's
+    long prefills through `pbs.varlen_attention`, the rest dense.
+
+    A call that carries ``cu_seq_lens_q``/``cu_seq_lens_k`` is a continuous-batching step
+    (`pbs.integrations.continuous_batching` describes its layout). Each of its requests is decided
+    on its own by the rules of ``"pbs"`` (`pbs.integrations.dispatch.choose_attention` with the
+    request's ``q_len`` and ``kv_len``, and the layer's config: ``skip_first_layers``,
+    ``layer_overrides``, ``min_seq_len``, ``min_query_len``): the requests that get PBS run through
+    `pbs.varlen_attention` (where ``PBSConfig.dense_fallback`` may still run one dense), decode tokens
+    and the other requests run dense SDPA. Every other call (a plain forward, ``generate()``) runs as
+    `pbs_attention_forward` runs it.
+
+    Args:
+        module: the attention layer (its ``layer_idx`` selects per-layer config).
+        query: ``(1, Hq, Tq, D)``: the step's new tokens, packed (or ``(B, Hq, Nq, D)`` outside
+            continuous batching).
+        key, value: ``(1, Hkv, Tk, D)``: each request's cached prefix and new tokens, packed
+            (transformers 5.17: the new tokens only, with the paged cache in ``kwargs``).
+        attention_mask: ``None`` in continuous batching (transformers builds none for "flash" names).
+        scaling: softmax scale (``None``: ``D ** -0.5``).
+        dropout: attention dropout probability (continuous batching runs in eval mode: 0).
+        **kwargs: ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``is_causal``, ``sliding_window``,
+            ``softcap``, the cache indices, ...
+
+    Returns:
+        ``(attn_output (1, Tq, Hq, Dv), None)``, as transformers' flash attention returns it.
+
+    Raises:
+        NotImplementedError: a continuous-batching step with an attention mask, a block table
+            (the flash_attn_with_kvcache decode path) or attention sinks.
+        RuntimeError: a continuous-batching step inside a CUDA graph capture (pass
+            ``ContinuousBatchingConfig(use_cuda_graph=False)`` on CUDA).
+    """
+    batch = unpack_call(module, key, value, kwargs)  # under 5.17 this also updates the paged cache
+    if batch is None:
+        return pbs_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"{CONTINUOUS_BATCHING_NAME}: a continuous-batching step came with an attention mask; the packed "
+            "route serves causal requests without one (transformers passes none for 'flash' names)"
+        )
+    return _attend_continuous_batch(module, query, batch, scaling, dropout, kwargs)
+
+
+def _attend_continuous_batch(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    batch: PackedBatch,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Decides every request of a continuous-batching step, runs the step (`attend_packed`), and
+    logs and traces the decisions; returns ``(out (1, Tq, Hq, Dv), None)``."""
+    config = _registered if _registered is not None else PBSIntegrationConfig()
+    layer_idx = getattr(module, "layer_idx", None)
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, batch.key, batch.value))
+    # A compiled step (ContinuousBatchingConfig(varlen_compile_config=...)) runs dense, as "pbs" does.
+    compiling = torch.compiler.is_compiling()
+    lengths = batch.lengths()
+    configs: list[PBSConfig | None] = []
+    reasons: list[str | None] = []
+    for q_len, kv_len in lengths:
+        if q_len <= 1:  # a decode token (choose_attention's first rule, without the call), or nothing
+            layer_config, reason = None, "decode" if q_len == 1 else None
+        else:
+            layer_config, reason = choose_attention(
+                config, layer_idx=layer_idx, q_len=q_len, kv_len=kv_len, has_mask=False, is_causal=bool(is_causal),
+                dropout=float(dropout or 0.0), softcap=softcap, sliding_window=sliding_window,
+                compiling=compiling, needs_grad=needs_grad,
+            )
+        configs.append(layer_config)
+        reasons.append(reason)
+    out, measured = attend_packed(
+        query, batch, configs, scale=scaling, causal=bool(is_causal), sliding_window=sliding_window, softcap=softcap,
+        measure=bool(_active_traces),
+    )
+    for reason in dict.fromkeys(r for r in reasons if r is not None):  # each reason once, at its first request
+        q_len, kv_len = lengths[reasons.index(reason)]
+        detail = functools.partial(_fallback_detail, reason, layer_idx, q_len, kv_len, config)
+        _log_fallback_once(module, reason, detail, layer_idx, q_len, kv_len)
+    for i, measure in measured.items():
+        if measure.dense_reason is not None:
+            _log_fallback_once(module, "dense_fallback", measure.dense_reason, layer_idx, *lengths[i])
+    if _active_traces:
+        for i, ((q_len, kv_len), reason) in enumerate(zip(lengths, reasons)):
+            if q_len == 0:
+                continue
+            measure = measured.get(i)  # missing only for a trace opened during this call
+            if reason is not None:
+                detail = _fallback_detail(reason, layer_idx, q_len, kv_len, config)
+                _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason=reason, detail=detail, request=i))
+            elif measure is not None and measure.dense_reason is not None:
+                _record(Dispatch(layer_idx, q_len, kv_len, "sdpa", reason="dense_fallback",
+                                 detail=measure.dense_reason, request=i))
+            else:
+                density = None if measure is None else measure.density
+                _record(Dispatch(layer_idx, q_len, kv_len, "pbs", density=density, request=i))
+    return out, None
 
 
 def _record(dispatch: Dispatch) -> None:
