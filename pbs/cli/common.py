@@ -1,8 +1,19 @@
-"""What the ``pbs`` subcommands share: dtype names and the argparse value checks."""
+"""What the ``pbs`` subcommands share: dtype names, the argparse value checks, and how a user
+mistake found after parsing becomes one line (`UsageError`): a config option that takes a preset,
+JSON text or a JSON file (`config_option`), a missing optional package (`require_packages`), a
+backend that cannot run on the chosen device (`check_backends`)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
+import importlib.util
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,5 +84,184 @@ def config_error_message(exc: BaseException) -> str:
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where and str(error["loc"][-1]) not in message else message)
+        # The location names the field ("selector.treshold") unless the message already does in full.
+        parts.append(f"{where}: {message}" if where and where not in message else message)
     return "; ".join(parts)
+
+
+class UsageError(Exception):
+    """A user mistake found after parsing. `pbs.cli.main` prints it as one line,
+    ``pbs <command>: error: <message>``, and returns 2, as argparse does for its own errors."""
+
+
+def close_match_hint(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the nearest of ``choices``, or ``""``."""
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """Fails up front where ``--json PATH`` could not be written after the run: its folder is missing,
+    or the path is a folder."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"argument {option}: {path!r} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise UsageError(f"argument {option}: the folder of {path!r} does not exist")
+
+
+# --- config-taking options -------------------------------------------------------------------
+
+
+def read_config_option(text: str, option: str) -> Any:
+    """The value of a config-taking option (``--config``, ``--method``): a preset name (a
+    `pbs.PBSConfig`), JSON text, or the path of a JSON file (its parsed JSON).
+
+    Raises:
+        UsageError: an unknown preset, invalid JSON, or no such file; the message names ``option``.
+    """
+    from pbs.config import PBSConfig, PRESETS
+
+    stripped = text.strip()
+    if stripped in PRESETS:
+        return PBSConfig.from_preset(stripped)
+    if stripped.startswith(("{", "[")):
+        return _parse_json(stripped, f"invalid {option}: not valid JSON")
+    path = Path(stripped).expanduser()
+    if path.is_file():
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"invalid {option}: cannot read {str(path)!r}: {exc}") from None
+        return _parse_json(content, f"invalid {option}: {str(path)!r} is not valid JSON")
+    if path.suffix or "/" in stripped or "\\" in stripped or path.is_dir():  # meant as a file
+        what = "is a directory, not a JSON file" if path.is_dir() else "no such file"
+        raise UsageError(f"invalid {option}: {what}: {stripped!r}" + close_match_hint(stripped, PRESETS))
+    raise UsageError(
+        f"invalid {option}: {stripped!r} is neither a preset ({', '.join(PRESETS)}), JSON text nor a JSON file"
+        + close_match_hint(stripped, PRESETS)
+    )
+
+
+def _parse_json(text: str, context: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{context}: {exc}") from None
+
+
+def config_option(text: str | None, option: str, build: Callable[[Any], Any]) -> Any:
+    """``build`` applied to `read_config_option`'s value (``None`` when the option is not given), its
+    errors as one `UsageError` line naming ``option`` (pydantic's as ``field: message``,
+    `config_error_message`)."""
+    value = None if text is None else read_config_option(text, option)
+    try:
+        return build(value)
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        raise UsageError(f"invalid {option}: {config_error_message(exc)}") from None
+
+
+def check_backends(configs: Iterable[tuple[str, Any]], option: str, device: str, dtype: torch.dtype) -> None:
+    """Fails before any model loads where a config names an unknown backend, or one that cannot run
+    on ``device`` in ``dtype``.
+
+    ``configs`` are ``(where, PBSConfig)`` pairs (``where``: ``""`` or e.g. ``"layer 5"``). The
+    model's head dim is not known before it loads, so the check uses one every kernel takes (128):
+    head-dim limits are checked when the model runs.
+
+    Raises:
+        UsageError: naming ``option``, the layer, and the backend's reasons.
+    """
+    from pbs.backends import CallSpec, check_backend_name, resolve_backend
+
+    for where, config in configs:
+        prefix = f"invalid {option}: " + (f"{where}: " if where else "")
+        try:
+            check_backend_name(config.backend)
+        except ValueError as exc:
+            raise UsageError(f"{prefix}{exc}") from None
+        try:
+            resolve_backend(config.backend, CallSpec(torch.device(device), dtype, 128, 128, config.block_size))
+        except ValueError as exc:
+            dtype_name = str(dtype).removeprefix("torch.")
+            message = f"{prefix}{exc} (on {device} in {dtype_name})"
+            if "triton is not installed" in message:
+                message += f"; install it with: {install_command(['triton'])}"
+            raise UsageError(message) from None
+
+
+def integration_layer_configs(integration: Any) -> list[tuple[str, Any]]:
+    """``(where, PBSConfig)`` of every config a `PBSIntegrationConfig` runs: its ``pbs`` and each
+    layer override that is not dense (for `check_backends`)."""
+    configs = [("", integration.pbs)]
+    configs += [(f"layer {i}", c) for i, c in sorted(integration.layer_overrides.items()) if c is not None]
+    return configs
+
+
+# --- optional packages -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptionalPackage:
+    """An optional dependency as a command needs it.
+
+    Attributes:
+        module: the name it imports as.
+        extra: the ``pyproject.toml`` extra that installs it.
+        minimum: the oldest version that works (``None``: any).
+    """
+
+    module: str
+    extra: str
+    minimum: str | None = None
+
+
+def install_command(extras: Iterable[str]) -> str:
+    """The pip command that installs ``extras`` from a checkout (run in the repository root)."""
+    return f'python -m pip install -e ".[{",".join(sorted(set(extras)))}]"'
+
+
+def require_packages(packages: Iterable[OptionalPackage], purpose: str) -> None:
+    """Raises a one-line `UsageError` naming each package that is missing (or older than its
+    ``minimum``) and the install command of their extras. Packages are found without importing
+    them (``importlib.util.find_spec``), so the check costs nothing when they are there.
+
+    Args:
+        purpose: what the command needs them for, e.g. ``"pbs analyze draws its pictures with matplotlib"``.
+    """
+    missing, outdated, extras = [], [], []
+    for package in packages:
+        if importlib.util.find_spec(package.module) is None:
+            missing.append(package.module)
+        elif package.minimum and _older(version := _installed_version(package.module), package.minimum):
+            outdated.append(f"{package.module} {version} is older than {package.minimum}")
+        else:
+            continue
+        extras.append(package.extra)
+    problems = outdated
+    if missing:
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        problems = [f"{names} {'are' if len(missing) > 1 else 'is'} not installed", *outdated]
+    if problems:
+        raise UsageError(f"{'; '.join(problems)} ({purpose}); install with: {install_command(extras)}")
+
+
+def _installed_version(module: str) -> str:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:  # importable but not installed by pip (a source tree)
+        return ""
+
+
+def _older(version: str, minimum: str) -> bool:
+    """Whether ``version`` is older than ``minimum``; unknown (no version, no ``packaging``): no."""
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # packaging comes with the packages that have a minimum (transformers)
+        return False
+    try:
+        return Version(version) < Version(minimum)
+    except InvalidVersion:
+        return False

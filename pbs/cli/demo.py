@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pbs.backends import list_backends
-from pbs.cli.common import DTYPES, check_device, config_error_message, default_device, positive_int, unit_interval
+from pbs.cli.common import (
+    DTYPES,
+    UsageError,
+    check_device,
+    check_output_file,
+    config_error_message,
+    default_device,
+    positive_int,
+    unit_interval,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -58,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from pbs.demo import format_result, rows_to_json, run_demo
 
     if args.heads_q % args.heads_kv:
-        print(f"pbs demo: --heads-q ({args.heads_q}) must be a multiple of --heads-kv ({args.heads_kv})", file=sys.stderr)
-        return 2
+        raise UsageError(f"--heads-q ({args.heads_q}) must be a multiple of --heads-kv ({args.heads_kv})")
+    check_output_file(args.json, "--json")
     try:
         result = run_demo(
             seq_len=args.seq_len,
@@ -81,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
             defaults=not args.no_defaults,
         )
     except (ValidationError, ValueError) as exc:  # a config or a backend that cannot run; raised before any row
-        print(f"pbs demo: {config_error_message(exc)}", file=sys.stderr)
-        return 2
+        raise UsageError(config_error_message(exc)) from None
     print(
         f"pbs demo: B={args.batch} Hq={args.heads_q} Hkv={args.heads_kv} N={args.seq_len} D={args.head_dim} "
         f"{args.dtype} on {args.device}, block {args.block_size}, segment {args.segment_size}, "

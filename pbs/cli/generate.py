@@ -26,9 +26,20 @@ from typing import Any, TextIO
 
 import torch
 
-from pbs.cli.common import DTYPES, check_device, config_error_message, default_device, positive_int
+from pbs.cli.common import (
+    DTYPES,
+    OptionalPackage,
+    UsageError,
+    check_backends,
+    check_device,
+    check_output_file,
+    config_option,
+    default_device,
+    integration_layer_configs,
+    positive_int,
+    require_packages,
+)
 from pbs.integrations.ttft import DEFAULT_REPEATS, LONG_PREFILL_S, PrefillProgress, measure_ttft
-
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,7 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     gen.add_argument(
         "--config",
-        help="PBSConfig or PBSIntegrationConfig as JSON text or a path to a JSON file (default: the PBS defaults)",
+        help="a preset name (pbs list), or a PBSConfig or PBSIntegrationConfig as JSON text or a path to a JSON "
+             "file (default: the PBS defaults); its backends are checked against --device and --dtype before the "
+             "model loads, head-dim limits when it runs",
     )
     gen.add_argument("--skip-first-layers", type=int, help="run the first N layers dense")
     gen.add_argument("--min-seq-len", type=positive_int,
@@ -112,13 +125,27 @@ def _launch_tp(args: argparse.Namespace) -> int:
     return subprocess.call(command)
 
 
-def _read_config(text: str | None) -> Any:
-    if text is None:
-        return None
-    path = Path(text)
-    if not text.lstrip().startswith("{") and path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    return json.loads(text)
+def _integration_config(args: argparse.Namespace) -> Any:
+    """The `PBSIntegrationConfig` of ``--config`` with ``--skip-first-layers`` and ``--min-seq-len``."""
+    from pbs.integrations.transformers import _coerce_config
+
+    overrides = {
+        key: value
+        for key, value in (("skip_first_layers", args.skip_first_layers), ("min_seq_len", args.min_seq_len))
+        if value is not None
+    }
+    return config_option(args.config, "--config", lambda value: _coerce_config(value, overrides))
+
+
+def _model_dtype(args: argparse.Namespace) -> torch.dtype:
+    return DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+
+
+def _attention_device(args: argparse.Namespace) -> str:
+    """Where attention will run: ``--device``, or under ``--tp`` the device type transformers binds ranks to."""
+    if args.tp and args.tp > 1:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
@@ -126,7 +153,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
     from packaging.version import Version
 
     version = Version(transformers.__version__)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    dtype = _model_dtype(args)
     load_kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "local_files_only": True}
     load_kwargs["dtype" if version >= Version("4.56") else "torch_dtype"] = dtype
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -169,48 +196,40 @@ def _generate(model: Any, tokenizer: Any, input_ids: torch.Tensor, max_new_token
 
 
 def run(args: argparse.Namespace) -> int:
+    from pbs.integrations.transformers import MIN_TRANSFORMERS  # imports without transformers
+
+    # Every argument is checked here, before the model loads (and before --tp starts its ranks).
     if not Path(args.model).is_dir():
-        print(f"pbs generate: model must be a local model directory, {args.model!r} is not one", file=sys.stderr)
-        return 2
+        raise UsageError(f"model must be a local model directory, {args.model!r} is not one")
     if not args.prompt_file.is_file():
-        print(f"pbs generate: --prompt-file {str(args.prompt_file)!r} does not exist", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument --prompt-file: no such file: {str(args.prompt_file)!r}")
     if args.skip_first_layers is not None and args.skip_first_layers < 0:
-        print(f"pbs generate: --skip-first-layers must be >= 0, got {args.skip_first_layers}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument --skip-first-layers: must be >= 0, got {args.skip_first_layers}")
     if args.warmup < 0:
-        print(f"pbs generate: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument --warmup: must be >= 0, got {args.warmup}")
+    check_output_file(args.json, "--json")
+    tp_device_given = args.device.startswith("cuda:") or (args.device == "cpu" and torch.cuda.is_available())
+    if args.tp and args.tp > 1 and tp_device_given:
+        raise UsageError(f"--tp runs on the accelerator transformers picks (cuda:RANK on a CUDA machine, the CPU "
+                         f"where there is none); --device {args.device} cannot be honoured, leave it out")
+    integration = _integration_config(args)
+    require_packages([OptionalPackage("transformers", extra="hf", minimum=MIN_TRANSFORMERS)],
+                     "pbs generate runs the model with transformers")
+    check_backends(integration_layer_configs(integration), "--config", _attention_device(args), _model_dtype(args))
     if args.tp and args.tp > 1:
-        if args.device.startswith("cuda:") or (args.device == "cpu" and torch.cuda.is_available()):
-            print(f"pbs generate: --tp runs on the accelerator transformers picks (cuda:RANK on a CUDA machine, "
-                  f"the CPU where there is none); --device {args.device} cannot be honoured, leave it out",
-                  file=sys.stderr)
-            return 2
         if "WORLD_SIZE" not in os.environ:
-            from pydantic import ValidationError
-
-            from pbs.integrations.transformers import _coerce_config
-
-            try:  # before starting the ranks, so that a bad config is said once
-                _coerce_config(_read_config(args.config), {})
-            except (ValueError, TypeError, ValidationError) as exc:
-                print(f"pbs generate: invalid --config: {config_error_message(exc)}", file=sys.stderr)
-                return 2
             return _launch_tp(args)
         if int(os.environ["WORLD_SIZE"]) != args.tp:
-            print(f"pbs generate: --tp {args.tp} but torchrun started {os.environ['WORLD_SIZE']} processes",
-                  file=sys.stderr)
-            return 2
+            raise UsageError(f"--tp {args.tp} but torchrun started {os.environ['WORLD_SIZE']} processes")
     rank = _tp_rank(args)
     if rank is None:
-        return _run(args, rank)
+        return _run(args, rank, integration)
     try:
         if rank == 0:
-            return _run(args, rank)
+            return _run(args, rank, integration)
         args.quiet, args.json = True, None  # the other ranks run every step in lockstep and print nothing
         with open(os.devnull, "w") as devnull, _stdout_to(devnull):
-            return _run(args, rank)
+            return _run(args, rank, integration)
     finally:
         import torch.distributed as dist
 
@@ -228,22 +247,12 @@ def _stdout_to(stream: TextIO) -> Iterator[None]:
         sys.stdout = saved
 
 
-def _run(args: argparse.Namespace, rank: int | None) -> int:
+def _run(args: argparse.Namespace, rank: int | None, integration: Any) -> int:
     import logging
 
-    from pydantic import ValidationError
-
     import pbs.integrations.transformers as pbs_hf
-    overrides = {
-        key: value
-        for key, value in (("skip_first_layers", args.skip_first_layers), ("min_seq_len", args.min_seq_len))
-        if value is not None
-    }
-    try:
-        integration = pbs_hf.register(_read_config(args.config), **overrides)
-    except (ValueError, TypeError, ValidationError) as exc:  # json errors are ValueErrors
-        print(f"pbs generate: invalid --config: {config_error_message(exc)}", file=sys.stderr)
-        return 2
+
+    pbs_hf.register(integration)
     # Fallbacks are logged once per reason at WARNING (INFO for decode and layers configured dense);
     # under --tp by rank 0 only (the ranks decide alike), unless --verbose.
     logging.basicConfig(format="%(message)s")

@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-from pbs.cli.common import check_device, positive_int, unit_interval
+from pbs.cli.common import (
+    OptionalPackage,
+    UsageError,
+    check_backends,
+    check_device,
+    close_match_hint,
+    config_error_message,
+    config_option,
+    default_device,
+    integration_layer_configs,
+    positive_int,
+    read_config_option,
+    require_packages,
+    unit_interval,
+)
 
 DEFAULT_OUT = "pbs-quality"
 
@@ -65,9 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     methods = parser.add_argument_group("methods")
     methods.add_argument("--methods", metavar="FILE",
-                         help="JSON list of methods (configs, or {config, label, family}); default: the built-in list")
-    methods.add_argument("--method", action="append", default=[], metavar="JSON",
-                         help="a method config as inline JSON (repeatable); without --methods, only these and dense run")
+                         help='JSON file: a list of methods ("dense", configs, or {config, label, family}); '
+                              "default: the built-in list")
+    methods.add_argument("--method", action="append", default=[], metavar="CONFIG",
+                         help="a method config: a preset name (pbs list), JSON text or a path to a JSON file "
+                              "(repeatable); without --methods, only these and dense run")
     methods.add_argument("--thresholds", type=unit_interval, nargs="+", default=list(DEFAULT_THRESHOLDS), metavar="T",
                          help="thresholds / oracle coverages of the built-in list (default 0.8 0.9 0.95)")
     methods.add_argument("--no-gpu-check", action="store_true",
@@ -82,44 +99,38 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from pbs.analysis.quality import run_quality
-    from pbs.analysis.quality_methods import DENSE, check_unique_labels, default_methods, load_methods, make_method
-    from pbs.analysis.quality_models import load_model, named_model_location
+    from pbs.analysis.quality_models import load_model
     from pbs.analysis.quality_probes import DenseFallbackError
     from pbs.analysis.quality_report import write_report
     from pbs.analysis.quality_texts import TextLibrary, build_samples, text_sets
 
-    skipped: list[str] = []
-    if args.methods:
-        methods = load_methods(args.methods)
-    elif args.method:
-        methods = [DENSE]
-    else:
-        methods, skipped = default_methods(args.thresholds)
-    methods += [make_method(text) for text in args.method]
-    check_unique_labels(methods)
+    # Every argument is checked here, before the model loads.
+    if args.model and (args.model_dir or args.gguf_file):
+        raise UsageError("give --model or --model-dir (and --gguf-file), not both")
+    device = args.device or default_device()
+    methods, skipped = _methods(args, device)
+    reads_gguf = args.model_dir is None or args.gguf_file is not None  # the named and the default models are GGUF
+    needs = [OptionalPackage("transformers", "quality")]
+    needs += [OptionalPackage("gguf", "quality")] if reads_gguf else []
+    needs += [OptionalPackage("matplotlib", "quality")] if not args.no_pictures else []
+    require_packages(needs, "pbs quality loads the model with transformers"
+                     + (", reads GGUF files with gguf" if reads_gguf else "")
+                     + (", draws its pictures with matplotlib unless --no-pictures" if not args.no_pictures else ""))
+    model_dir, gguf_file = _model_location(args)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     progress = not args.quiet
     if progress:
         print(f"pbs quality: loading the model on {device} ...", file=sys.stderr)
-    if args.model and (args.model_dir or args.gguf_file):
-        print("pbs quality: give --model or --model-dir (and --gguf-file), not both", file=sys.stderr)
-        return 2
     try:
-        model_dir, gguf_file = named_model_location(args.model) if args.model else (args.model_dir, args.gguf_file)
         loaded = load_model(model_dir, gguf_file, device=device)
     except FileNotFoundError as exc:
-        print(f"pbs quality: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     context = loaded.info.get("context") or 0
     longest = max([*args.lengths, args.passage_tokens * 2 + max(args.fillers)])
     if context and longest > context:
-        print(f"pbs quality: a sample would have {longest} tokens, more than the model's context of {context}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"a sample would have {longest} tokens (--lengths, or --passage-tokens twice plus the longest "
+                         f"--fillers), more than the model's context of {context}")
 
     sets = text_sets(args.texts)
     library = TextLibrary(loaded.tokenize)
@@ -151,6 +162,96 @@ def run(args: argparse.Namespace) -> int:
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
     return 0
+
+
+def _methods(args: argparse.Namespace, device: str) -> tuple[list[Any], list[str]]:
+    """The report's methods from ``--methods``, ``--method`` and ``--thresholds``, and the built-in
+    families left out (not registered); each method's backends checked on ``device`` (the model
+    runs in float32)."""
+    import torch
+
+    from pbs.analysis.quality_methods import DENSE, check_unique_labels, default_methods, make_method
+
+    def check(method: Any, where: str) -> Any:
+        if method.config is not None:
+            check_backends(integration_layer_configs(method.config), where, device, torch.float32)
+        return method
+
+    skipped: list[str] = []
+    if args.methods:
+        items = read_config_option(args.methods, "--methods")
+        if not isinstance(items, list):
+            raise UsageError(f"invalid --methods: {args.methods}: expected a JSON list of methods, "
+                             f"got {type(items).__name__}")
+        methods = []
+        for i, item in enumerate(items):
+            try:
+                methods.append(_method_from_item(item))
+            except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+                raise UsageError(f"invalid --methods (item {i}): {config_error_message(exc)}") from None
+            check(methods[-1], f"--methods (item {i})")
+    elif args.method:
+        methods = [DENSE]
+    else:
+        methods, skipped = default_methods(args.thresholds)
+    for i, text in enumerate(args.method):
+        if text.strip() == "dense":
+            if not any(method.is_dense for method in methods):  # dense runs anyway with --method
+                methods.append(DENSE)
+            continue
+        where = "--method" if len(args.method) == 1 else f"--method (the {_ordinal(i + 1)})"
+        methods.append(check(config_option(text, where, make_method), where))
+    try:
+        check_unique_labels(methods)
+    except ValueError as exc:
+        raise UsageError(f"argument --method: {exc}") from None
+    return methods, skipped
+
+
+def _method_from_item(item: Any) -> Any:
+    """One method of a ``--methods`` file: ``"dense"``, a config, or ``{"config", "label", "family"}``
+    (as `pbs.analysis.quality_methods.load_methods` reads them), where a config may also be a preset name."""
+    from pbs.analysis.quality_methods import make_method
+
+    if isinstance(item, dict) and "config" in item:
+        return make_method(_preset_or_config(item["config"]), item.get("label"), item.get("family"))
+    return make_method(_preset_or_config(item))
+
+
+def _preset_or_config(value: Any) -> Any:
+    from pbs.config import PRESETS, PBSConfig
+
+    if not isinstance(value, str) or value == "dense":
+        return value
+    if value.strip() in PRESETS:
+        return PBSConfig.from_preset(value.strip())
+    if not value.lstrip().startswith("{"):  # JSON text of a config is a config too
+        raise ValueError(f"{value!r} is not a preset ({', '.join(PRESETS)}){close_match_hint(value, PRESETS)}")
+    return value
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _model_location(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """``(model_dir, gguf_file)`` for `load_model`, checked to exist (``model_dir`` None: the
+    default model; ``gguf_file`` None: a transformers checkpoint)."""
+    from pbs.analysis.quality_models import named_model_location
+
+    if args.model:
+        try:
+            return named_model_location(args.model)
+        except FileNotFoundError as exc:
+            raise UsageError(f"argument --model: {exc}") from None
+    if args.model_dir is None:  # the default model: load_model says how to install it if it is missing
+        return None, args.gguf_file
+    model_dir, gguf_file = Path(args.model_dir).expanduser(), args.gguf_file
+    if not model_dir.is_dir():
+        raise UsageError(f"argument --model-dir: no such directory: {args.model_dir!r}")
+    if gguf_file is not None and not (model_dir / gguf_file).is_file():
+        raise UsageError(f"argument --gguf-file: no file {gguf_file!r} in {str(model_dir)!r}")
+    return model_dir, gguf_file
 
 
 def _layer_samples(samples: list, choice: str) -> list[str]:
