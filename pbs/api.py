@@ -156,7 +156,8 @@ def attention(
     """
     if torch.compiler.is_compiling():
         if return_plan or return_lse:
-            raise ValueError("return_plan=True and return_lse=True are not supported under torch.compile")
+            asked = "return_plan=True" if return_plan else "return_lse=True"
+            raise ValueError(f"{asked} is not supported under torch.compile (the op returns the output only)")
         return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
     policy = DensePolicy(config)

@@ -104,7 +104,7 @@ def test_auto_takes_a_backend_that_returns_the_lse():
 def test_return_lse_is_refused_under_torch_compile(monkeypatch):
     q, k, v = pbs.testing.make_qkv(heads_q=2, heads_kv=1, seq_len=128, head_dim=16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(ValueError, match="return_lse=True are not supported under torch.compile"):
+    with pytest.raises(ValueError, match="return_lse=True is not supported under torch.compile"):
         pbs.attention(q, k, v, return_lse=True)
 
 
