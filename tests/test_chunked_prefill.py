@@ -13,6 +13,8 @@ import torch
 import pbs
 
 FULL = {"selector": {"name": "budget", "density": 1.0}, "block_size": 64, "segment_size": 128}
+# The Triton kernel runs on the GPU where there is one, in the interpreter on CPU-only machines.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _chunked(q, k, v, config, chunk):
@@ -32,7 +34,8 @@ def _chunked(q, k, v, config, chunk):
 @pytest.mark.parametrize("backend, dtype", [("reference", torch.float32), ("triton", torch.float16)])
 @pytest.mark.parametrize("chunk", [128, 200, 1000])
 def test_chunked_prefill_at_full_density_equals_one_shot(backend, dtype, chunk):
-    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=1000, head_dim=32, dtype=dtype, seed=4)
+    q, k, v = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=1000, head_dim=32, dtype=dtype, seed=4,
+                                   device=TRITON_DEVICE if backend == "triton" else "cpu")
     config = {**FULL, "backend": backend}
     one_shot, one_shot_lse = pbs.attention(q, k, v, config, return_lse=True)
     chunked, chunked_lse = _chunked(q, k, v, config, chunk)

@@ -34,11 +34,16 @@ PROMPT_LENGTHS = (40, 100, 170)
 MAX_NEW_TOKENS = 8
 
 
+# Continuous batching runs on the GPU where there is one (it asks for CUDA streams there), so the
+# model goes there too; CUDA graphs off, since this route reads each step's lengths on the host.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
     config = tiny_model_config("llama")
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval().to(DEVICE)
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +61,8 @@ def batching_config():
     ``page_size`` in 5.24 and ``block_size`` in 5.17."""
     fields = {f.name for f in dataclasses.fields(transformers.ContinuousBatchingConfig)}
     page = {"page_size": 64} if "page_size" in fields else {"block_size": 64}
-    return transformers.ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=128, **page)
+    graphs = {"use_cuda_graph": False} if DEVICE == "cuda" and "use_cuda_graph" in fields else {}
+    return transformers.ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=128, **page, **graphs)
 
 
 def generate_batch(model, implementation: str) -> list[list[int]]:
@@ -113,7 +119,7 @@ def test_sparse_config_generates_and_follows_the_layer_rules(model, caplog):
 
 
 def test_outside_continuous_batching_the_name_runs_as_pbs(model):
-    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     pbs_hf.switch_attention(model, "sdpa")
     with torch.no_grad():
