@@ -113,6 +113,15 @@ def setting_field(selector: str) -> str | None:
 DEFAULTS_LABEL = "pbs defaults: PBSConfig()"
 
 
+def defaults_label(*, block_size: int = 128, segment_size: int = 256) -> str:
+    """The defaults row's label: `DEFAULTS_LABEL`, or the geometry where the demo changed it
+    (``PBSConfig()`` would then not be what ran)."""
+    default = PBSConfig()
+    if (block_size, segment_size) == (default.block_size, default.segment_size):
+        return DEFAULTS_LABEL
+    return f"pbs defaults, block {block_size} segment {segment_size}"
+
+
 def defaults_config(*, block_size: int = 128, segment_size: int = 256, backend: str = "auto") -> PBSConfig:
     """The library's default config with the demo's geometry and backend, and the dense fallback
     off (so ``auto`` plans even where it would run dense on a GPU)."""
@@ -251,8 +260,9 @@ def run_demo(
             matched.append(target)
     default_row = None
     if default_config is not None:
-        announce(DEFAULTS_LABEL)
-        default_row = timed_row(DEFAULTS_LABEL, default_config)
+        label = defaults_label(block_size=block_size, segment_size=segment_size)
+        announce(label)
+        default_row = timed_row(label, default_config)
     settings = dict(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq_len=seq_len, head_dim=head_dim,
         dtype=str(dtype).removeprefix("torch."), device=str(device), seed=seed, threshold=threshold,

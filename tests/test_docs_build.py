@@ -55,3 +55,31 @@ def test_api_page_renders_docstrings(built_site):
     # The Returns section of pbs.plan is a description, not a mis-parsed name/type row.
     plan = html.split('id="pbs.plan"')[1].split('id="pbs.run"')[0]
     assert "<code>A</code>" not in plan
+
+
+def _returns_rows(html: str) -> dict[str, int]:
+    """Rows of the Returns table of every documented object on the API page, by its id."""
+    rows = {}
+    anchors = list(re.finditer(r'id="(pbs[\w.]*)"', html))
+    for anchor, following in zip(anchors, anchors[1:] + [None]):
+        section = html[anchor.end():following.start() if following else len(html)]
+        start = section.find(">Returns")
+        if start < 0:
+            continue
+        table = section[start:].split("</table>")[0]
+        rows[anchor.group(1)] = len(re.findall(r"<tr\b", table.split("</thead>")[-1]))
+    return rows
+
+
+def test_a_returns_section_renders_as_one_row(built_site):
+    """Google-style docstrings parse a Returns line "x: y" as a new item: without
+    ``returns_multiple_items: false`` in mkdocs.yml, the one sentence of ``pbs.attention``'s Returns
+    rendered as five table rows, each repeating the type."""
+    site, result = built_site
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _returns_rows((site / "api" / "index.html").read_text())
+    for name in ("pbs.attention", "pbs.kernels.block_sparse_attn.block_sparse_attention",
+                 "pbs.integrations.ttft.measure_ttft"):
+        assert rows.get(name) == 1, f"the Returns table of {name} has {rows.get(name)} rows"
+    split = {name: n for name, n in rows.items() if n != 1}
+    assert not split, f"Returns tables of more than one row: {split}"

@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from pbs.config import PBSConfig
     from pbs.demo import format_result, rows_to_json, run_demo
 
     if args.heads_q % args.heads_kv:
@@ -90,10 +91,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ValidationError, ValueError) as exc:  # a config or a backend that cannot run; raised before any row
         raise UsageError(config_error_message(exc)) from None
+    defaults_permuter = PBSConfig().permuter.name
+    defaults_note = "" if args.no_defaults else (
+        " (the defaults row permutes nothing)" if defaults_permuter == "none"
+        else f" (the defaults row: permuter {defaults_permuter})"
+    )
     print(
         f"pbs demo: B={args.batch} Hq={args.heads_q} Hkv={args.heads_kv} N={args.seq_len} D={args.head_dim} "
         f"{args.dtype} on {args.device}, block {args.block_size}, segment {args.segment_size}, "
-        f"permuter {args.permuter}, backend {args.backend}"
+        f"permuter {args.permuter} in the PBS rows{defaults_note}, backend {args.backend}"
     )
     print(format_result(result))
     if args.json:
