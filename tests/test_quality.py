@@ -305,11 +305,112 @@ def test_cli_lengths_may_be_empty_for_copy_probes_only():
 
 
 def test_cli_parses_the_quality_subcommand():
+    from pbs.cli.quality import plan_of
+
     args = build_parser().parse_args(["quality", "--texts", "heldout", "--lengths", "2048", "--method", "{}"])
-    assert args.texts == "heldout" and args.lengths == [2048] and args.fillers == [1000, 3000, 5000]
-    assert args.method == ["{}"] and args.layer_probe == "copy"
+    assert args.texts == "heldout" and args.lengths == [2048] and args.method == ["{}"]
+    plan = plan_of(args)
+    assert plan.lengths == (2048,) and plan.fillers == (2000,) and plan.layer_probe == "copy"
+    plan = plan_of(build_parser().parse_args(["quality", "--full", "--texts", "heldout", "--lengths", "2048"]))
+    assert plan.texts == "heldout" and plan.lengths == (2048,) and plan.fillers == (1000, 3000, 5000)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quality", "--texts", "both"])
+
+
+def _planned_methods(argv):
+    from pbs.cli.quality import _methods, plan_of
+
+    args = build_parser().parse_args(["quality", *argv])
+    return _methods(args, "cpu", plan_of(args).sweep)[0]
+
+
+def test_quality_with_no_options_plans_the_small_run():
+    # Issue 30: `pbs quality` with no options must end in minutes on a 2-core CPU (it measured
+    # 3.6 minutes on a shared one): the defaults and pbs_paper against dense, one held-out
+    # document at 4096 tokens, one copy probe of 4000 tokens, three layers probed.
+    from pbs.cli.quality import plan_of
+
+    plan = plan_of(build_parser().parse_args(["quality"]))
+    assert not plan.full and not plan.sweep and plan.given == frozenset()
+    assert plan.planned_samples() == [
+        {"name": "heldout doc stdlib:typing.py 4096", "set": "heldout", "kind": "document",
+         "sources": ["stdlib:typing.py"], "tokens": 4096},
+        {"name": "heldout copy topic:formatstrings / stdlib:inspect.py 2000", "set": "heldout", "kind": "copy",
+         "sources": ["topic:formatstrings", "stdlib:inspect.py"], "tokens": 4000},
+    ]
+    assert plan.layer_probe == "copy" and plan.layers_to_probe(range(30)) == [0, 14, 29]
+    assert plan.layers_to_probe([5, 11, 17]) is None  # Gemma 3's three global layers: all of them
+    methods = _planned_methods([])
+    assert [m.label for m in methods] == ["dense", qm.DEFAULTS_LABEL, "paper (pbs_paper)"]
+    for method, config in zip(methods[1:], (pbs.PBSConfig(), pbs.PBSConfig.from_preset("pbs_paper"))):
+        got = method.config.pbs
+        assert (got.permuter, got.selector, got.gqa, got.block_size) == (
+            config.permuter, config.selector, config.gqa, config.block_size)
+    assert all(m.config.config_for_layer(0).dense_fallback.min_seq_len == 1 for m in methods[1:])  # PBS at 4K
+    assert "the quick plan (the full sweep: --full): dense, defaults (vertical_slash_pooled), paper (pbs_paper); " \
+           "texts heldout: 1 document (4096 tokens) and 1 copy probe (1000 + 2000 + 1000 tokens)" \
+           in plan.describe([m.label for m in methods])
+
+
+def test_full_is_the_previous_default_sweep():
+    from pbs.cli.quality import plan_of
+
+    plan = plan_of(build_parser().parse_args(["quality", "--full"]))
+    assert plan.full and plan.sweep and plan.texts == "all" and plan.documents is None
+    assert plan.lengths == (4096, 8192) and plan.fillers == (1000, 3000, 5000) and plan.passage_tokens == 1000
+    assert plan.layers_to_probe(range(30)) is None  # every layer
+    assert len(plan.planned_samples()) == 2 * (3 * 2 + 3)
+    methods = _planned_methods(["--full"])
+    assert [m.label for m in methods] == [m.label for m in qm.default_methods()[0]] and len(methods) > 20
+
+
+def test_options_given_override_either_plan():
+    from pbs.cli.quality import plan_of
+
+    def plan(*argv):
+        return plan_of(build_parser().parse_args(["quality", *argv]))
+
+    quick = plan("--texts", "all", "--documents", "2", "--fillers", "500", "1000", "--probe-layers", "0,29")
+    assert quick.texts == "all" and quick.lengths == (4096,) and quick.fillers == (500, 1000)
+    assert quick.layers_to_probe(range(30)) == [0, 29] and len(quick.planned_samples()) == 2 * (2 + 2)
+    full = plan("--full", "--texts", "heldout", "--lengths", "--layer-probe", "none")
+    assert full.lengths == () and full.fillers == (1000, 3000, 5000) and full.layer_probe == "none"
+    assert [s["kind"] for s in full.planned_samples()] == ["copy"] * 3
+    # --thresholds is the built-in sweep's knob: giving it runs the sweep (at those thresholds) on the quick texts.
+    swept = _planned_methods(["--thresholds", "0.9"])
+    assert len(swept) > 3 and all(m.threshold in (None, 0.9) for m in swept)
+    assert plan("--thresholds", "0.9").texts == "heldout"
+    assert [m.label for m in _planned_methods(["--method", "pbs_paper"])][0] == "dense"  # --method: dense + these
+    assert len(_planned_methods(["--method", "pbs_paper"])) == 2
+
+
+def test_the_quick_run_hands_its_plan_to_run_quality(tiny, monkeypatch, tmp_path, capsys):
+    # Without running the model: the command builds the planned samples and methods and stops.
+    from pbs.cli import main
+
+    class Stop(Exception):
+        pass
+
+    loaded = qmodels.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 8192})
+    monkeypatch.setattr(loaded, "tokenize", lambda text: [ord(c) % 128 for c in text])
+    monkeypatch.setattr(qmodels, "load_model", lambda *args, **kwargs: loaded)
+    seen = {}
+
+    def run_quality(model, samples, methods, **kwargs):
+        seen.update(samples=samples, methods=methods, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(q, "run_quality", run_quality)
+    with pytest.raises(Stop):
+        main(["quality", "--device", "cpu", "--out", str(tmp_path)])
+    assert [(s.name, s.length) for s in seen["samples"]] == [
+        ("heldout doc stdlib:typing.py 4096", 4096), ("heldout copy topic:formatstrings / stdlib:inspect.py 2000", 4000)]
+    assert [m.label for m in seen["methods"]] == ["dense", qm.DEFAULTS_LABEL, "paper (pbs_paper)"]
+    assert seen["layer_samples"] == ["heldout copy topic:formatstrings / stdlib:inspect.py 2000"]
+    assert seen["probe_layers"] is None  # the tiny model has 2 layers: all are probed
+    assert seen["meta"]["settings"]["plan"] == "quick" and seen["meta"]["settings"]["documents"] == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pbs quality: the quick plan (the full sweep: --full): ")
 
 
 def test_cli_models_by_name_and_clear_errors_when_missing(tmp_path, monkeypatch, capsys):
@@ -348,7 +449,7 @@ def test_cli_end_to_end_on_the_tiny_model(tiny, tmp_path, monkeypatch, capsys):
     loaded = qmodels.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 1024})
     monkeypatch.setattr(loaded, "tokenize", lambda text: [ord(c) % 128 for c in text])
     monkeypatch.setattr(qmodels, "load_model", lambda *args, **kwargs: loaded)
-    code = main(["quality", "--device", "cpu", "--texts", "all", "--lengths", "256", "--fillers", "64",
+    code = main(["quality", "--full", "--device", "cpu", "--texts", "all", "--lengths", "256", "--fillers", "64",
                  "--passage-tokens", "32", "--out", str(tmp_path), "--quiet", "--method", json.dumps(MEAN_POOL)])
     assert code == 0
     data = json.loads((tmp_path / "quality.json").read_text())

@@ -3,8 +3,9 @@ around an integration config.
 
 * `make_method`: a method from a config (`coerce_integration`), with its label and family built from
   the components that differ from their defaults (``"last_block + mean_pool (per_head) @ 0.9"``);
-* `default_methods`: dense, the library's defaults and the default families at every threshold;
-  `load_methods`: methods from a JSON file;
+* `quick_methods`: dense, the library's defaults and the paper's method (``pbs quality`` with no
+  options); `default_methods`: dense, the library's defaults and the default families at every
+  threshold (``pbs quality --full``); `load_methods`: methods from a JSON file;
 * `selector_threshold`: which selector field a sweep varies (the selector's `knob`);
 * `with_backend`: a method's config with every layer on one backend.
 """
@@ -154,6 +155,19 @@ def default_methods(thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> tuple[l
             config = {"permuter": permuter, "selector": {"name": selector, field_name: threshold}, "gqa": gqa}
             methods.append(make_method(config))
     return methods, skipped
+
+
+PAPER_PRESET = "pbs_paper"
+PAPER_LABEL = f"paper ({PAPER_PRESET})"
+"""Label (and family) of the quick report's row for the paper's method, preset ``pbs_paper``
+(``last_block`` + ``mean_pool`` 0.9, GQA ``per_head``)."""
+
+
+def quick_methods() -> list[Method]:
+    """The methods of ``pbs quality`` with no options: dense, the library's defaults (`PBSConfig()`)
+    and the paper's method (preset ``pbs_paper``)."""
+    return [DENSE, make_method(PBSConfig(), DEFAULTS_LABEL, DEFAULTS_LABEL),
+            make_method(PBSConfig.from_preset(PAPER_PRESET), PAPER_LABEL, PAPER_LABEL)]
 
 
 def load_methods(path: str | Path) -> list[Method]:

@@ -10,7 +10,9 @@ import difflib
 import importlib.metadata
 import importlib.util
 import json
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,3 +267,41 @@ def _older(version: str, minimum: str) -> bool:
         return Version(version) < Version(minimum)
     except InvalidVersion:
         return False
+
+
+# --- progress -------------------------------------------------------------------------------
+
+
+def stderr_is_terminal() -> bool:
+    """Whether stderr, where progress goes, is a terminal (progress is then redrawn in place)."""
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+@contextmanager
+def quiet_loading_bars() -> Iterator[None]:
+    """Where stderr is not a terminal (a log file, a pipe), no model-loading bars inside the block:
+    transformers' own (``disable_progress_bar()``, for the rest of the process) and its GGUF
+    de-quantisation bar, a plain tqdm bar that ignores that switch and would write one line redrawn
+    with carriage returns. On a terminal nothing changes."""
+    if stderr_is_terminal():
+        yield
+        return
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support (or without gguf): nothing to quiet
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if not callable(original):
+        yield
+        return
+    import functools
+
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original

