@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     gen.add_argument("model", nargs="?",
                      help="local model directory (config, weights and tokenizer from save_pretrained, or the "
-                          "directory of --gguf-file); or use --model NAME")
+                          "directory of --gguf-file), or a name that --model takes")
     gen.add_argument("--model", dest="model_name", choices=sorted(KNOWN_MODELS), metavar="NAME",
                      help="a model by name, from its PyPI wheel, instead of a directory: "
                           + "; ".join(f"{name}: {text}" for name, text in KNOWN_MODELS.items()))
