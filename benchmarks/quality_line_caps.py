@@ -14,7 +14,7 @@ and hands the rest of its command line to ``pbs quality`` (a ``--methods`` file 
 (docs/quality.md, "Lowering the union's density: negative results").
 
     python3 benchmarks/quality_line_caps.py --print-methods > line_caps_methods.json   # or: --print-methods second
-    python3 benchmarks/quality_line_caps.py quality --texts tuning --lengths 4096 --fillers 1000 3000 5000 \\
+    python3 benchmarks/quality_line_caps.py quality --full --texts tuning --lengths 4096 --fillers 1000 3000 5000 \\
         --layer-probe none --no-pictures --methods line_caps_methods.json --out pbs-quality-line-caps
 """
 
