@@ -6,10 +6,10 @@ select every block, so PBS must equal SDPA up to fp32 noise wherever it runs.
 
 from __future__ import annotations
 
-import re
-
+import inspect
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -56,6 +56,10 @@ def prompt(length: int = PROMPT_LEN, batch: int = 1, seed: int = 1) -> torch.Ten
 
 def forward(model, implementation: str, **inputs):
     pbs_hf.switch_attention(model, implementation)
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns, and
+    # goes in 5.40); older versions know only the old one.
+    if "past_key_values" in inputs and "cache" in inspect.signature(type(model).forward).parameters:
+        inputs["cache"] = inputs.pop("past_key_values")
     with torch.no_grad():
         return model(**inputs)
 
