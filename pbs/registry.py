@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError

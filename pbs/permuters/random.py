@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-
 from pbs.components import PermutationInputs, PermuterConfig, Permutations, register_permuter
 from pbs.permuters._segments import sort_within_segments, to_key_permutation
 from pbs.reference.seeded import Seed, seeded_rand
