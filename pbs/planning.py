@@ -21,13 +21,15 @@ from pbs.types import BlockMask, Permutation, Plan
 from pbs.validation import check_selector_result
 
 
-def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig) -> Layout:
+def make_layout(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, segmented: bool | None = None) -> Layout:
     """The `Layout` of ``q (B, Hq, Nq, D)`` and ``k (B, Hkv, Nk, D)`` under ``config``.
 
     A permuter with ``segmented = False`` (``none``) gets one-block segments: nothing moves, so only
-    the diagonal block needs a per-token check or is forced.
+    the diagonal block needs a per-token check or is forced. ``segmented`` overrides the
+    permuter's flag (dense attention permutes nothing).
     """
-    segmented = type(config.permuter).segmented
+    if segmented is None:
+        segmented = type(config.permuter).segmented
     return Layout(
         batch=q.shape[0],
         heads_q=q.shape[1],
@@ -205,10 +207,7 @@ def run_planned(
 def full_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, head_dim_v: int, return_lse: bool = False) -> Plan:
     """The plan of dense attention: nothing permuted, every causally allowed block selected, on the
     backend ``config`` resolves to (for dense attention that returns the log-sum-exp)."""
-    layout = Layout(
-        batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seq_len_q=q.shape[2], seq_len_k=k.shape[2],
-        block_size=config.block_size, segment_size=config.block_size, causal=config.causal, segmented=False,
-    )
+    layout = make_layout(q, k, config, segmented=False)
     backend = resolve_backend(config.backend, CallSpec.of(q, head_dim_v, layout.block_size, return_lse))
     shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
     mask = BlockMask.from_dense(layout.allowed_blocks(q.device).expand(shape), layout)
