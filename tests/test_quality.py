@@ -125,6 +125,17 @@ def test_text_sets_are_fixed_disjoint_and_readable():
         qt.read_text("stdlib:no_such_module_anywhere.py")
 
 
+def test_the_long_held_out_set_joins_texts_and_shares_none_with_tuning():
+    assert qt.text_sets("heldout-long") == [qt.HELDOUT_LONG]
+    assert not set(qt.TUNING.sources()) & {part for s in qt.HELDOUT_LONG.sources() for part in s.split("+")}
+    joined = qt.read_text("stdlib:typing.py+stdlib:difflib.py")
+    assert joined == qt.read_text("stdlib:typing.py") + "\n" + qt.read_text("stdlib:difflib.py")
+    for source in qt.HELDOUT_LONG.documents:  # 32K tokens need well over 100K characters
+        assert len(qt.read_text(source)) > 130_000, source
+    with pytest.raises(FileNotFoundError):
+        qt.read_text("stdlib:typing.py+stdlib:no_such_module_anywhere.py")
+
+
 def test_build_samples_names_every_set_length_and_filler():
     library = qt.TextLibrary(lambda text: [ord(c) % 128 for c in text])
     samples = qt.build_samples(qt.text_sets("all"), library, lengths=(64, 128), fillers=(10, 20), passage_tokens=16)

@@ -89,7 +89,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     texts = parser.add_argument_group("texts")
     texts.add_argument("--texts", choices=TEXT_SET_CHOICES, default=None,
-                       help=f"text set(s) to measure: tuning, heldout or all ({plan_default('texts')})")
+                       help="text set(s) to measure: tuning, heldout, all (both) or heldout-long (held-out documents of "
+                            f"32K tokens and more, for Gemma 3's context) ({plan_default('texts')})")
     texts.add_argument("--documents", type=positive_int, default=None, metavar="N",
                        help=f"documents per text set, the first N of its 3 ({plan_default('documents')})")
     texts.add_argument("--lengths", type=positive_int, nargs="*", default=None, metavar="N",
