@@ -313,6 +313,8 @@ def test_markdown_shows_gpu_agreement(report):
 def test_cli_lengths_may_be_empty_for_copy_probes_only():
     args = build_parser().parse_args(["quality", "--lengths", "--fillers", "500"])
     assert args.lengths == [] and args.fillers == [500]
+    args = build_parser().parse_args(["quality", "--lengths", "32768", "--fillers"])
+    assert args.lengths == [32768] and args.fillers == []  # documents only
 
 
 def test_cli_parses_the_quality_subcommand():

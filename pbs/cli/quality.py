@@ -95,8 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help=f"documents per text set, the first N of its 3 ({plan_default('documents')})")
     texts.add_argument("--lengths", type=positive_int, nargs="*", default=None, metavar="N",
                        help=f"document lengths in tokens ({plan_default('lengths')}; none: copy probes only)")
-    texts.add_argument("--fillers", type=positive_int, nargs="+", default=None, metavar="F",
-                       help=f"copy-probe filler lengths in tokens ({plan_default('fillers')})")
+    texts.add_argument("--fillers", type=positive_int, nargs="*", default=None, metavar="F",
+                       help=f"copy-probe filler lengths in tokens ({plan_default('fillers')}; none: documents only)")
     texts.add_argument("--passage-tokens", type=positive_int, default=None,
                        help=f"copy-probe passage length in tokens ({plan_default('passage_tokens')})")
     texts.add_argument("--layer-probe", choices=("copy", "document", "none"), default=None,
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
     context = loaded.info.get("context") or 0
-    longest = max([*plan.lengths, plan.passage_tokens * 2 + max(plan.fillers)])
+    longest = max([*plan.lengths, *(plan.passage_tokens * 2 + f for f in plan.fillers)], default=0)
     if context and longest > context:
         raise UsageError(f"a sample would have {longest} tokens (--lengths, or --passage-tokens twice plus the longest "
                          f"--fillers), more than the model's context of {context}")
