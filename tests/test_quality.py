@@ -478,6 +478,73 @@ def test_cli_end_to_end_on_the_tiny_model(tiny, tmp_path, monkeypatch, capsys):
     assert main(["quality", "--device", "cpu", "--lengths", "2048", "--out", str(tmp_path), "--quiet"]) == 2
 
 
+# --------------------------------------------------------------------------------------------
+# Chunked prefill (--chunk-size)
+
+
+@pytest.mark.parametrize("config", [FULL_BUDGET, {**FULL_BUDGET, "permuter": "last_block"}], ids=["identity", "last_block"])
+def test_chunked_prefill_at_full_density_equals_one_shot(tiny, samples, config):
+    sample = samples[0]  # 256 tokens: chunks of 64 (block-aligned) and of 100 (not)
+    integration = qm.make_method(config).config
+    dense = qprobes.dense_forward(tiny, sample)
+    one_shot = qprobes.pbs_forward(tiny, sample, integration)
+    for size in (64, 100):
+        chunked_dense = qprobes.dense_forward(tiny, sample, prefill_chunk=size)
+        torch.testing.assert_close(chunked_dense.losses, dense.losses, atol=1e-5, rtol=1e-5)
+        with pbs_hf.trace_dispatch() as calls:
+            chunked = qprobes.pbs_forward(tiny, sample, integration, prefill_chunk=size)
+        torch.testing.assert_close(chunked.losses, one_shot.losses, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(chunked.losses, dense.losses, atol=1e-5, rtol=1e-5)
+        assert chunked.layer_density == {0: 1.0, 1: 1.0}
+        # every chunk after the first attends to the cached prefix, through PBS
+        starts = list(range(0, sample.length, size))
+        expected = [(min(size, sample.length - s), min(s + size, sample.length)) for s in starts]
+        assert [(c.q_len, c.kv_len) for c in calls if c.layer_idx == 0] == expected
+        assert {c.path for c in calls} == {"pbs"}
+
+
+def test_chunked_density_weighs_each_call_by_its_allowed_blocks():
+    # one 64-query call over 64 keys (10 allowed blocks of 16) and one over 128 keys (26)
+    assert qprobes._allowed_blocks(64, 64, 16) == 10
+    assert qprobes._allowed_blocks(64, 128, 16) == 26
+    method = qm.chunked(qm.make_method(MEAN_POOL), 64)
+    assert method.label == label(MEAN_POOL) + ", chunks of 64" and method.chunk_size == 64
+    assert qm.one_shot_label(method) == label(MEAN_POOL) and qm.one_shot_label(qm.DENSE) is None
+    assert qm.chunked(qm.DENSE, 64).is_dense and not qm.chunked(qm.DENSE, 64).is_reference
+    with pytest.raises(ValueError):
+        qm.chunked(method, 32)
+
+
+def test_cli_chunk_size_runs_every_method_chunked_beside_one_shot(tiny, tmp_path, monkeypatch, capsys):
+    from pbs.cli import main
+
+    loaded = qmodels.LoadedModel(tiny, None, {"name": "tiny llama", "layers": 2, "context": 1024})
+    monkeypatch.setattr(loaded, "tokenize", lambda text: [ord(c) % 128 for c in text])
+    monkeypatch.setattr(qmodels, "load_model", lambda *args, **kwargs: loaded)
+    code = main(["quality", "--device", "cpu", "--texts", "heldout", "--lengths", "256", "--fillers", "64",
+                 "--passage-tokens", "32", "--layer-probe", "none", "--chunk-size", "64", "--no-pictures",
+                 "--out", str(tmp_path), "--quiet", "--method", json.dumps(FULL_BUDGET), "--method", json.dumps(MEAN_POOL)])
+    assert code == 0
+    data = json.loads((tmp_path / "quality.json").read_text())
+    one_shot = ["dense", label(FULL_BUDGET), label(MEAN_POOL)]
+    assert [m["label"] for m in data["methods"]] == one_shot + [f"{m}, chunks of 64" for m in one_shot]
+    assert [m["chunk_size"] for m in data["methods"]] == [None] * 3 + [64] * 3
+    assert data["meta"]["settings"]["chunk_size"] == 64
+    assert len(data["results"]) == 6 * 2  # methods x (document + copy probe)
+    by = {(r["method"], r["sample"]): r for r in data["results"]}
+    for (method, sample), row in by.items():
+        if method.endswith(", chunks of 64"):
+            assert row["chunk_size"] == 64
+            if label(FULL_BUDGET) in method or method.startswith("dense"):  # full density: as one-shot
+                twin = by[(method.removesuffix(", chunks of 64"), sample)]
+                assert row["loss"] == pytest.approx(twin["loss"], abs=1e-5)
+    dense_entry = next(e for e in data["summary"] if e["method"] == "dense")
+    assert dense_entry["delta_loss"] == 0  # the reference is one-shot dense, not its chunked twin
+    out = capsys.readouterr().out
+    assert "### Chunked prefill against one-shot" in out
+    assert f"| heldout | {label(MEAN_POOL)} | 64 |" in out
+
+
 @pytest.mark.gpu
 def test_gpu_backend_is_compared_with_the_reference():
     torch.manual_seed(0)

@@ -34,7 +34,7 @@ import torch
 from pbs.analysis.progress import ProgressBar
 from pbs.analysis.quality_methods import DENSE, Method, check_unique_labels, with_backend
 from pbs.analysis.quality_metrics import sample_result
-from pbs.analysis.quality_probes import dense_with_layer_probe, full_attention_layers, pbs_forward
+from pbs.analysis.quality_probes import dense_forward, dense_with_layer_probe, full_attention_layers, pbs_forward
 from pbs.analysis.quality_results import QualityReport
 from pbs.analysis.quality_texts import Sample
 
@@ -65,7 +65,9 @@ def run_quality(
     Args:
         model: a transformers causal LM whose attention dispatches through ``AttentionInterface``.
         samples: token sequences (`build_samples`).
-        methods: rows; include `DENSE` for the reference (it is added first if missing).
+        methods: rows; include `DENSE` for the reference (it is added first if missing). A method
+            with a ``chunk_size`` (`pbs.analysis.quality_methods.chunked`) is prefilled in chunks
+            against the growing KV cache; the per-layer probe measures one-shot methods only.
         layer_samples: names of the samples on which every method's per-layer error and coverage
             are measured (each costs a dense pass plus, per layer and method, a plan, a reference
             attention and, per distinct permutation, an exact block-mass pass).
@@ -104,7 +106,8 @@ def run_quality(
         methods=methods,
         samples=[s.describe() for s in samples],
     )
-    sparse = [m for m in methods if not m.is_dense]
+    others = [m for m in methods if not m.is_reference]
+    sparse = [m for m in others if not m.is_dense]
     total = len(samples) * len(methods) + (len(samples) * len(sparse) if gpu_check else 0)
     bar = ProgressBar(total, "quality", enabled=progress)
     try:
@@ -116,13 +119,20 @@ def run_quality(
                 dense_row["layer_probe"] = True  # its seconds include the per-layer probes
             report.results.append(dense_row)
             bar.advance(f"dense {sample.name} ({dense.seconds:.1f}s)")
-            for method in sparse:
-                forward = pbs_forward(model, sample, with_backend(method.config, "reference"), method.label)
+            for method in others:
+                if method.is_dense:  # dense prefilled in chunks
+                    forward = dense_forward(model, sample, prefill_chunk=method.chunk_size)
+                    report.results.append(sample_result(method, sample, forward, "sdpa"))
+                    bar.advance(f"{method.label} {sample.name} ({forward.seconds:.1f}s)")
+                    continue
+                forward = pbs_forward(model, sample, with_backend(method.config, "reference"), method.label,
+                                      prefill_chunk=method.chunk_size)
                 row = sample_result(method, sample, forward, "reference")
                 report.results.append(row)
                 bar.advance(f"{method.label} {sample.name} ({forward.seconds:.1f}s)")
                 if gpu_check:
-                    gpu = pbs_forward(model, sample, with_backend(method.config, "auto"), method.label)
+                    gpu = pbs_forward(model, sample, with_backend(method.config, "auto"), method.label,
+                                      prefill_chunk=method.chunk_size)
                     gpu_row = sample_result(method, sample, gpu, "auto")
                     for key in ("loss", "copy_loss", "density"):
                         if key in row:

@@ -34,16 +34,25 @@ class Method:
             threshold); ``"dense"`` for the reference.
         threshold: the selector's threshold / coverage / density, the x of the sweep (None: none).
         config: how every layer runs; ``None`` for dense SDPA.
+        chunk_size: the sequence is prefilled in chunks of this many tokens against a growing KV
+            cache (chunked prefill: each chunk's queries attend to the cached prefix and to
+            themselves, ``Nq < Nk``); ``None``: in one pass. See `chunked`.
     """
 
     label: str
     family: str
     threshold: float | None
     config: PBSIntegrationConfig | None
+    chunk_size: int | None = None
 
     @property
     def is_dense(self) -> bool:
         return self.config is None
+
+    @property
+    def is_reference(self) -> bool:
+        """Dense SDPA in one pass: the row every other row is compared with."""
+        return self.config is None and self.chunk_size is None
 
     @property
     def is_oracle(self) -> bool:
@@ -55,10 +64,35 @@ class Method:
             "family": self.family,
             "threshold": self.threshold,
             "config": None if self.config is None else self.config.model_dump(mode="json"),
+            "chunk_size": self.chunk_size,
         }
 
 
 DENSE = Method(label="dense", family="dense", threshold=None, config=None)
+
+
+def chunked_label(label: str, size: int) -> str:
+    """The label of ``label``'s chunked-prefill twin (`chunked`)."""
+    return f"{label}, chunks of {size}"
+
+
+def chunked(method: Method, size: int) -> Method:
+    """``method`` prefilled in chunks of ``size`` tokens against the growing KV cache: its label and
+    family gain ``", chunks of <size>"`` (dense's twin stays the reference's family, so the pictures
+    draw it as a method)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be at least 1, got {size}")
+    if method.chunk_size is not None:
+        raise ValueError(f"{method.label!r} is already chunked")
+    return Method(label=chunked_label(method.label, size), family=chunked_label(method.family, size),
+                  threshold=method.threshold, config=method.config, chunk_size=size)
+
+
+def one_shot_label(method: Method) -> str | None:
+    """For a chunked method, the label of its one-shot twin; ``None`` for a one-shot method."""
+    if method.chunk_size is None:
+        return None
+    return method.label.removesuffix(f", chunks of {method.chunk_size}")
 
 
 def _component_label(config: Any, registry: Any, skip: Sequence[str] = ()) -> str:

@@ -22,18 +22,28 @@ from pbs.dense import dense_attention_sdpa
 from pbs.reference.block_mass import attention_coverage, block_attention_mass
 
 
-def token_losses(model: torch.nn.Module, input_ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def token_losses(
+    model: torch.nn.Module, input_ids: torch.Tensor, chunk: int = 1024, *, prefill_chunk: int | None = None
+) -> torch.Tensor:
     """Next-token losses ``(N - 1,)`` float32 of one sequence; ``[j]`` is the loss of token ``j + 1``.
 
     The logits are computed ``chunk`` positions at a time from the decoder's last hidden state, so an
     8K-token sequence never holds the full ``(N, vocab)`` logits.
+
+    Args:
+        prefill_chunk: read the sequence in chunks of this many tokens against a growing KV cache
+            (chunked prefill: every chunk after the first attends with ``Nq < Nk``), instead of in
+            one pass; ``None``: one pass.
     """
     ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
-        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        if prefill_chunk is None:
+            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        else:
+            hidden = _chunked_hidden(model, decoder, ids, prefill_chunk)[:-1]
         targets = ids[0, 1:]
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, targets.shape[0], chunk):
@@ -42,6 +52,26 @@ def token_losses(model: torch.nn.Module, input_ids: torch.Tensor, chunk: int = 1
                 logits = torch.tanh(logits / softcap) * softcap
             out[start : start + chunk] = F.cross_entropy(logits, targets[start : start + chunk], reduction="none")
     return out.cpu()
+
+
+def _chunked_hidden(model: torch.nn.Module, decoder: torch.nn.Module, ids: torch.Tensor, size: int) -> torch.Tensor:
+    """The decoder's last hidden state ``(N, hidden)`` of ``ids`` ``(1, N)``, read ``size`` tokens at a
+    time into a `transformers.DynamicCache` (the model's own per-layer cache: sliding-window layers
+    keep their window)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    if size < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {size}")
+    # transformers 5.24 names the forward's cache argument `cache`; earlier versions `past_key_values`.
+    name = "cache" if "cache" in inspect.signature(type(decoder).forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    parts = []
+    for start in range(0, ids.shape[1], size):
+        out = decoder(input_ids=ids[:, start : start + size], use_cache=True, **{name: cache})
+        parts.append(out.last_hidden_state[0])
+    return torch.cat(parts)
 
 
 @dataclass
@@ -72,6 +102,8 @@ def sample_result(method: Method, sample: Sample, forward: ForwardResult, backen
         "layer_density": [forward.layer_density[i] for i in sorted(forward.layer_density)],
         "seconds": round(forward.seconds, 3),
     }
+    if method.chunk_size is not None:
+        row["chunk_size"] = method.chunk_size
     if sample.kind == "copy":
         row["filler"] = sample.filler
         row["copy_loss"] = span_loss(forward.losses, sample.copy_span)

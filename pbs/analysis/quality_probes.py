@@ -101,16 +101,31 @@ def probing(model: torch.nn.Module, callback: Callable[..., None]) -> Iterator[N
         _probe_callbacks.remove(callback)
 
 
-def dense_forward(model: torch.nn.Module, sample: Sample) -> ForwardResult:
-    """The reference: the model's own SDPA attention."""
+def dense_forward(model: torch.nn.Module, sample: Sample, *, prefill_chunk: int | None = None) -> ForwardResult:
+    """The reference: the model's own SDPA attention (``prefill_chunk``: in chunks of that many
+    tokens against a growing KV cache, see `token_losses`)."""
     start = time.perf_counter()
     with _attention_implementation(model, "sdpa"):
-        losses = token_losses(model, sample.input_ids)
+        losses = token_losses(model, sample.input_ids, prefill_chunk=prefill_chunk)
     return ForwardResult(losses, {i: 1.0 for i in full_attention_layers(model)}, time.perf_counter() - start)
 
 
-def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrationConfig, label: str = "") -> ForwardResult:
+def _allowed_blocks(q_len: int, kv_len: int, block_size: int) -> int:
+    """Causally allowed blocks of one call (its queries the last ``q_len`` of ``kv_len`` positions)."""
+    from pbs.layout import Layout
+
+    return Layout(1, 1, 1, q_len, kv_len, block_size, block_size, segmented=False).total_allowed_blocks
+
+
+def pbs_forward(
+    model: torch.nn.Module, sample: Sample, integration: PBSIntegrationConfig, label: str = "", *,
+    prefill_chunk: int | None = None,
+) -> ForwardResult:
     """One forward pass with ``attn_implementation="pbs"`` under ``integration``.
+
+    With ``prefill_chunk`` the sequence is read in chunks of that many tokens against a growing KV
+    cache (`token_losses`): a layer then makes one call per chunk, and its density is that of all
+    its calls together (each call's density weighted by its causally allowed blocks).
 
     Raises:
         DenseFallbackError: a layer that ``integration`` runs with PBS ran dense attention, or the
@@ -123,7 +138,7 @@ def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrat
     start = time.perf_counter()
     try:
         with _attention_implementation(model, pbs_hf.ATTENTION_NAME), pbs_hf.trace_dispatch() as records:
-            losses = token_losses(model, sample.input_ids)
+            losses = token_losses(model, sample.input_ids, prefill_chunk=prefill_chunk)
     finally:  # leave the integration as it was: a user's own registration, or none
         if previous is not None:
             pbs_hf.register(previous)
@@ -149,7 +164,17 @@ def pbs_forward(model: torch.nn.Module, sample: Sample, integration: PBSIntegrat
             "min_seq_len / the dense-fallback limits of the config, or make those layers dense on purpose "
             "(skip_first_layers / layer_overrides)."
         )
-    density = {int(r.layer_idx): (float(r.density) if r.path == "pbs" else 1.0) for r in records if r.layer_idx in full}
+    selected: dict[int, float] = {}
+    allowed: dict[int, int] = {}
+    for r in records:
+        if r.layer_idx not in full:
+            continue
+        layer = int(r.layer_idx)
+        config = integration.config_for_layer(layer)
+        weight = _allowed_blocks(r.q_len, r.kv_len, config.block_size if config is not None else 128)
+        selected[layer] = selected.get(layer, 0.0) + weight * (float(r.density) if r.path == "pbs" else 1.0)
+        allowed[layer] = allowed.get(layer, 0) + weight
+    density = {layer: selected[layer] / allowed[layer] for layer in selected}
     return ForwardResult(losses, density, seconds)
 
 
@@ -171,9 +196,9 @@ def dense_with_layer_probe(
             return
         if attention_mask is not None:
             raise RuntimeError(f"layer probe: layer {layer_idx} got an attention mask (padding?); probes need plain causal inputs")
-        configs = {
+        configs = {  # chunked methods are not probed: the probe's q/k/v are the one-shot pass's
             m.label: None if m.is_dense else config_with_backend(m.config.config_for_layer(layer_idx), "reference")
-            for m in methods
+            for m in methods if m.chunk_size is None
         }
         start = time.perf_counter()
         metrics = layer_metrics(q.detach(), k.detach(), v.detach(), configs, scale=scale)

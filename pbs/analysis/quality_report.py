@@ -84,6 +84,9 @@ def markdown_tables(report: QualityReport, summary: list[dict[str, Any]] | None 
         if dense is not None and dense["first_loss"]:
             first = ", ".join(f"{_fmt(v)}" for v in dense["first_loss"].values())
             lines += ["", f"Dense loss on the *first* copy of the passage (nothing to copy from yet): {first}."]
+    chunked_table = _chunked_table(report, summary)
+    if chunked_table:
+        lines += ["", *chunked_table]
     agreement = gpu_agreement(report)
     if agreement:
         lines += ["", "### GPU backend against the reference", "",
@@ -96,6 +99,36 @@ def markdown_tables(report: QualityReport, summary: list[dict[str, Any]] | None 
     if report.skipped_methods:
         lines += ["", "Left out (not registered in this version): " + "; ".join(report.skipped_methods) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _chunked_table(report: QualityReport, summary: list[dict[str, Any]]) -> list[str]:
+    """Chunked prefill against one-shot: every chunked method beside its one-shot twin, per set."""
+    from pbs.analysis.quality_methods import one_shot_label
+
+    pairs = [(m, one_shot_label(m)) for m in report.methods if m.chunk_size is not None]
+    if not pairs:
+        return []
+    by_key = {(e["method"], e["set"]): e for e in summary}
+    lines = ["### Chunked prefill against one-shot", "",
+             "Each method read again in chunks of `chunk` tokens against the growing KV cache (every chunk after the "
+             "first attends with `Nq < Nk`; its planner sees only the chunk's queries, over every cached key). "
+             "`Δ` columns: chunked minus the same method in one pass, on the same tokens; the density is that of all "
+             "of a layer's calls together.", "",
+             "| set | method | chunk | density one-shot | density chunked | Δloss | Δcopy (per filler) |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for text_set in dict.fromkeys(e["set"] for e in summary):
+        for method, twin in pairs:
+            chunk, whole = by_key.get((method.label, text_set)), by_key.get((twin, text_set))
+            if chunk is None or whole is None:
+                continue
+            delta_loss = (chunk["loss_mean"] - whole["loss_mean"]
+                          if chunk["loss_mean"] is not None and whole["loss_mean"] is not None else None)
+            copies = [_fmt(v - whole["copy_loss"][f], signed=True) for f, v in chunk["copy_loss"].items()
+                      if v is not None and whole["copy_loss"].get(f) is not None]
+            lines.append(f"| {text_set} | {twin.replace('|', chr(92) + '|')} | {method.chunk_size} | "
+                         f"{_fmt(whole['density'])} | {_fmt(chunk['density'])} | {_fmt(delta_loss, signed=True)} | "
+                         f"{' / '.join(copies) or '-'} |")
+    return lines
 
 
 def _representative_methods(methods: list[Method], target: float = 0.9) -> list[Method]:

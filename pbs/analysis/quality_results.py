@@ -78,7 +78,7 @@ def summarize(report: QualityReport) -> list[dict[str, Any]]:
     sets += sorted({r["set"] for r in report.results} - set(sets))
     summary = []
     # dense first, so every other row can be compared with it
-    ordered = sorted(report.methods, key=lambda m: not m.is_dense)
+    ordered = sorted(report.methods, key=lambda m: not m.is_reference)
     for text_set in sets:
         dense_entry = None
         for method in ordered:
@@ -105,7 +105,7 @@ def summarize(report: QualityReport) -> list[dict[str, Any]]:
             entry["layer_rel_error"] = _mean([r["rel_error"] for r in layers])
             entry["layer_coverage"] = _mean([r["coverage"] for r in layers])
             entry["layer_density"] = _mean([r["density"] for r in layers])
-            if method.is_dense:
+            if method.is_reference:
                 dense_entry = entry
             _add_deltas(entry, dense_entry)
             summary.append(entry)

@@ -118,6 +118,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     methods.add_argument("--thresholds", type=unit_interval, nargs="+", default=None, metavar="T",
                          help="thresholds / oracle coverages of the built-in sweep; giving them runs the sweep "
                               f"(default {' '.join(map(str, DEFAULT_THRESHOLDS))}, with --full)")
+    methods.add_argument("--chunk-size", type=positive_int, default=None, metavar="N",
+                         help="also run every method (dense included) with chunked prefill: each sample read N tokens "
+                              "at a time against the growing KV cache, so that every chunk after the first attends with "
+                              "Nq < Nk; its rows sit beside the one-shot rows, and the markdown compares the two")
     methods.add_argument("--no-gpu-check", action="store_true",
                          help="on CUDA, do not also run the default GPU backend against the reference")
 
@@ -153,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     plan = plan_of(args)
     methods, skipped = _methods(args, device, plan.sweep)
+    if args.chunk_size is not None:
+        from pbs.analysis.quality_methods import chunked
+
+        methods = methods + [chunked(m, args.chunk_size) for m in methods]
     reads_gguf = args.model_dir is None or args.gguf_file is not None  # the named and the default models are GGUF
     needs = [OptionalPackage("transformers", "quality")]
     needs += [OptionalPackage("gguf", "quality")] if reads_gguf else []
@@ -185,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     layer_samples = _layer_samples(samples, plan.layer_probe)
     meta = {
         "model": loaded.info,
-        "settings": plan.settings(),
+        "settings": {**plan.settings(), "chunk_size": args.chunk_size},
         "text_sets": {s.name: {"documents": list(s.documents),
                                "copies": [{"passage": c.passage, "filler": c.filler} for c in s.copies]}
                       for s in sets},
