@@ -121,6 +121,30 @@ class PermuterConfig(ComponentConfig):
         raise NotImplementedError(f"{type(self).__name__} does not implement permute()")
 
 
+@dataclass(frozen=True)
+class SequenceSummaries:
+    """Selection inputs of a whole sequence, given to a call that plans only a part of its queries.
+
+    Context parallelism (`pbs.distributed`) plans each rank's query chunk as a cached-prefix call
+    (``Nq < Nk``) before the rank holds the keys of the others. Selectors whose scores read the
+    whole sequence take these instead of computing them from the call's own tensors, so the chunk
+    selects the rows one process would select for the whole sequence. A selector that finds None
+    computes the value itself.
+
+    Attributes:
+        key_block_means: ``(B, Hk, Tk_seq, D)`` float32 means of the permuted key blocks of the whole
+            sequence (``Tk_seq >= Tk`` of the call; the call reads its first ``Tk``): ``mean_pool``'s
+            pooled keys.
+        line_scores: ``(2, B, Hq, N_seq)`` float32 vertical and slash scores of the sequence's last
+            rows over all ``N_seq >= Nk`` key positions and offsets (the layout of
+            `pbs.kernels.vertical_slash.line_scores`): ``vertical_slash``'s lines, kept by its
+            thresholds over the whole sequence before the call keeps its own ``Nk``.
+    """
+
+    key_block_means: torch.Tensor | None = None
+    line_scores: torch.Tensor | None = None
+
+
 class SelectionInputs:
     """What a selector sees: permuted tensors plus where every slot came from.
 
@@ -137,6 +161,8 @@ class SelectionInputs:
         key_permutation: the key `Permutation` (needed to gather ``k`` lazily).
         force_sink_block: whether the selection must keep the block holding position 0 (selectors
             that return a finished `BlockMask` apply it themselves).
+        summaries: whole-sequence inputs when the call plans part of a sequence
+            (`SequenceSummaries`), else None.
     """
 
     def __init__(
@@ -151,6 +177,7 @@ class SelectionInputs:
         source_k: torch.Tensor | None = None,
         key_permutation: Permutation | None = None,
         force_sink_block: bool = True,
+        summaries: SequenceSummaries | None = None,
     ):
         if k is None and (source_k is None or key_permutation is None):
             raise ValueError("SelectionInputs needs the permuted keys k, or source_k and key_permutation")
@@ -163,6 +190,7 @@ class SelectionInputs:
         self.source_k = source_k
         self.key_permutation = key_permutation
         self.force_sink_block = force_sink_block
+        self.summaries = summaries
 
     @property
     def k(self) -> torch.Tensor:

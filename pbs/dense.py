@@ -275,16 +275,21 @@ class DensePolicy:
             return None, None
         return out, f"the density probe estimates {kept / max(visible, 1):.3f}, above dense_fallback.max_density = {limit}"
 
-    def planned_density_reason(self, plan: Plan) -> str | None:
-        """Rule 3: why dense attention should run although a plan exists, or None."""
+    def planned_density_reason(self, plan: Plan | tuple[Plan, ...]) -> str | None:
+        """Rule 3: why dense attention should run although a plan exists, or None.
+
+        ``plan`` may be several plans of one call's query chunks (context parallelism plans a
+        rank's two chunks apart): their density is selected over allowed blocks of all of them.
+        """
+        plans = plan if isinstance(plan, tuple) else (plan,)
         limit = self.fallback.max_planned_density
-        device = plan.mask.counts.device
+        device = plans[0].mask.counts.device
         if (self.fallback.max_density is None or limit is None or not self.applies(device)
                 or _capturing(device, "max_planned_density")):
             return None
         # One reduction and one read on the host (Plan.density would take several small ops).
-        layout = plan.layout
-        selected = plan.mask.counts.sum(dtype=torch.float64) / (layout.batch * layout.heads_q * layout.total_allowed_blocks)
+        allowed = sum(p.layout.batch * p.layout.heads_q * p.layout.total_allowed_blocks for p in plans)
+        selected = sum(p.mask.counts.sum(dtype=torch.float64) for p in plans) / allowed
         density = (self.reduce or _read)(selected)
         if density > limit:
             return f"density {density:.3f}{self.scope} is above dense_fallback.max_planned_density = {limit}"

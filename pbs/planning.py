@@ -13,7 +13,7 @@ import torch
 
 from pbs.backends import AttentionCall, CallSpec, get_backend, planner_for, planning_family, resolve_backend
 from pbs.backends.registry import backend_reasons
-from pbs.components import PermutationInputs, Permutations, SelectionInputs
+from pbs.components import PermutationInputs, Permutations, SelectionInputs, SequenceSummaries
 from pbs.config import PBSConfig
 from pbs.layout import Layout
 from pbs.reference.block_sets import finalize_selection
@@ -103,6 +103,7 @@ def run_selector(
     scale: float,
     k_perm: torch.Tensor | None = None,
     family: str = "reference",
+    summaries: SequenceSummaries | None = None,
 ) -> BlockMask:
     """The selection stage: the `BlockMask` over permuted blocks, forced blocks included.
 
@@ -113,6 +114,8 @@ def run_selector(
         k_perm: the permuted keys when they already exist; otherwise a selector that needs them
             gathers them (GPU selectors read ``k`` through the permutation instead).
         family: the planner family; ``"reference"``: the selector's own ``select``.
+        summaries: whole-sequence selection inputs when ``q_perm`` is part of a sequence planned
+            elsewhere (context parallelism), else None.
     """
     sel_inputs = SelectionInputs(
         q=q_perm,
@@ -124,6 +127,7 @@ def run_selector(
         source_k=k,
         key_permutation=key_perm,
         force_sink_block=config.force_sink_block,
+        summaries=summaries,
     )
     select = planner_for("selector", config.selector.name, family)
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
@@ -143,7 +147,7 @@ def run_selector(
 
 def build_plan(
     q: torch.Tensor, k: torch.Tensor, config: PBSConfig, scale: float, v: torch.Tensor | None = None,
-    return_lse: bool = False,
+    return_lse: bool = False, summaries: SequenceSummaries | None = None,
 ) -> tuple[Plan, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Chooses the backend, then runs the permuter and the selector.
 
@@ -154,6 +158,8 @@ def build_plan(
         v: values, when attention follows: they are permuted together with the keys (without
             them the backend is chosen for values of ``q``'s head dim).
         return_lse: plan for a run that returns the log-sum-exp (a backend that can).
+        summaries: whole-sequence selection inputs for a chunk of a longer sequence
+            (`pbs.components.SequenceSummaries`); the selector then reads them instead of ``k``.
 
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
@@ -167,7 +173,8 @@ def build_plan(
     key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
     q_perm = query_perm.apply(q)
     k_perm, v_perm = permute_keys_and_values(key_perm, k, v) if v is not None else (None, None)
-    mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family)
+    mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family,
+                        summaries=summaries)
     plan = Plan(key_permutation=key_perm, query_permutation=query_perm, mask=mask, config=config, backend=backend.name)
     return plan, q_perm, k_perm, v_perm
 

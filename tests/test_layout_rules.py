@@ -158,7 +158,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("components", ("pbs.permuters", "pbs.selectors")),
     ("dispatch", ("pbs.backends",)),
     ("planning and the dense policy", ("pbs.planning", "pbs.dense")),
-    ("entry points", ("pbs.api", "pbs.ops", "pbs.testing", "pbs.serving")),
+    ("entry points", ("pbs.api", "pbs.ops", "pbs.testing", "pbs.serving", "pbs.distributed")),
     ("users of the entry points", ("pbs.integrations", "pbs.cli", "pbs.analysis", "pbs.demo", "pbs.__main__", "pbs")),
 )
 """Floors from the bottom up (docs/contributing.md draws them): a module imports only modules of its

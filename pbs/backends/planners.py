@@ -30,6 +30,7 @@ from pbs.backends.registry import register_planner
 from pbs.components import PermutationInputs, Permutations, SelectionInputs
 from pbs.kernels._common import interpreting
 from pbs.reference.block_sets import finalize_selection
+from pbs.selectors.mean_pool import pooled_keys
 from pbs.types import BlockMask, Permutation
 
 FAMILY = "triton"
@@ -119,8 +120,10 @@ def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
 
     layout = inputs.layout
     q_bar = block_means(inputs.q, layout.block_size)  # (B, Hq, Tq, D)
-    k_rows, k_indices = permuted_key_rows(inputs)
-    k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
+    k_bar = pooled_keys(inputs)  # the whole sequence's, when the call plans a chunk of one
+    if k_bar is None:
+        k_rows, k_indices = permuted_key_rows(inputs)
+        k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
     group = layout.heads_q // k_bar.shape[1]
 
     def logits(h0: int, h1: int, candidates: torch.Tensor) -> torch.Tensor:
@@ -193,6 +196,17 @@ def lines_block_mask(config, inputs: SelectionInputs, extra: BlockMask | None = 
     from pbs.kernels.vertical_slash import kept_line_blocks, line_scores, lines_to_block_mask
 
     layout = inputs.layout
+    summaries = inputs.summaries
+    if summaries is not None and summaries.line_scores is not None:
+        # A chunk of a longer sequence: lines kept over the whole sequence, then cut to the call's
+        # keys (block and offset prefixes both start at position 0).
+        scores = summaries.line_scores
+        vertical_blocks, prefix = kept_line_blocks(scores, config.threshold, config.vertical_threshold,
+                                                   layout.block_size)
+        vertical_blocks = vertical_blocks[..., : layout.num_key_blocks].contiguous()
+        prefix = prefix[..., : layout.seq_len_k + 1].contiguous()
+        mask = lines_to_block_mask(vertical_blocks, prefix, layout, inputs.force_sink_block, extra)
+        return mask, scores[0, ..., : layout.seq_len_k]
     k = inputs.source_k if inputs.source_k is not None else inputs.k
     scores = line_scores(inputs.q, k, layout, inputs.scale, config.last_rows)
     vertical_blocks, prefix = kept_line_blocks(scores, config.threshold, config.vertical_threshold, layout.block_size)

@@ -48,7 +48,6 @@ def probe_density(
         return torch.ones((), dtype=torch.float32, device=q.device)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    group = hq // hkv
     tq, tk = -(-nq // block_size), -(-nk // block_size)
     device = q.device
     rows = sampled_query_blocks(tq, num_blocks)
@@ -62,7 +61,34 @@ def probe_density(
     k_pooled = k[:, :, : full * block_size].reshape(b, hkv, full, block_size, d).mean(3, dtype=torch.float32)
     if full < tk:
         k_pooled = torch.cat([k_pooled, k[:, :, full * block_size :].mean(2, keepdim=True, dtype=torch.float32)], 2)
-    logits = q_pooled.view(b, hkv, group * p, d) @ k_pooled.transpose(-1, -2)
+    return probe_density_of_pooled(q_pooled, k_pooled, rows, nq, nk, block_size=block_size, threshold=threshold,
+                                   scale=scale, causal=causal)
+
+
+def probe_density_of_pooled(
+    q_pooled: torch.Tensor, k_pooled: torch.Tensor, rows: torch.Tensor, seq_len_q: int, seq_len_k: int, *,
+    block_size: int, threshold: float, scale: float, causal: bool = True,
+) -> torch.Tensor:
+    """`probe_density` from its pooled inputs, for callers that pool elsewhere (context parallelism
+    gathers the pooled blocks from the ranks that hold them).
+
+    Args:
+        q_pooled: ``(B, Hq, P, D)`` float32 means of the sampled query blocks ``rows``
+            (`sampled_query_blocks`).
+        k_pooled: ``(B, Hkv, Tk, D)`` float32 means of every key block.
+        rows: ``(P,)`` int64 sampled query blocks, on the CPU.
+        seq_len_q, seq_len_k: ``Nq`` and ``Nk`` of the call.
+
+    Returns:
+        A 0-d float32 tensor on ``q_pooled``'s device.
+    """
+    if threshold >= 1.0:
+        return torch.ones((), dtype=torch.float32, device=q_pooled.device)
+    b, hq, p, d = q_pooled.shape
+    hkv, tk = k_pooled.shape[1], k_pooled.shape[2]
+    group = hq // hkv
+    nq, nk, device = seq_len_q, seq_len_k, q_pooled.device
+    logits = q_pooled.reshape(b, hkv, group * p, d) @ k_pooled.transpose(-1, -2)
     logits = logits.view(b, hq, p, tk) * scale
 
     # Block geometry on the host (tiny), then one copy to the device.

@@ -26,6 +26,15 @@ from pbs.reference.block_means import block_means
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 
 
+def pooled_keys(inputs: SelectionInputs) -> torch.Tensor | None:
+    """The whole sequence's pooled keys for the call's ``Tk`` key blocks, ``(B, Hk, Tk, D)``, when
+    the call plans part of a sequence (`pbs.components.SequenceSummaries`); else None."""
+    summaries = inputs.summaries
+    if summaries is None or summaries.key_block_means is None:
+        return None
+    return summaries.key_block_means[:, :, : inputs.layout.num_key_blocks]
+
+
 def mean_pool_block_scores(inputs: SelectionInputs) -> torch.Tensor:
     """``softmax(Q_bar K_bar^T * scale + C)``: ``(B, Hq, Tq, Tk)`` float32.
 
@@ -33,7 +42,9 @@ def mean_pool_block_scores(inputs: SelectionInputs) -> torch.Tensor:
     """
     bs = inputs.layout.block_size
     q_bar = block_means(inputs.q, bs)
-    k_bar = block_means(inputs.k, bs)
+    k_bar = pooled_keys(inputs)
+    if k_bar is None:
+        k_bar = block_means(inputs.k, bs)
     logits = grouped_logits(q_bar, k_bar) * inputs.scale
     candidates = inputs.candidate_blocks()
     return logits.masked_fill(~candidates, float("-inf")).softmax(-1).nan_to_num(0.0)

@@ -228,6 +228,13 @@ class VerticalSlashSelector(SelectorConfig):
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         layout = inputs.layout
         b, hq = layout.batch, layout.heads_q
+        summaries = inputs.summaries
+        if summaries is not None and summaries.line_scores is not None:
+            # A chunk of a longer sequence: the lines are kept over the whole sequence's scores,
+            # then the call's own keys and offsets (both below its Nk) are mapped to its blocks.
+            scores, nk = summaries.line_scores, layout.seq_len_k
+            keys, offsets = kept_lines(scores[0], scores[1], self.threshold, self.vertical_threshold)
+            return blocks_of_lines(keys[..., :nk], offsets[..., :nk], inputs, slice(0, hq))
         group = hq // layout.heads_kv
         per_head = max(1, b * min(self.last_rows, layout.seq_len_q) * layout.seq_len_k)
         budget = _CHUNK_ELEMENTS_CUDA if inputs.q.is_cuda else _CHUNK_ELEMENTS

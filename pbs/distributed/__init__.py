@@ -1,0 +1,34 @@
+"""Several processes, one sequence: context-parallel PBS prefill on ``torch.distributed``.
+
+`context_parallel_attention` takes each rank's zigzag shard of one causal sequence
+(`shard_sequence`), plans the rank's own queries with the selection inputs of the whole sequence,
+and returns the rank's shard of the output; `unshard_sequence` joins the shards again.
+docs/context-parallel.md has the launch command, what is communicated and the measurements.
+
+Import it explicitly (``import pbs.distributed``): ``import pbs`` does not load torch.distributed.
+"""
+
+from pbs.distributed.context_parallel import (
+    SUPPORTED_PERMUTERS,
+    SUPPORTED_SELECTORS,
+    ContextParallelResult,
+    check_supported,
+    context_parallel_attend,
+    context_parallel_attention,
+    unsupported_reasons,
+)
+from pbs.distributed.sharding import chunk_bounds, rank_chunks, shard_length, shard_sequence, unshard_sequence
+
+__all__ = [
+    "SUPPORTED_PERMUTERS",
+    "SUPPORTED_SELECTORS",
+    "ContextParallelResult",
+    "check_supported",
+    "chunk_bounds",
+    "context_parallel_attend",
+    "context_parallel_attention",
+    "rank_chunks",
+    "shard_length",
+    "shard_sequence",
+    "unshard_sequence",
+]

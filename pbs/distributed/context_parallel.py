@@ -1,0 +1,550 @@
+"""Context-parallel PBS prefill: one causal sequence split over the ranks of a process group.
+
+Each rank holds the zigzag shard of q, k and v (`pbs.distributed.sharding`: chunks ``r`` and
+``2P - 1 - r``, on segment boundaries) and plans its own queries. A chunk is planned as the cached-
+prefix call it is (``Nq`` = the chunk, ``Nk`` = every key up to the chunk's end, bottom-right
+causal), with the selection inputs that read the whole sequence given to the selectors as
+`pbs.components.SequenceSummaries`, so the chunk's mask is the rows one process would select:
+
+* ``mean_pool`` reads pooled keys of every block: each rank pools its own key blocks and the ranks
+  all-gather them (``B * Hkv * N / block * D`` float32: 8 MiB per layer at 1M tokens for 8 KV
+  heads of 128);
+* ``vertical_slash`` reads the exact softmax of the sequence's last ``last_rows`` queries: the
+  rank holding the last chunk broadcasts those rows, every rank scores them against its own
+  keys, the row maxima and sums are all-reduced (the softmax spans every key), and the per-key
+  (vertical) and per-offset (slash) scores are summed over the ranks in one all-reduce
+  (``2 * B * Hq * N`` float32: 256 MiB at 1M tokens and 32 query heads);
+* the dense policy decides as one process: the length rule reads the whole sequence's length,
+  the density probe pools its sampled query blocks on the ranks that hold them (one small
+  all-reduce) against the gathered pooled keys, and the planned density is summed over every
+  rank's blocks (the policy's ``reduce`` hook, as tensor parallelism uses it).
+
+None of this moves keys. Attention then needs the keys and values of every earlier position: they
+are all-gathered (the simplest exact scheme the issue allows), the gather started before the
+selection runs so that it overlaps it, and each chunk runs as a cached-prefix call on the gathered
+prefix with its own plan. No partial results need merging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from pbs.components import SequenceSummaries
+from pbs.config import PBSConfig
+from pbs.dense import DensePolicy
+from pbs.distributed.sharding import chunk_bounds
+from pbs.planning import build_plan, permute_keys_and_values, run_planned
+from pbs.reference.block_means import block_means as block_means_eager
+from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
+from pbs.reference.logits import grouped_logits
+from pbs.types import Plan
+from pbs.validation import check_qkv, check_scale
+
+ConfigLike = PBSConfig | dict[str, Any] | str | None
+
+SUPPORTED_PERMUTERS = ("none",)
+"""Permuters context parallelism can plan. A segmented permuter (``last_block`` of the
+``pbs_paper`` preset) needs the sequence's last query block scored against every key before the
+keys are sorted: not built yet."""
+
+SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "budget", "union")
+"""Selectors context parallelism can plan (``union`` of these). ``budget`` keeps the same number
+of blocks per query block as one process; below density 1 its seeded random choice differs."""
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Line-score rows held at once (float32 elements): bounded on the CPU, larger on the GPU.
+_LINE_CHUNK = 1 << 24
+_LINE_CHUNK_CUDA = 1 << 27
+
+
+class ContextParallelResult(NamedTuple):
+    """What `context_parallel_attend` ran on this rank.
+
+    Attributes:
+        out: ``(B, Hq, N_local, Dv)`` in ``q``'s dtype: this rank's shard of the output, in the
+            order of its input shard.
+        lse: with ``return_lse``, float32 ``(B, Hq, N_local)``; else None.
+        plans: the plans of the rank's two chunks (chunk ``r``, then chunk ``2P - 1 - r``); None
+            where dense attention ran without planning.
+        reason: why dense attention ran (the same on every rank), or None.
+        seq_len: ``N``, tokens of the whole sequence.
+        chunks: the two chunks' ``(start, end)`` positions in the sequence.
+        timings: with ``timings=True``, milliseconds per phase on this rank: ``summaries``
+            (selection inputs of the whole sequence: their compute and collectives), ``planning``
+            (the chunks' permutation and selection), ``kv_wait`` (waiting for the K/V all-gather
+            once planning is done), ``attention`` (both chunks), ``total``.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    plans: tuple[Plan | None, Plan | None]
+    reason: str | None
+    seq_len: int
+    chunks: tuple[tuple[int, int], tuple[int, int]]
+    timings: dict[str, float] | None = None
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _selector_leaves(selector: Any) -> list[Any]:
+    if selector.name == "union":
+        return [leaf for member in selector.selectors for leaf in _selector_leaves(member)]
+    return [selector]
+
+
+def unsupported_reasons(config: PBSConfig) -> list[str]:
+    """Why ``config`` cannot be planned context-parallel yet; empty when it can."""
+    reasons = []
+    if config.permuter.name not in SUPPORTED_PERMUTERS:
+        reasons.append(f"permuter {config.permuter.name!r} (supported: {', '.join(SUPPORTED_PERMUTERS)})")
+    leaves = _selector_leaves(config.selector)
+    bad = sorted({leaf.name for leaf in leaves if leaf.name not in SUPPORTED_SELECTORS})
+    if bad:
+        reasons.append(f"selector {', '.join(map(repr, bad))} (supported: {', '.join(SUPPORTED_SELECTORS)}, "
+                       "and union of them)")
+    rows = {leaf.last_rows for leaf in leaves if leaf.name == "vertical_slash"}
+    if len(rows) > 1:
+        reasons.append(f"vertical_slash members with different last_rows {sorted(rows)} (one set of lines is scored)")
+    if not config.causal:
+        reasons.append("causal=False (the zigzag split balances causal work only)")
+    return reasons
+
+
+def check_supported(config: PBSConfig) -> None:
+    """Raises ``ValueError`` naming what in ``config`` context parallelism cannot plan yet."""
+    reasons = unsupported_reasons(config)
+    if reasons:
+        raise ValueError(
+            "config cannot be planned context-parallel yet: " + "; ".join(reasons)
+            + ". pbs.distributed plans permuter 'none' with the selectors mean_pool, vertical_slash, budget "
+            "and union of them (the defaults are: union of vertical_slash and mean_pool, permuter none)"
+        )
+
+
+def _group_rank_and_size(group: Any) -> tuple[int, int]:
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "context_parallel_attention needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group (e.g. under torchrun) first, and pass group= for a "
+            "group other than the default one"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    dist = _dist()
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
+                  segment_size: int) -> int:
+    """Checks that every rank's shard belongs to one sequence under the zigzag split; returns ``N``."""
+    dist = _dist()
+    b, hq, nq, d = q.shape
+    meta = torch.tensor([b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], _DTYPES.index(q.dtype)]
+                        if q.dtype in _DTYPES else [b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], -1],
+                        dtype=torch.int64, device=q.device)
+    rows = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(rows, meta, group=group)
+    table = [r.tolist() for r in rows]
+    names = ("B", "Hq", "Hkv", "D", "Dv")
+    shapes = {r: dict(zip(names, row[:5])) | {"dtype": str(_DTYPES[row[7]]) if row[7] >= 0 else "?"}
+              for r, row in enumerate(table)}
+    if any(row[:5] + row[7:] != table[0][:5] + table[0][7:] for row in table):
+        raise ValueError(f"q, k and v shards must have the same B, Hq, Hkv, D, Dv and dtype on every rank, got {shapes}")
+    if any(row[5] != row[6] for row in table):
+        lengths = {r: (row[5], row[6]) for r, row in enumerate(table)}
+        raise ValueError(
+            "each rank's q and k shards must hold the same tokens (a causal prefill of one sequence); "
+            f"(Nq_local, Nk_local) per rank: {lengths}"
+        )
+    seq_len = sum(row[5] for row in table)
+    bounds = chunk_bounds(seq_len, world, segment_size)
+    expected = [(bounds[r][1] - bounds[r][0]) + (bounds[2 * world - 1 - r][1] - bounds[2 * world - 1 - r][0])
+                for r in range(world)]
+    got = [row[5] for row in table]
+    if got != expected:
+        raise ValueError(
+            f"the shards' lengths per rank {got} are not the zigzag split of the {seq_len}-token sequence over "
+            f"{world} ranks, which gives {expected} (segments of {segment_size}): shard q, k and v with "
+            "pbs.distributed.shard_sequence(x, rank, world_size, segment_size=config.segment_size)"
+        )
+    return seq_len
+
+
+def _shape_only(like: torch.Tensor, length: int, head_dim: int | None = None) -> torch.Tensor:
+    # A (B, H, length, D) view of one zero: planning reads the keys' shape, not their values, when
+    # the selection inputs come as summaries. Zeros, not garbage, if something reads it anyway.
+    b, h, _, d = like.shape
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(b, h, length, head_dim or d)
+
+
+def _pad_to(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    if x.shape[dim] == length:
+        return x.contiguous()
+    pad_shape = list(x.shape)
+    pad_shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
+def _all_gather_shards(x: torch.Tensor, lengths: list[int], group: Any, async_op: bool = False):
+    """All-gathers every rank's ``x`` (lengths differ along dim 2: padded to the longest)."""
+    dist = _dist()
+    longest = max(lengths)
+    padded = _pad_to(x, longest, 2)
+    out = [torch.empty_like(padded) for _ in lengths]
+    work = dist.all_gather(out, padded, group=group, async_op=async_op)
+    return out, work
+
+
+def _assemble(gathered: list[torch.Tensor], bounds: list[tuple[int, int]], unit: int, total: int) -> torch.Tensor:
+    """The whole sequence along dim 2 from every rank's gathered shard (``unit`` positions per entry:
+    1 for tokens, the block size for pooled blocks)."""
+    world = len(gathered)
+    b, h, _, d = gathered[0].shape
+    whole = gathered[0].new_empty(b, h, total, d)
+    for r, shard in enumerate(gathered):
+        offset = 0
+        for c in (r, 2 * world - 1 - r):
+            start, end = bounds[c][0] // unit, -(-bounds[c][1] // unit)
+            whole[:, :, start:end] = shard[:, :, offset:offset + end - start]
+            offset += end - start
+    return whole
+
+
+def _block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    # The same pooling as the planners of this device: the Triton kernel on CUDA, the eager twin else.
+    if x.is_cuda:
+        try:
+            from pbs.kernels.block_means import block_means
+        except ImportError:
+            return block_means_eager(x.contiguous(), block_size)
+        return block_means(x, block_size)
+    return block_means_eager(x.contiguous(), block_size)
+
+
+def _line_scores(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, int]], seq_len: int, last_rows: int,
+                 scale: float, group: Any, src: int) -> torch.Tensor:
+    """``vertical_slash``'s line scores of the whole sequence, ``(2, B, Hq, N)`` float32, from every
+    rank's keys: what `pbs.selectors.vertical_slash.vertical_and_slash_scores` gives one process.
+
+    ``local`` lists this rank's chunks as ``(start, end, slot)`` (``slot``: where the chunk starts in
+    the local shard); ``src`` is the global rank holding the sequence's last rows.
+    """
+    dist = _dist()
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    group_size = hq // hkv
+    rows = min(last_rows, seq_len)
+    # Scaled in float32 on the owner, as the reference scales them, so every rank scores equal rows.
+    q_last = torch.empty(b, hq, rows, d, dtype=torch.float32, device=q.device)
+    if _dist().get_rank() == src:
+        q_last.copy_(q[:, :, n_local - rows:].float() * scale)
+    dist.broadcast(q_last, src=src, group=group)
+    row_pos = torch.arange(seq_len - rows, seq_len, device=q.device)
+    longest = max(end - start for start, end, _ in local)
+    budget = _LINE_CHUNK_CUDA if q.is_cuda else _LINE_CHUNK
+    step = max(group_size, (budget // max(1, b * rows * longest)) // group_size * group_size)
+
+    def logits_of(start: int, end: int, slot: int, h0: int, h1: int) -> torch.Tensor:
+        keys = k[:, h0 // group_size:h1 // group_size, slot:slot + end - start]
+        logits = grouped_logits(q_last[:, h0:h1], keys)
+        future = torch.arange(start, end, device=q.device)[None, :] > row_pos[:, None]
+        return logits.masked_fill_(future, float("-inf"))
+
+    # Pass 1: each rank's row maxima and sums over its keys, then over all ranks' keys.
+    row_max = torch.full((b, hq, rows), float("-inf"), device=q.device)
+    row_sum = torch.zeros(b, hq, rows, device=q.device)
+    for start, end, slot in local:
+        for h0 in range(0, hq, step):
+            h1 = min(hq, h0 + step)
+            logits = logits_of(start, end, slot, h0, h1)
+            new_max = torch.maximum(row_max[:, h0:h1], logits.amax(-1))
+            safe = torch.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum[:, h0:h1] = (row_sum[:, h0:h1] * torch.exp(row_max[:, h0:h1] - safe)
+                                 + torch.exp(logits - safe[..., None]).sum(-1))
+            row_max[:, h0:h1] = new_max
+    global_max = row_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    row_sum = row_sum * torch.exp(row_max - global_max).nan_to_num(0.0)
+    dist.all_reduce(row_sum, group=group)
+
+    # Pass 2: probabilities of this rank's keys; per-key means and per-offset sums over the rows.
+    scores = torch.zeros(2, b, hq, seq_len, device=q.device)
+    vertical, slash = scores[0], scores[1]
+    for start, end, slot in local:
+        for h0 in range(0, hq, step):
+            h1 = min(hq, h0 + step)
+            probs = torch.exp(logits_of(start, end, slot, h0, h1) - global_max[:, h0:h1, :, None])
+            probs /= row_sum[:, h0:h1, :, None]
+            vertical[:, h0:h1, start:end] = probs.sum(-2) / rows
+            for r in range(rows):
+                pos = seq_len - rows + r
+                seen = min(end, pos + 1) - start  # the row's visible keys of this chunk
+                if seen <= 0:
+                    continue
+                # key start + x sits at offset pos - start - x: the row reversed lands on offsets.
+                lo = pos - start - seen + 1
+                slash[:, h0:h1, lo:lo + seen] += probs[:, :, r, :seen].flip(-1)
+    slash /= rows
+    dist.all_reduce(scores, group=group)
+    return scores
+
+
+def _probe_estimate(q: torch.Tensor, local: list[tuple[int, int, int]], key_means: torch.Tensor, seq_len: int,
+                    args: dict[str, Any], group: Any) -> float:
+    """The density probe of the whole sequence: each rank pools the sampled query blocks it holds."""
+    dist = _dist()
+    bs = args["block_size"]
+    rows = sampled_query_blocks(-(-seq_len // bs), args["num_blocks"])
+    b, hq, _, d = q.shape
+    pooled = torch.zeros(b, hq, rows.numel(), d, device=q.device)
+    for i, block in enumerate(rows.tolist()):
+        first, last = block * bs, min(seq_len, block * bs + bs)
+        for start, end, slot in local:
+            if start <= first < end:
+                a = slot + first - start
+                pooled[:, :, i] = q[:, :, a:a + last - first].float().sum(2) / (last - first)
+    dist.all_reduce(pooled, group=group)
+    estimate = probe_density_of_pooled(pooled, key_means, rows, seq_len, seq_len, block_size=bs,
+                                       threshold=args["threshold"], scale=args["scale"], causal=args["causal"])
+    return float(estimate)
+
+
+class _Clock:
+    """Phase times of one call: CUDA events on the GPU (read once at the end), wall time on the CPU."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []
+        self.mark("start")
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def read(self) -> dict[str, float] | None:
+        if not self.enabled:
+            return None
+        if self.cuda:
+            torch.cuda.synchronize()
+        times: dict[str, float] = {}
+        for (_, before), (name, after) in zip(self.marks, self.marks[1:]):
+            times[name] = before.elapsed_time(after) if self.cuda else (after - before) * 1e3
+        first, last = self.marks[0][1], self.marks[-1][1]
+        times["total"] = first.elapsed_time(last) if self.cuda else (last - first) * 1e3
+        return times
+
+
+def context_parallel_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: ConfigLike = None,
+    *,
+    group: Any = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    timings: bool = False,
+) -> ContextParallelResult:
+    """`context_parallel_attention` with what ran: the plans, the dense reason, phase timings.
+
+    Args:
+        q, k, v, config, group, scale, return_lse: as `context_parallel_attention`.
+        timings: record each phase's time on this rank (`ContextParallelResult.timings`; on the
+            GPU this synchronises once at the end of the call).
+
+    Returns:
+        `ContextParallelResult`.
+    """
+    config = PBSConfig.coerce(config)
+    check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
+    check_supported(config)
+    rank, world = _group_rank_and_size(group)
+    context = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with context:
+        return _attend(q, k, v, config, group, rank, world, check_scale(scale, q.shape[-1]), return_lse, timings)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig, group: Any, rank: int, world: int,
+            scale: float, return_lse: bool, timings: bool) -> ContextParallelResult:
+    dist = _dist()
+    clock = _Clock(timings, q.device)
+    seg = config.segment_size
+    seq_len = _check_shards(q, k, v, group, rank, world, seg)
+    bounds = chunk_bounds(seq_len, world, seg)
+    chunks = (bounds[rank], bounds[2 * world - 1 - rank])
+    first_len = chunks[0][1] - chunks[0][0]
+    local = [(chunks[0][0], chunks[0][1], 0), (chunks[1][0], chunks[1][1], first_len)]
+    lengths = [(bounds[r][1] - bounds[r][0]) + (bounds[2 * world - 1 - r][1] - bounds[2 * world - 1 - r][0])
+               for r in range(world)]
+    leaves = _selector_leaves(config.selector)
+    lines = next((leaf for leaf in leaves if leaf.name == "vertical_slash"), None)
+    if lines is not None and min(lines.last_rows, seq_len) > bounds[-1][1] - bounds[-1][0]:
+        raise ValueError(
+            f"vertical_slash.last_rows = {lines.last_rows} is longer than the sequence's last chunk "
+            f"({bounds[-1][1] - bounds[-1][0]} tokens over {world} ranks): the last rows must sit on one rank"
+        )
+
+    # Dense decisions as one process takes them: on the whole sequence's length, probe and blocks.
+    total_allowed = local_allowed = 1.0
+
+    def over_ranks(local_density: torch.Tensor | float) -> float:
+        # Rule 3's reduce: this rank's selected share, weighted by its allowed blocks, summed.
+        value = torch.as_tensor(local_density, dtype=torch.float64, device=q.device) * local_allowed
+        dist.all_reduce(value, group=group)
+        return float(value) / total_allowed
+
+    policy = DensePolicy(config, reduce=over_ranks, scope=f" over the {world} context-parallel ranks",
+                         return_lse=return_lse)
+    reason = policy.length_reason(q, _shape_only(k, seq_len))
+    fallback = policy.fallback
+    probe_args = policy.probe_arguments(scale) if reason is None and policy.applies(q.device) else None
+    if fallback.max_density is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        probe_args = None
+    needs_means = reason is None and (probe_args is not None or any(leaf.name == "mean_pool" for leaf in leaves))
+    needs_lines = reason is None and lines is not None
+
+    summaries = SequenceSummaries()
+    bs = config.block_size
+    if needs_means:
+        means = torch.cat([_block_means(k[:, :, slot:slot + end - start], bs) for start, end, slot in local], dim=2)
+        block_counts = [sum(-(-(bounds[c][1]) // bs) - bounds[c][0] // bs for c in (r, 2 * world - 1 - r))
+                        for r in range(world)]
+        gathered, _ = _all_gather_shards(means, block_counts, group)
+        summaries = SequenceSummaries(key_block_means=_assemble(gathered, bounds, bs, -(-seq_len // bs)))
+    if needs_lines:
+        src = _global_rank(group, 0)  # rank 0 holds the last chunk
+        line_scores = _line_scores(q, k, local, seq_len, lines.last_rows, scale, group, src)
+        summaries = SequenceSummaries(key_block_means=summaries.key_block_means, line_scores=line_scores)
+    if probe_args is not None:
+        estimate = _probe_estimate(q, local, summaries.key_block_means, seq_len, probe_args, group)
+        if estimate > fallback.max_density:
+            reason = (f"the density probe estimates {estimate:.3f}{policy.scope}, above "
+                      f"dense_fallback.max_density = {fallback.max_density}")
+    clock.mark("summaries")
+
+    # Keys and values of every rank, gathered while this rank plans (summaries went first: the
+    # collectives of one group run in order, and these are the small ones).
+    k_parts, k_work = _all_gather_shards(k, lengths, group, async_op=True)
+    v_parts, v_work = _all_gather_shards(v, lengths, group, async_op=True)
+
+    plans: list[Plan | None] = [None, None]
+    perm_q: list[torch.Tensor | None] = [None, None]
+    if reason is None:
+        for i, (start, end, slot) in enumerate(local):
+            q_chunk = q[:, :, slot:slot + end - start]
+            plan, q_perm, _, _ = build_plan(q_chunk, _shape_only(k, end), config, scale,
+                                            _shape_only(v, end, v.shape[-1]), return_lse=return_lse,
+                                            summaries=summaries)
+            plans[i], perm_q[i] = plan, q_perm
+        total_allowed = float(q.shape[0] * q.shape[1] * _total_allowed(seq_len, config))
+        local_allowed = float(sum(p.layout.batch * p.layout.heads_q * p.layout.total_allowed_blocks for p in plans))
+        reason = policy.planned_density_reason((plans[0], plans[1]))
+        if reason is not None:
+            plans = [None if p is None else _with_fallback(p, reason) for p in plans]
+    clock.mark("planning")
+
+    k_work.wait()
+    v_work.wait()
+    k_all = _assemble(k_parts, bounds, 1, seq_len)
+    del k_parts
+    v_all = _assemble(v_parts, bounds, 1, seq_len)
+    del v_parts
+    clock.mark("kv_wait")
+
+    outs, lses = [], []
+    for i, (start, end, slot) in enumerate(local):
+        k_prefix, v_prefix = k_all[:, :, :end], v_all[:, :, :end]
+        plan = plans[i]
+        if reason is not None:
+            out, lse = policy.dense(q[:, :, slot:slot + end - start], k_prefix, v_prefix, scale)
+        else:
+            k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k_prefix, v_prefix)
+            result = run_planned(plan, perm_q[i], k_perm, v_perm, q.dtype, scale, return_lse=return_lse)
+            out, lse = result if return_lse else (result, None)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs, dim=2)
+    lse = torch.cat(lses, dim=2) if return_lse else None
+    clock.mark("attention")
+    return ContextParallelResult(out, lse, (plans[0], plans[1]), reason, seq_len, chunks, clock.read())
+
+
+def _total_allowed(seq_len: int, config: PBSConfig) -> int:
+    from pbs.layout import Layout
+
+    segment = config.segment_size if type(config.permuter).segmented else config.block_size
+    layout = Layout(1, 1, 1, seq_len, seq_len, config.block_size, segment, config.causal,
+                    type(config.permuter).segmented)
+    return layout.total_allowed_blocks
+
+
+def _with_fallback(plan: Plan, reason: str) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, fallback=reason)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: ConfigLike = None,
+    *,
+    group: Any = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    return_plans: bool = False,
+) -> torch.Tensor | tuple:
+    """Causal PBS attention of one sequence split over the ranks of ``group`` (zigzag shards).
+
+    Call it on every rank of the group with that rank's shard (`pbs.distributed.shard_sequence`):
+    rank ``r`` holds chunks ``r`` and ``2P - 1 - r`` of ``2P`` chunks cut on segment boundaries.
+    Each rank plans its own queries, and its blocks are the rows one process would select for the
+    whole sequence (same blocks, whatever the world size); see the module docstring for what is
+    communicated. GQA is native (K/V are never repeated per query head).
+
+    Args:
+        q: ``(B, Hq, N_local, D)``, this rank's query shard.
+        k: ``(B, Hkv, N_local, D)``, its key shard, ``Hq % Hkv == 0``.
+        v: ``(B, Hkv, N_local, Dv)``, its value shard.
+        config: a `pbs.PBSConfig`, dict or JSON string, or None for the defaults; the permuter
+            must be ``none`` and the selector ``mean_pool``, ``vertical_slash``, ``budget`` or a
+            ``union`` of them (`SUPPORTED_SELECTORS`).
+        group: the process group the sequence is split over; None: the default group.
+        scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the float32 ``(B, Hq, N_local)`` log-sum-exp.
+        return_plans: also return the plans of the rank's two chunks (None where dense
+            attention ran without planning).
+
+    Returns:
+        ``(B, Hq, N_local, Dv)`` in ``q``'s dtype, this rank's shard of the output; ``(out, lse)``,
+        ``(out, plans)`` or ``(out, lse, plans)`` with the flags.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: shards inconsistent across ranks or not the zigzag split, a sequence shorter
+            than ``2P`` segments, or a config that cannot be planned context-parallel yet.
+    """
+    result = context_parallel_attend(q, k, v, config, group=group, scale=scale, return_lse=return_lse)
+    if return_lse:
+        return (result.out, result.lse, result.plans) if return_plans else (result.out, result.lse)
+    return (result.out, result.plans) if return_plans else result.out

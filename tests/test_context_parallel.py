@@ -1,0 +1,245 @@
+"""Context-parallel PBS prefill (`pbs.distributed`) against one process, with gloo on the CPU.
+
+2 and 4 processes each take their zigzag shard of one structured sequence (fp32, GQA 4:2) and run
+`pbs.distributed.context_parallel_attend` for every case below; the test then holds each rank's
+output shard to the one-process `pbs.attention` (fp32 noise), its two chunks' masks to the rows of
+the one-process `pbs.plan` mask (the same blocks), and its dense decision to the one-process one.
+Lengths are uneven: whole segments left over for some ranks, and a partial last segment.
+
+Run as a script, this file is one rank of such a run (``python test_context_parallel.py WORKDIR
+RANK WORLD``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPE = dict(batch=1, heads_q=4, heads_kv=2, head_dim=32)
+# Uneven on purpose: 2 ranks get 9 whole segments + 100 tokens (a leftover segment and a partial
+# last one); 4 ranks get 8 whole segments + 44 tokens.
+SEQ_LENS = {2: 9 * 256 + 100, 4: 8 * 256 + 44}
+SPARSE = {"min_seq_len": 0}  # plan on the CPU (the dense policy's length rule would skip it)
+CASES = {
+    # every allowed block: the output is dense causal attention
+    "full": {"selector": {"name": "budget", "density": 1.0}, "dense_fallback": SPARSE},
+    # the paper's unpermuted MeanPooling: pooled keys of every rank
+    "mean_pool": {"selector": {"name": "mean_pool", "threshold": 0.9}, "dense_fallback": SPARSE},
+    # the defaults (union of vertical_slash and mean_pool): last rows broadcast, line scores summed
+    "defaults": {"dense_fallback": SPARSE},
+    "vertical_slash": {"selector": {"name": "vertical_slash", "threshold": 0.8, "last_rows": 32},
+                       "dense_fallback": SPARSE},
+    # the dense policy on the CPU: the probe over the whole sequence, and the length rule
+    "probe": {"selector": {"name": "mean_pool", "threshold": 0.9},
+              "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_density": 0.3}},
+    "planned_density": {"selector": {"name": "budget", "density": 1.0},
+                        "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_planned_density": 0.9}},
+    "length": {"dense_fallback": {"min_seq_len": 1 << 20, "devices": ["cpu"]}},
+}
+
+
+def inputs(world: int):
+    import pbs
+
+    return pbs.testing.make_qkv(seq_len=SEQ_LENS[world], seed=3, **SHAPE)
+
+
+# --------------------------------------------------------------------------------------------
+# One rank (run as a script)
+
+
+def rank_main(workdir: Path, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    import pbs.distributed as cp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank, world_size=world)
+    try:
+        q, k, v = inputs(world)
+        q, k, v = (cp.shard_sequence(x, rank, world) for x in (q, k, v))
+        results = {}
+        for name, config in CASES.items():
+            res = cp.context_parallel_attend(q, k, v, config, return_lse=name == "defaults")
+            results[name] = {
+                "out": res.out, "lse": res.lse, "reason": res.reason, "chunks": res.chunks,
+                "masks": [None if p is None else p.mask.to_dense() for p in res.plans],
+            }
+        results["errors"] = error_cases(q, k, v, rank, world)
+        torch.save(results, workdir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def error_cases(q, k, v, rank: int, world: int) -> dict[str, str]:
+    import pbs.distributed as cp
+
+    errors = {}
+    calls = {
+        "unsupported": lambda: cp.context_parallel_attention(q, k, v, "pbs_paper"),
+        # every rank drops a different number of tokens: the split is no longer the zigzag one
+        "not_zigzag": lambda: cp.context_parallel_attention(q[:, :, rank:], k[:, :, rank:], v[:, :, rank:]),
+        "heads": lambda: cp.context_parallel_attention(q[:, : 2 + 2 * (rank % 2)], k, v),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except (ValueError, RuntimeError) as error:
+            errors[name] = str(error)
+    return errors
+
+
+# --------------------------------------------------------------------------------------------
+# The tests
+
+
+def _gloo_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def _spawn(workdir: Path, world: int) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(workdir), str(rank), str(world)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=150)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{output[-6000:]}"
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def cp_run(request, tmp_path_factory):
+    if not _gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world = request.param
+    return world, _spawn(tmp_path_factory.mktemp(f"cp{world}"), world)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(world: int, name: str):
+    import pbs
+    from pbs.dense import DensePolicy
+
+    q, k, v = inputs(world)
+    config = pbs.PBSConfig.coerce(CASES[name])
+    attended = pbs.api.attend(q, k, v, DensePolicy(config, return_lse=name == "defaults"))
+    return q, k, attended, pbs.plan(q, k, config)
+
+
+def _join(ranks: list[dict], name: str, key: str) -> torch.Tensor:
+    from pbs.distributed import unshard_sequence
+
+    return unshard_sequence([r[name][key] for r in ranks])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_output_equals_one_process(cp_run, name):
+    world, ranks = cp_run
+    q, _, attended, _ = _one_process(world, name)
+    out = _join(ranks, name, "out")
+    assert out.shape == attended.out.shape
+    torch.testing.assert_close(out, attended.out, rtol=2e-5, atol=2e-5)
+    if name == "defaults":
+        torch.testing.assert_close(_join(ranks, name, "lse"), attended.lse, rtol=2e-5, atol=2e-5)
+    if name == "full":
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, *(x.repeat_interleave(2, dim=1) for x in inputs(world)[1:]), is_causal=True)
+        torch.testing.assert_close(out, dense, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dense_decision_equals_one_process(cp_run, name):
+    world, ranks = cp_run
+    _, _, attended, _ = _one_process(world, name)
+    reasons = {r[name]["reason"] for r in ranks}
+    assert len(reasons) == 1, f"ranks decided differently: {reasons}"
+    (reason,) = reasons
+    assert (reason is None) == (attended.reason is None), (reason, attended.reason)
+    expected_dense = {"probe", "planned_density", "length"}
+    assert (reason is not None) == (name in expected_dense), reason
+    if reason is not None and name != "length":
+        assert f"over the {world} context-parallel ranks" in reason
+
+
+@pytest.mark.parametrize("name", ["full", "mean_pool", "defaults", "vertical_slash"])
+def test_masks_are_the_rows_of_the_one_process_mask(cp_run, name):
+    world, ranks = cp_run
+    _, _, _, plan = _one_process(world, name)
+    whole = plan.mask.to_dense()  # (B, Hq, Tq, Tk)
+    bs = plan.layout.block_size
+    assert 0 < plan.density <= 1
+    for rank, result in enumerate(ranks):
+        for (start, end), mask in zip(result[name]["chunks"], result[name]["masks"]):
+            rows = whole[:, :, start // bs: -(-end // bs)]
+            tk = mask.shape[-1]
+            assert tk == -(-end // bs)
+            assert torch.equal(mask, rows[..., :tk]), f"rank {rank}, chunk [{start}, {end}): masks differ"
+            assert not rows[..., tk:].any()
+
+
+def test_chunks_follow_the_zigzag_rule(cp_run):
+    from pbs.distributed import chunk_bounds
+
+    world, ranks = cp_run
+    bounds = chunk_bounds(SEQ_LENS[world], world)
+    assert all(start % 256 == 0 for start, _ in bounds) and bounds[-1][1] == SEQ_LENS[world]
+    for rank, result in enumerate(ranks):
+        assert result["full"]["chunks"] == (bounds[rank], bounds[2 * world - 1 - rank])
+
+
+def test_errors_name_the_problem(cp_run):
+    world, ranks = cp_run
+    for result in ranks:
+        errors = result["errors"]
+        assert "permuter 'last_block'" in errors["unsupported"] and "mean_pool" in errors["unsupported"]
+        assert "zigzag split" in errors["not_zigzag"] and "shard_sequence" in errors["not_zigzag"]
+        assert "same B, Hq, Hkv" in errors["heads"]
+
+
+def test_shard_helpers_round_trip_and_balance():
+    from pbs.distributed import chunk_bounds, shard_length, shard_sequence, unshard_sequence
+
+    x = torch.arange(8 * 256 * 3 + 5 * 256 + 77).view(1, 1, -1, 1)
+    for world in (1, 2, 3, 4):
+        shards = [shard_sequence(x, r, world) for r in range(world)]
+        assert torch.equal(unshard_sequence(shards), x)
+        lengths = [shard_length(x.shape[2], r, world) for r in range(world)]
+        assert [s.shape[2] for s in shards] == lengths
+        assert max(lengths) - min(lengths) <= 256 + 77  # at most one leftover segment and the tail
+    with pytest.raises(ValueError, match="too short to split over 4 ranks"):
+        chunk_bounds(7 * 256, 4)
+    with pytest.raises(ValueError, match=r"shards\[0\]"):
+        unshard_sequence([x[:, :, :1024], x[:, :, :1000]])
+
+
+def test_uninitialised_group_is_named():
+    import pbs.distributed as cp
+
+    q, k, v = inputs(2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.context_parallel_attention(q, k, v)
+
+
+if __name__ == "__main__":
+    rank_main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
