@@ -233,6 +233,40 @@ def test_shard_helpers_round_trip_and_balance():
         unshard_sequence([x[:, :, :1024], x[:, :, :1000]])
 
 
+def test_triton_planners_plan_a_chunk_from_the_summaries():
+    """The GPU planners (here in the Triton interpreter) read `SequenceSummaries` as the reference
+    selectors do: a chunk planned from the whole sequence's pooled keys and line scores (the
+    kernels' own, so equal values) selects the whole sequence's rows, with no keys in hand."""
+    import pbs
+    from pbs.backends import planner_for
+    from pbs.components import SelectionInputs, SequenceSummaries
+    from pbs.kernels.block_means import block_means
+    from pbs.kernels.vertical_slash import line_scores
+    from pbs.planning import make_layout
+
+    n, bs, scale = 384, 32, 32**-0.5
+    q, k, _ = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=n, head_dim=32, seed=1)
+    config = pbs.PBSConfig(permuter="none", block_size=bs, segment_size=64, backend="reference", selector={
+        "name": "union", "selectors": [{"name": "vertical_slash", "threshold": 0.6, "last_rows": 16},
+                                       {"name": "mean_pool", "threshold": 0.8}]})
+
+    def inputs(queries, keys, summaries=None):
+        layout = make_layout(queries, keys, config)
+        positions = torch.arange(layout.seq_len_q).expand(1, 4, -1) + layout.query_offset
+        return SelectionInputs(q=queries, k=None, source_k=keys, layout=layout, query_positions=positions,
+                               key_positions=torch.arange(layout.seq_len_k).expand(1, 2, -1), scale=scale,
+                               key_permutation=pbs.Permutation.identity(1, 2, layout.seq_len_k), summaries=summaries)
+
+    fast = planner_for("selector", "union", "triton")
+    whole = fast(config.selector, inputs(q, k)).to_dense()
+    summaries = SequenceSummaries(key_block_means=block_means(k, bs),
+                                  line_scores=line_scores(q, k, make_layout(q, k, config), scale, 16))
+    for start, end in ((64, 192), (192, n)):
+        no_keys = torch.zeros(()).expand(1, 2, end, 32)  # planning must not read them
+        got = fast(config.selector, inputs(q[:, :, start:end], no_keys, summaries)).to_dense()
+        assert torch.equal(got, whole[:, :, start // bs: -(-end // bs), : -(-end // bs)])
+
+
 def test_uninitialised_group_is_named():
     import pbs.distributed as cp
 
