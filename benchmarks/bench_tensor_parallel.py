@@ -138,8 +138,6 @@ SMOKE_MIN_SEQ_LEN = 256  # --smoke lowers pbs's min_seq_len (32768) so that its 
 CHECK_RTOL = 0.02
 GIB = 2**30
 
-log = logging.getLogger("bench_tensor_parallel")
-
 
 # --------------------------------------------------------------------------------------------
 # Processes
@@ -506,12 +504,15 @@ def combine(paths: list[Path], out: Path | None) -> int:
     world-size-1 one as the baseline of the others."""
     runs = [(read_result(p), p) for p in paths]
     runs.sort(key=lambda run: run[0].get("world") or 0)
-    bases = [(run, p) for run, p in runs if run.get("world") == 1]
+    # every world-1 file's rows are the baseline (a later file's row of the same method and length wins)
+    bases = [p for run, p in runs if run.get("world") == 1]
+    base = {"world": 1, "rows": [r for run, _ in runs if run.get("world") == 1 for r in run.get("rows", [])
+                                 if r.get("median_s") is not None]}
     rows: list[dict[str, Any]] = []
-    for run, path in runs:
+    for run, _ in runs:
         run_rows = [dict(r) for r in run.get("rows", [])]
         if bases and run.get("world") != 1:
-            apply_baseline(run_rows, bases[0][1], bases[0][0])
+            apply_baseline(run_rows, bases[0], base)
         rows += run_rows
     fingerprints = {json_key(run.get("weights", {}).get("fingerprint")) for run, _ in runs}
     same_weights = len(fingerprints) == 1
