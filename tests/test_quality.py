@@ -279,6 +279,44 @@ def test_sliding_window_layers_are_neither_counted_nor_a_fallback(samples):
         q.run_quality(gemma, samples[:1], [method], layer_samples=["tuning doc"], probe_layers=[0], progress=False)
 
 
+def test_sliding_window_layers_attend_over_their_windows_only_with_the_same_result(samples, monkeypatch):
+    """`banded_sliding_windows`: a local layer's prefill in query chunks over its window equals SDPA
+    with the model's sliding-window mask, in the dense pass and through the pbs integration."""
+    from transformers import AttentionInterface
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=128, max_position_embeddings=1024, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    gemma = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    sample = samples[0]  # 256 tokens
+    ids = sample.input_ids[None]
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(gemma(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="none")
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[2])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(qmetrics, "_BAND_CHUNK", 40)  # 256 tokens: 7 chunks, the last one short
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: (calls.append(a[0].shape[2]), FSDPA(*a, **k))[1])
+    dense = qprobes.dense_forward(gemma, sample)
+    torch.testing.assert_close(dense.losses, expected, atol=1e-5, rtol=1e-5)
+    assert calls.count(40) == 2 * 6 and calls.count(16) == 2  # two local layers, in chunks of at most 40
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa  # restored
+    full = qm.make_method({"pbs": FULL_BUDGET, "min_seq_len": 1})
+    through_pbs = qprobes.pbs_forward(gemma, sample, full.config)
+    torch.testing.assert_close(through_pbs.losses, expected, atol=1e-5, rtol=1e-5)
+
+
+FSDPA = torch.nn.functional.scaled_dot_product_attention
+
+
 def test_run_restores_the_model_and_the_integration(tiny, samples):
     pbs_hf.register({"selector": "mean_pool"}, min_seq_len=7)
     before = pbs_hf.registered_config()
