@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from pbs.layout import Layout
 from pbs.registry import Registry
-from pbs.types import Permutation
+from pbs.types import PagedTensor, Permutation
 
 if TYPE_CHECKING:
     from pbs.config import PBSConfig
@@ -163,6 +163,10 @@ class SelectionInputs:
             that return a finished `BlockMask` apply it themselves).
         summaries: whole-sequence inputs when the call plans part of a sequence
             (`SequenceSummaries`), else None.
+        paged_k: the keys in a paged cache (`pbs.types.PagedTensor`, original order, identity
+            key permutation) when the call reads pages: the GPU planners that can read pages read
+            them in place; for every other reader, ``k`` and ``source_k`` are the pages gathered
+            into one ``(1, Hkv, Nk, D)`` tensor on first use.
     """
 
     def __init__(
@@ -178,26 +182,41 @@ class SelectionInputs:
         key_permutation: Permutation | None = None,
         force_sink_block: bool = True,
         summaries: SequenceSummaries | None = None,
+        paged_k: PagedTensor | None = None,
     ):
-        if k is None and (source_k is None or key_permutation is None):
-            raise ValueError("SelectionInputs needs the permuted keys k, or source_k and key_permutation")
+        if k is None and paged_k is None and (source_k is None or key_permutation is None):
+            raise ValueError("SelectionInputs needs the permuted keys k, or source_k and key_permutation, or paged_k")
         self.q = q
         self._k = k
         self.layout = layout
         self.query_positions = query_positions
         self.key_positions = key_positions
         self.scale = scale
-        self.source_k = source_k
+        self._source_k = source_k
         self.key_permutation = key_permutation
         self.force_sink_block = force_sink_block
         self.summaries = summaries
+        self.paged_k = paged_k
 
     @property
     def k(self) -> torch.Tensor:
         if self._k is None:
-            assert self.key_permutation is not None
-            self._k = self.key_permutation.apply(self.source_k)
+            if self.paged_k is not None:
+                self._k = self.paged_k.gather()  # a paged call's key permutation is the identity
+            else:
+                assert self.key_permutation is not None
+                self._k = self.key_permutation.apply(self.source_k)
         return self._k
+
+    @property
+    def source_k(self) -> torch.Tensor | None:
+        if self._source_k is None and self.paged_k is not None:
+            return self.k
+        return self._source_k
+
+    @source_k.setter
+    def source_k(self, value: torch.Tensor | None) -> None:
+        self._source_k = value
 
     @property
     def has_permuted_k(self) -> bool:

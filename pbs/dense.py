@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from pbs.backends import CallSpec
 from pbs.backends.eligibility import gated_dense_reasons, probe_kernel_reasons
 from pbs.config import PBSConfig
-from pbs.planning import build_plan, full_plan, run_planned
+from pbs.planning import build_plan, full_plan, page_size_of, run_planned
 from pbs.reference.density_probe import probe_density
-from pbs.types import Plan
+from pbs.types import Plan, is_paged
 
 logger = logging.getLogger("pbs")
 
@@ -184,11 +184,14 @@ class DensePolicy:
 
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dense attention, ``(out, lse)``: SDPA (cuDNN first; ``lse`` None), or with
-        ``return_lse`` every allowed block on a backend that returns the log-sum-exp."""
-        if not self.return_lse:
+        ``return_lse`` every allowed block on a backend that returns the log-sum-exp. Keys and
+        values in a paged cache (`pbs.types.PagedTensor`) also take every allowed block, on a
+        backend that reads the pages in place: SDPA would need them copied out."""
+        if not self.return_lse and not is_paged(k):
             return dense_attention_sdpa(q, k, v, scale=scale, causal=self.config.causal), None
-        plan = full_plan(q, k, self.config, v.shape[-1], return_lse=True)
-        return run_planned(plan, q, k, v, q.dtype, scale, return_lse=True)
+        plan = full_plan(q, k, self.config, v.shape[-1], return_lse=self.return_lse)
+        result = run_planned(plan, q, k, v, q.dtype, scale, return_lse=self.return_lse)
+        return result if self.return_lse else (result, None)
 
     def applies(self, device: torch.device) -> bool:
         """Whether the policy may replace PBS on ``device`` (``backend="auto"`` on its devices)."""
@@ -224,8 +227,10 @@ class DensePolicy:
         if q.is_cuda and not probe_kernel_reasons(q.device, q.shape[-1]):
             from pbs.kernels.density_probe import probe_density_triton
 
+            if is_paged(k):  # pooled in place, from the pages
+                return probe_density_triton(q, k.cache, **args, block_table=k.block_table, seq_len_k=k.length)
             return probe_density_triton(q, k, **args)
-        return probe_density(q, k, **args)
+        return probe_density(q, k.gather() if is_paged(k) else k, **args)
 
     def probe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, str | None]:
         """Rule 2: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
@@ -241,7 +246,7 @@ class DensePolicy:
         if args is None:
             return None, None
         if self.reduce is None and not self.return_lse and args["threshold"] < 1.0 and q.is_cuda:
-            if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], self.config.block_size)):
+            if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], self.config.block_size, page_size=page_size_of(k))):
                 return self._probe_with_gated_dense(q, k, v, args)
         estimate = (self.reduce or _read)(self.probe_estimate(q, k, scale))
         if estimate > limit:
@@ -300,7 +305,9 @@ class DensePolicy:
 
         Args:
             q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``, on the current
-                device.
+                device; or, with ``B = 1``, ``k`` and ``v`` in a paged cache
+                (`pbs.types.PagedTensor`, from `pbs.varlen_attention`), which every rule reads
+                in place.
             scale: softmax scale.
         """
         reason = self.length_reason(q, k)

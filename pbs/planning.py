@@ -17,7 +17,7 @@ from pbs.components import PermutationInputs, Permutations, SelectionInputs, Seq
 from pbs.config import PBSConfig
 from pbs.layout import Layout
 from pbs.reference.block_sets import finalize_selection
-from pbs.types import BlockMask, Permutation, Plan
+from pbs.types import BlockMask, Permutation, Plan, is_paged
 from pbs.validation import check_selector_result
 
 
@@ -117,17 +117,19 @@ def run_selector(
         summaries: whole-sequence selection inputs when ``q_perm`` is part of a sequence planned
             elsewhere (context parallelism), else None.
     """
+    paged_k = k if is_paged(k) else None
     sel_inputs = SelectionInputs(
         q=q_perm,
-        k=k_perm,
+        k=None if paged_k is not None else k_perm,
         layout=layout,
         query_positions=query_perm.indices + layout.query_offset,
         key_positions=key_perm.indices,
         scale=scale,
-        source_k=k,
+        source_k=None if paged_k is not None else k,
         key_permutation=key_perm,
         force_sink_block=config.force_sink_block,
         summaries=summaries,
+        paged_k=paged_k,
     )
     select = planner_for("selector", config.selector.name, family)
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
@@ -161,13 +163,22 @@ def build_plan(
         summaries: whole-sequence selection inputs for a chunk of a longer sequence
             (`pbs.components.SequenceSummaries`); the selector then reads them instead of ``k``.
 
+    ``k`` and ``v`` may also be one sequence's keys and values in a paged cache
+    (`pbs.types.PagedTensor`, ``B = 1``): the backend is then one that reads pages, the planners
+    that can read pages read them in place, and ``k_perm``/``v_perm`` are ``k`` and ``v``
+    themselves. With a permuter that reorders keys they are gathered into contiguous tensors first
+    (the permuted copy that such a permuter needs is then made from those).
+
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
         keys ``(B, Hk, Nk, D)`` and values, so nothing is gathered twice. Without ``v`` the keys are
         not gathered here (``k_perm`` and ``v_perm`` are None), which keeps `pbs.plan` light.
     """
+    if is_paged(k) and type(config.permuter).segmented:
+        k, v = k.gather(), (v.gather() if v is not None else None)
     layout = make_layout(q, k, config)
-    spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size, return_lse)
+    spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size, return_lse,
+                       page_size=page_size_of(k))
     backend = resolve_backend(config.backend, spec)
     family = planning_family(backend, q.device)
     key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
@@ -196,7 +207,7 @@ def run_planned(
         ``(B, Hq, Nq)`` log-sum-exp of each query's scaled scores over the keys it attends to.
     """
     backend = get_backend(plan.backend)
-    spec = CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size, return_lse)
+    spec = CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size, return_lse, page_size=page_size_of(k_perm))
     reasons = backend_reasons(backend, spec)
     if reasons:
         raise ValueError(
@@ -215,13 +226,20 @@ def full_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, head_dim_v: i
     """The plan of dense attention: nothing permuted, every causally allowed block selected, on the
     backend ``config`` resolves to (for dense attention that returns the log-sum-exp)."""
     layout = make_layout(q, k, config, segmented=False)
-    backend = resolve_backend(config.backend, CallSpec.of(q, head_dim_v, layout.block_size, return_lse))
+    spec = CallSpec.of(q, head_dim_v, layout.block_size, return_lse, page_size=page_size_of(k))
+    backend = resolve_backend(config.backend, spec)
     shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
     mask = BlockMask.from_dense(layout.allowed_blocks(q.device).expand(shape), layout)
     b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
     return Plan(key_permutation=Permutation.identity(b, layout.heads_kv, layout.seq_len_k, q.device),
                 query_permutation=Permutation.identity(b, hq, nq, q.device), mask=mask, config=config,
                 backend=backend.name)
+
+
+def page_size_of(k: object) -> int | None:
+    """The page size of paged keys (`pbs.types.PagedTensor`), None for a tensor: what
+    `pbs.backends.CallSpec` records for the backends' eligibility."""
+    return k.page_size if is_paged(k) else None
 
 
 def _check_permutation(perm: Permutation, expected: tuple[int, int, int], what: str) -> None:

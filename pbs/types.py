@@ -276,3 +276,59 @@ class Plan:
     def query_positions(self) -> torch.Tensor:
         """Original position of every permuted query slot: ``(B, Hq, Nq)`` int64."""
         return self.query_permutation.indices + self.layout.query_offset
+
+
+@dataclass(frozen=True, eq=False)
+class PagedTensor:
+    """The keys (or the values) of one sequence where a paged cache holds them: what stands in
+    for the ``(1, H, N, D)`` tensor they would make, so that the layers that only need its shape,
+    dtype and device (the layout, dispatch, the dense policy's length rule) read it as they read
+    that tensor, and the kernels that can read pages get the cache and the table instead of a copy.
+
+    Row ``t`` of the sequence is ``cache[block_table[t // page_size], t % page_size]``. Built by
+    `pbs.varlen_attention` from its ``block_table`` row and ``seqused_k`` entry, checked there.
+
+    Attributes:
+        cache: ``(num_pages, page_size, H, D)``, the whole cache (every sequence's pages).
+        block_table: ``(max_pages,)`` int32 on the cache's device: this sequence's pages in order;
+            entries past ``ceil(length / page_size)`` are never read.
+        length: the sequence's rows, ``N``.
+    """
+
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    length: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(1, H, N, D)``: the shape of the tensor the pages stand for."""
+        _, _, heads, dim = self.cache.shape
+        return torch.Size((1, heads, self.length, dim))
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.cache.is_cuda
+
+    def gather(self) -> torch.Tensor:
+        """The sequence as one contiguous ``(1, H, N, D)`` tensor: a copy of its pages, for the
+        code that cannot read pages (the reference backend, the permuters that reorder keys)."""
+        pages = -(-self.length // self.page_size)
+        rows = self.cache.index_select(0, self.block_table[:pages].long()).flatten(0, 1)[: self.length]
+        return rows.transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def is_paged(x: object) -> bool:
+    """Whether ``x`` is a `PagedTensor` (keys or values read from a paged cache)."""
+    return isinstance(x, PagedTensor)

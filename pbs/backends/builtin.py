@@ -10,7 +10,10 @@
 * ``"flex"``: the same mask lowered to ``torch.nn.attention.flex_attention`` (CUDA only, never
   chosen by ``auto``), a second, independent implementation to compare against.
 
-``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not). The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
+``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
+``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`);
+``reference`` takes them too, gathering the pages into contiguous tensors first (the oracle);
+``hopper`` and ``flex`` give a reason against paged calls, so ``auto`` passes them over. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
 imported when they first run, so ``import pbs`` works without Triton.
 """
 
@@ -20,6 +23,7 @@ import torch
 
 from pbs.backends.eligibility import flex_reasons, gluon_kernel_reasons, triton_auto_reasons, triton_kernel_reasons
 from pbs.backends.registry import AttentionBackend, AttentionCall, CallSpec, register_backend
+from pbs.types import is_paged
 
 
 def _kernel_arguments(call: AttentionCall) -> dict:
@@ -34,10 +38,14 @@ def _kernel_arguments(call: AttentionCall) -> dict:
 
 
 def _run_reference(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The eager oracle. Paged keys and values are gathered into contiguous tensors first: a copy
+    of the sequence's pages, which the kernels avoid, but the oracle should share no page
+    arithmetic with them."""
     from pbs.reference.block_sparse_attn import block_sparse_attention_reference
 
     plan = call.plan
-    return block_sparse_attention_reference(call.q, call.k, call.v, plan.mask, plan.query_positions(),
+    k, v = (x.gather() if is_paged(x) else x for x in (call.k, call.v))
+    return block_sparse_attention_reference(call.q, k, v, plan.mask, plan.query_positions(),
                                             plan.key_positions(), scale=call.scale, causal=plan.layout.causal,
                                             return_lse=call.return_lse)
 
@@ -46,7 +54,10 @@ def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     from pbs.kernels.block_sparse_attn import block_sparse_attention
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
-    out = block_sparse_attention(call.q, call.k, call.v, call.plan.mask, lse=lse, **_kernel_arguments(call))
+    k, v, paged = call.k, call.v, {}
+    if is_paged(k):
+        k, v, paged = k.cache, v.cache, {"block_table": k.block_table}
+    out = block_sparse_attention(call.q, k, v, call.plan.mask, lse=lse, **_kernel_arguments(call), **paged)
     return (out, lse) if lse is not None else out
 
 

@@ -55,10 +55,19 @@ def _head_dim_reasons(spec: CallSpec) -> list[str]:
     return reasons
 
 
+def contiguous_only_reasons(spec: CallSpec, kernel: str) -> list[str]:
+    """The reason a kernel that reads contiguous K/V only gives for a paged call (none for others)."""
+    if spec.page_size is None:
+        return []
+    return [f"{kernel} reads contiguous keys and values, not pages of a paged cache (block_table, "
+            f"page_size {spec.page_size}); the triton and reference backends read pages"]
+
+
 def triton_kernel_reasons(spec: CallSpec) -> list[str]:
     """Why the Triton kernel (`pbs.kernels.block_sparse_attn`) cannot run ``spec``: it runs on
     CUDA GPUs of compute capability 8.0 or newer, and on CPU tensors in Triton's interpreter
-    (``TRITON_INTERPRET=1``), where bfloat16 dot products are wrong."""
+    (``TRITON_INTERPRET=1``), where bfloat16 dot products are wrong. It reads paged caches of any
+    power-of-two page size in place."""
     return list(_triton_kernel_reasons(spec, interpreting()))
 
 
@@ -77,6 +86,8 @@ def _triton_kernel_reasons(spec: CallSpec, interpret: bool) -> tuple[str, ...]:
         reasons.append("the Triton kernel needs a GPU of compute capability 8.0 or newer")
     if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         reasons.append(f"dtype {spec.dtype} is not float16, bfloat16 or float32")
+    if spec.page_size is not None and spec.page_size & (spec.page_size - 1):
+        reasons.append(f"page_size {spec.page_size} is not a power of two")
     return tuple(reasons + _head_dim_reasons(spec))
 
 
@@ -96,7 +107,7 @@ def gluon_kernel_reasons(spec: CallSpec) -> list[str]:
 
 @functools.lru_cache(maxsize=256)
 def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
-    reasons = []
+    reasons = contiguous_only_reasons(spec, "the Gluon kernel")
     if spec.device.type != "cuda":
         reasons.append(f"inputs are on {spec.device.type}, not CUDA (the Gluon kernel has no interpreter)")
     kernel = _gluon_kernel_module()
@@ -116,7 +127,7 @@ def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
 
 def flex_reasons(spec: CallSpec) -> list[str]:
     """Why the FlexAttention lowering (`pbs.kernels.flex`) cannot run ``spec``."""
-    reasons = []
+    reasons = contiguous_only_reasons(spec, "the FlexAttention lowering")
     if spec.device.type != "cuda":
         reasons.append(f"inputs are on {spec.device.type}, not CUDA (FlexAttention runs compiled on CUDA only)")
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
@@ -155,5 +166,6 @@ def gated_dense_reasons(spec: CallSpec) -> list[str]:
     kernel = _gluon_kernel_module()
     if isinstance(kernel, str):
         return [kernel]
-    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
+    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE,
+                          page_size=spec.page_size)
     return gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)

@@ -63,7 +63,12 @@ def heads_per_chunk(inputs: SelectionInputs, chunk_bytes: int | None = None) -> 
 
 
 def permuted_key_rows(inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keys to read and the indices to read them through (None when ``k`` is already permuted)."""
+    """Keys to read and the indices to read them through (None when ``k`` is already permuted).
+
+    Paged keys come gathered: the planners that read pages in place (``mean_pool``'s block means,
+    ``vertical_slash``'s line scores) take ``inputs.paged_k`` before they ask here."""
+    if inputs.paged_k is not None:
+        return inputs.k, None
     if inputs.has_permuted_k or inputs.source_k is None or inputs.key_permutation is None:
         return inputs.k, None
     if inputs.key_permutation.is_identity and inputs.source_k.shape[1] == inputs.key_positions.shape[1]:
@@ -121,6 +126,9 @@ def mean_pool_select(config, inputs: SelectionInputs) -> BlockMask:
     layout = inputs.layout
     q_bar = block_means(inputs.q, layout.block_size)  # (B, Hq, Tq, D)
     k_bar = pooled_keys(inputs)  # the whole sequence's, when the call plans a chunk of one
+    paged = inputs.paged_k
+    if k_bar is None and paged is not None:
+        k_bar = block_means(paged.cache, layout.block_size, block_table=paged.block_table, seq_len=paged.length)
     if k_bar is None:
         k_rows, k_indices = permuted_key_rows(inputs)
         k_bar = block_means(k_rows, layout.block_size, k_indices)  # (B, Hk, Tk, D)
@@ -207,8 +215,13 @@ def lines_block_mask(config, inputs: SelectionInputs, extra: BlockMask | None = 
         prefix = prefix[..., : layout.seq_len_k + 1].contiguous()
         mask = lines_to_block_mask(vertical_blocks, prefix, layout, inputs.force_sink_block, extra)
         return mask, scores[0, ..., : layout.seq_len_k]
-    k = inputs.source_k if inputs.source_k is not None else inputs.k
-    scores = line_scores(inputs.q, k, layout, inputs.scale, config.last_rows)
+    paged = inputs.paged_k
+    if paged is not None:
+        scores = line_scores(inputs.q, paged.cache, layout, inputs.scale, config.last_rows,
+                             block_table=paged.block_table)
+    else:
+        k = inputs.source_k if inputs.source_k is not None else inputs.k
+        scores = line_scores(inputs.q, k, layout, inputs.scale, config.last_rows)
     vertical_blocks, prefix = kept_line_blocks(scores, config.threshold, config.vertical_threshold, layout.block_size)
     mask = lines_to_block_mask(vertical_blocks, prefix, layout, inputs.force_sink_block, extra)
     return mask, scores[0]

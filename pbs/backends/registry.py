@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from pbs.types import Plan
+    from pbs.types import PagedTensor, Plan
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,17 @@ class CallSpec:
     head_dim_v: int
     block_size: int
     needs_lse: bool = False
+    page_size: int | None = None
+    """Rows per page when keys and values are read from a paged cache (`pbs.types.PagedTensor`),
+    None when they are contiguous tensors."""
 
     @classmethod
-    def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int, needs_lse: bool = False) -> "CallSpec":
+    def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int, needs_lse: bool = False,
+           page_size: int | None = None) -> "CallSpec":
         device = q.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse)
+        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse, page_size)
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,11 @@ class AttentionCall:
     """Permuted tensors and the plan for one attention call."""
 
     q: torch.Tensor  # (B, Hq, Nq, D), permuted queries
-    k: torch.Tensor  # (B, Hk, Nk, D), permuted keys
-    v: torch.Tensor  # (B, Hk, Nk, Dv), permuted values
+    # (B, Hk, Nk, D) permuted keys and (B, Hk, Nk, Dv) values; or, for a backend whose reasons
+    # accept a page_size, a sequence's keys and values in a paged cache (pbs.types.PagedTensor,
+    # B = 1, original order).
+    k: "torch.Tensor | PagedTensor"
+    v: "torch.Tensor | PagedTensor"
     plan: "Plan"
     scale: float
     return_lse: bool = False

@@ -16,6 +16,7 @@ import triton.language as tl
 def _block_means_kernel(
     x_ptr,
     idx_ptr,
+    table_ptr,
     out_ptr,
     stride_xb,
     stride_xh,
@@ -31,6 +32,7 @@ def _block_means_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -40,7 +42,9 @@ def _block_means_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < dim
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_hx.to(tl.int64) * stride_xh
+    p_x = x_ptr + i_hx.to(tl.int64) * stride_xh
+    if PAGE_SIZE == 0:
+        p_x += i_b.to(tl.int64) * stride_xb
     first = i_t * BLOCK_SIZE
     for r0 in range(0, BLOCK_SIZE, ROWS):
         o_r = first + r0 + tl.arange(0, ROWS)
@@ -49,14 +53,21 @@ def _block_means_kernel(
             src = tl.load(idx_ptr + i_b.to(tl.int64) * stride_ib + i_h.to(tl.int64) * stride_ih + o_r, mask=m_r, other=0)
         else:
             src = o_r
-        rows = tl.load(p_x + src[:, None].to(tl.int64) * stride_xn + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
+        if PAGE_SIZE > 0:
+            # A paged cache (batch 1): row t is row t % PAGE_SIZE of page table[t // PAGE_SIZE].
+            page = tl.load(table_ptr + src // PAGE_SIZE, mask=m_r, other=0)
+            row_offset = page.to(tl.int64) * stride_xb + (src % PAGE_SIZE).to(tl.int64) * stride_xn
+        else:
+            row_offset = src.to(tl.int64) * stride_xn
+        rows = tl.load(p_x + row_offset[:, None] + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
         acc += tl.sum(rows.to(tl.float32), 0)
     count = tl.minimum(seq_len - first, BLOCK_SIZE)
     p_out = out_ptr + (i_bh.to(tl.int64) * num_blocks + i_t) * dim + o_d
     tl.store(p_out, acc / count, mask=m_d)
 
 
-def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None) -> torch.Tensor:
+def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None, *,
+                block_table: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
     """Mean of every ``block_size`` rows (a partial last block averages what it has), in fp32.
 
     Args:
@@ -64,11 +75,24 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
         block_size: rows per block.
         indices: optional ``(B, H, N)`` int64 permutation with ``H % Hx == 0``: row ``t`` of output
             head ``h`` is ``x[b, h * Hx // H, indices[b, h, t]]``. None reads ``x`` as it is.
+        block_table: ``(max_pages,)`` int32: ``x`` is then a paged cache
+            ``(num_pages, page_size, Hx, D)`` read in place (row ``t`` at row ``t % page_size`` of
+            page ``block_table[t // page_size]``), holding one sequence (``B = 1``) of ``seq_len``
+            rows.
+        seq_len: the rows of a paged ``x`` (only with ``block_table``).
 
     Returns:
         ``(B, H, ceil(N / block_size), D)`` float32 (``H = Hx`` without ``indices``).
     """
-    b, hx, n, d = x.shape
+    page_size, table = 0, None
+    if block_table is not None:
+        if seq_len is None:
+            raise ValueError("block_means of a paged cache needs seq_len, the sequence's rows")
+        page_size, table = x.shape[1], block_table
+        x = x.permute(0, 2, 1, 3)  # (num_pages, Hx, page_size, D): strides (page, head, row)
+        b, hx, n, d = 1, x.shape[1], seq_len, x.shape[3]
+    else:
+        b, hx, n, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     heads = hx if indices is None else indices.shape[1]
@@ -80,11 +104,11 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
     rows = max(1, min(block_size, 4096 // block_d))
     idx = indices if indices is not None else out
     _block_means_kernel[(num_blocks, b * heads)](
-        x, idx, out,
+        x, idx, out if table is None else table, out,
         x.stride(0), x.stride(1), x.stride(2),
         idx.stride(0) if indices is not None else 0, idx.stride(1) if indices is not None else 0,
         heads, heads // hx, n, d, num_blocks,
-        BLOCK_SIZE=block_size, ROWS=rows, BLOCK_D=block_d, GATHER=indices is not None,
+        BLOCK_SIZE=block_size, ROWS=rows, BLOCK_D=block_d, GATHER=indices is not None, PAGE_SIZE=page_size,
         num_warps=4,
     )
     return out

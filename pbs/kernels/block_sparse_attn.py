@@ -18,6 +18,15 @@ in L2.
 
 Tiles are moved with tensor descriptors (TMA on Hopper); out-of-range rows and padded head-dim
 columns read as zero and are never stored, so any ``N`` and head dims such as 96 need no copies.
+
+Keys and values can also be read in place from a paged cache ``(num_pages, page_size, Hk, D)``
+through one sequence's block table (``block_table=``; batch 1). The cache is viewed as
+``(num_pages, Hk, page_size, D)``, so a tile inside one page is the same TMA load with the page
+where the batch was (pages of a multiple of ``BLOCK_N`` rows). Smaller pages would cut the tiles
+down to a page, short for the tensor cores, so a tile spans pages instead and its rows are loaded
+through pointers, each from its page. Rows of the last page past the sequence's end hold whatever
+the cache holds there: their scores are masked like those of any slot past ``Nk`` and their values
+zeroed, so that stale NaNs cannot reach the output.
 """
 
 from __future__ import annotations
@@ -71,6 +80,33 @@ def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_p, stride_h, stride_n, dim,
+                  ROWS: tl.constexpr, COLS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The ``(ROWS, COLS)`` tile of keys or values at slots ``start_n ...`` of head ``i_hk``.
+
+    ``PAGE_SIZE`` 0: contiguous ``(B, Hk, N, D)``, one TMA load. Otherwise ``desc`` and ``p_cache``
+    view the cache as ``(num_pages, Hk, page_size, D)`` and ``table_ptr`` is the sequence's block
+    table: pages of a multiple of ``ROWS`` rows hold whole tiles (one TMA load, the page in place
+    of the batch); smaller ones are read row by row through pointers (rows past ``seq_len_k`` read
+    0). A tile that starts past the end (a mask block's second sub-tile) reads page 0, whose rows
+    the caller masks: its table entry may lie past the table.
+    """
+    if PAGE_SIZE == 0:
+        b_x = desc.load([i_b, i_hk, start_n, 0]).reshape(ROWS, COLS)
+    elif PAGE_SIZE % ROWS == 0:
+        page = tl.load(table_ptr + start_n // PAGE_SIZE, mask=start_n < seq_len_k, other=0)
+        b_x = desc.load([page, i_hk, start_n % PAGE_SIZE, 0]).reshape(ROWS, COLS)
+    else:
+        o_r = start_n + tl.arange(0, ROWS)
+        o_d = tl.arange(0, COLS)
+        m_r = o_r < seq_len_k
+        page = tl.load(table_ptr + o_r // PAGE_SIZE, mask=m_r, other=0)
+        p_rows = p_cache + page.to(tl.int64) * stride_p + i_hk.to(tl.int64) * stride_h + (o_r % PAGE_SIZE) * stride_n
+        b_x = tl.load(p_rows[:, None] + o_d[None, :], mask=m_r[:, None] & (o_d < dim)[None, :], other=0.0)
+    return b_x
+
+
+@triton.jit
 def _block_sparse_attn_fwd(
     q_desc,
     k_desc,
@@ -82,6 +118,17 @@ def _block_sparse_attn_fwd(
     qpos_ptr,
     kpos_ptr,
     lse_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    stride_kp,
+    stride_kh,
+    stride_kn,
+    stride_vp,
+    stride_vh,
+    stride_vn,
+    dim_k,
+    dim_v,
     stride_cb,
     stride_ch,
     stride_ci,
@@ -118,6 +165,7 @@ def _block_sparse_attn_fwd(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -170,9 +218,11 @@ def _block_sparse_attn_fwd(
     for it in range(0, n_unmasked * SUB_N):
         j = _load_block_index(p_list + it // SUB_N, INTERPRET)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
-        b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
+                            stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
-        b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+        b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
+                            stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE)
         m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
     # On-diagonal blocks (and a partial last key block): per-token check on original positions.
@@ -182,7 +232,8 @@ def _block_sparse_attn_fwd(
         for it in range(n_unmasked * SUB_N, count * SUB_N):
             j = _load_block_index(p_list + it // SUB_N, INTERPRET)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
-            b_k = k_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
+                                stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE)
             b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
             o_slot = start_n + o_n
             if CAUSAL:
@@ -197,7 +248,12 @@ def _block_sparse_attn_fwd(
             else:
                 m_keep = (o_slot < seq_len_k)[None, :]
             b_s = tl.where(m_keep, b_s, float("-inf"))
-            b_v = v_desc.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+            b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
+                                stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE)
+            if PAGE_SIZE != 0:
+                # A page's rows past the sequence's end are another sequence's or stale: their
+                # weight is 0, but 0 * NaN is not.
+                b_v = tl.where((o_slot < seq_len_k)[:, None], b_v, tl.zeros_like(b_v))
             m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
     # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
@@ -273,6 +329,7 @@ def block_sparse_attention(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query over the key blocks its query block selected (Triton).
 
@@ -292,12 +349,17 @@ def block_sparse_attention(
         lse: optional contiguous ``(B, Hq, Nq)`` float32 buffer that receives each query's
             log-sum-exp (natural log) of its scaled scores over the keys it attends to, ``-inf``
             where it sees none.
+        block_table: ``(max_pages,)`` int32: ``k`` and ``v`` are then paged caches
+            ``(num_pages, page_size, Hk, D)`` and ``(num_pages, page_size, Hk, Dv)`` (a power-of-two
+            ``page_size``), read in place; key slot ``t`` is row ``t % page_size`` of page
+            ``block_table[t // page_size]``, ``Nk`` is ``mask.layout.seq_len_k``, ``B`` is 1, and
+            the keys must be in their original order (``key_positions`` None).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
         key gets 0.
     """
-    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table)
     attach_lse(call, lse)
     if config is None:
         config = _select(call)
@@ -343,7 +405,14 @@ class _Call:
     causal: bool
     head_dim: int
     head_dim_v: int
+    seq_len_k: int
+    block_table: torch.Tensor | None = None  # k and v are (num_pages, Hk, page_size, D) views of a paged cache
     lse: torch.Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        """Rows per page, 0 for contiguous keys and values."""
+        return 0 if self.block_table is None else self.k.shape[2]
 
 
 def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
@@ -358,10 +427,22 @@ def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
     call.lse = lse
 
 
-def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out) -> _Call:
-    """The checked, TMA-ready arguments of one `block_sparse_attention` call, which both kernels launch on."""
+def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table=None) -> _Call:
+    """The checked, TMA-ready arguments of one `block_sparse_attention` call, which both kernels
+    launch on (a ``block_table`` only the Triton one)."""
     b, hq, nq, d = q.shape
     dv = v.shape[-1]
+    if block_table is not None:
+        if b != 1 or key_positions is not None:
+            raise ValueError("a paged cache holds one sequence's keys in their original order: batch 1, "
+                             "key_positions None")
+        page_size = k.shape[1]
+        if page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        # (num_pages, page_size, Hk, D) -> (num_pages, Hk, page_size, D): the (B, H, N, D) order the
+        # descriptors and the kernel index, with the page where the batch was. A view, no copy.
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     q, k, v = (descriptor_ready(x) for x in (q, k, v))
     if out is None:
         out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
@@ -386,26 +467,35 @@ def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, o
         causal=causal,
         head_dim=pow2_at_least(d),
         head_dim_v=pow2_at_least(dv),
+        seq_len_k=mask.layout.seq_len_k if block_table is not None else k.shape[2],
+        block_table=block_table,
     )
 
 
 def _launch(call: _Call, config: KernelConfig) -> None:
     layout = call.mask.layout
     b, hq, nq, _ = call.q.shape
-    hk, nk = call.k.shape[1], call.k.shape[2]
+    hk, nk = call.k.shape[1], call.seq_len_k
     mask_block = layout.block_size
     tiles_per_head = cdiv(nq, config.block_m)
     # This kernel reads int32 lists: an int16 read (ld.global.nc.b16) passed the differential tests
     # but hit an illegal address in the H200 dense-mode benchmark (docs/notes.md), so
     # int16 masks are widened here, which costs Hq * Tq * Tk * 4 bytes for the call.
     indices = call.indices.to(torch.int32)
+    # Pages smaller than a key tile are read through pointers, never this descriptor: its box is
+    # kept within a page all the same (a TMA box should not exceed the tensor).
+    kv_rows = min(config.block_n, call.page_size) if call.page_size else config.block_n
     _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](
         tma_descriptor(TensorDescriptor, call.q, config.block_m, call.head_dim),
-        tma_descriptor(TensorDescriptor, call.k, config.block_n, call.head_dim),
-        tma_descriptor(TensorDescriptor, call.v, config.block_n, call.head_dim_v),
+        tma_descriptor(TensorDescriptor, call.k, kv_rows, call.head_dim),
+        tma_descriptor(TensorDescriptor, call.v, kv_rows, call.head_dim_v),
         tma_descriptor(TensorDescriptor, call.out, config.block_m, call.head_dim_v),
         call.counts, call.full_counts, indices, call.qpos, call.kpos,
         call.counts if call.lse is None else call.lse,  # any pointer will do when unused
+        call.k, call.v, call.counts if call.block_table is None else call.block_table,
+        *(call.k.stride()[:3] if call.page_size else (0, 0, 0)),
+        *(call.v.stride()[:3] if call.page_size else (0, 0, 0)),
+        call.k.shape[-1], call.v.shape[-1],
         *call.counts.stride(), *call.full_counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
@@ -426,6 +516,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
         INTERPRET=interpreting(),
         WRITE_LSE=call.lse is not None,
+        PAGE_SIZE=call.page_size,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -437,7 +528,7 @@ def _select(call: _Call) -> KernelConfig:
         return candidates[0]
     mask_block = call.mask.layout.block_size
     key = (call.q.device.index, call.q.dtype, call.head_dim, call.head_dim_v, mask_block, call.causal,
-           call.q.shape[1] // call.k.shape[1], call.k.shape[2].bit_length())
+           call.q.shape[1] // call.k.shape[1], call.seq_len_k.bit_length(), call.page_size)
     if key not in TUNED_CONFIGS and torch.cuda.is_current_stream_capturing():
         # Timing candidates needs syncs, which a graph capture forbids: the untuned default runs
         # (a warm-up call before capturing tunes it).

@@ -150,12 +150,15 @@ def _probe_kernel(
 
 def probe_density_triton(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
-    causal: bool = True,
+    causal: bool = True, block_table: torch.Tensor | None = None, seq_len_k: int | None = None,
 ) -> float:
     """`pbs.reference.density_probe.probe_density` in three launches and one read of two numbers.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (unit stride along D is not required).
+        block_table, seq_len_k: ``k`` is a paged cache ``(num_pages, page_size, Hkv, D)`` holding
+            one sequence of ``seq_len_k`` keys through this ``(max_pages,)`` int32 table (``B`` 1),
+            pooled in place (`pbs.kernels.block_means.block_means`).
 
     Returns:
         The estimate as a Python float (the read is the probe's one host sync).
@@ -163,14 +166,15 @@ def probe_density_triton(
     if threshold >= 1.0:
         return 1.0
     kept, visible = probe_counters_triton(
-        q, k, block_size=block_size, num_blocks=num_blocks, threshold=threshold, scale=scale, causal=causal
+        q, k, block_size=block_size, num_blocks=num_blocks, threshold=threshold, scale=scale, causal=causal,
+        block_table=block_table, seq_len_k=seq_len_k,
     )[:2].tolist()
     return kept / visible
 
 
 def probe_counters_triton(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, num_blocks: int, threshold: float, scale: float,
-    causal: bool = True,
+    causal: bool = True, block_table: torch.Tensor | None = None, seq_len_k: int | None = None,
 ) -> torch.Tensor:
     """The probe's work without the read: an int32 buffer on ``q``'s device whose slots 0 and 1
     will hold (kept, visible), the estimate being ``kept / visible``; slots 2-31 are zero and
@@ -179,11 +183,16 @@ def probe_counters_triton(
     if not threshold < 1.0:
         raise ValueError(f"threshold must be below 1 for the probe to count anything, got {threshold}")
     b, hq, nq, d = q.shape
-    _, hkv, nk, _ = k.shape
+    if block_table is not None:
+        hkv, nk = k.shape[2], seq_len_k
+    else:
+        _, hkv, nk, _ = k.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
     tq, tk = triton.cdiv(nq, block_size), triton.cdiv(nk, block_size)
-    if nk % block_size == 0:
+    if block_table is not None:
+        k_means = block_means(k, block_size, block_table=block_table, seq_len=nk)
+    elif nk % block_size == 0:
         # One PyTorch reduction: its launch costs a fraction of a Triton launch's host time, which
         # is most of the probe's cost (the probe sits between the call and dense attention).
         k_means = k.unflatten(2, (tk, block_size)).mean(3, dtype=torch.float32).contiguous()

@@ -63,12 +63,22 @@ def _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, r
 
 
 @triton.jit
-def _scores(q, k_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos, qk_scale,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """Logits of the rows against the keys ``cols`` in the log2 domain, -inf where not allowed."""
+def _scores(q, k_ptr, table_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos, qk_scale,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+            PAGE_SIZE: tl.constexpr):
+    """Logits of the rows against the keys ``cols`` in the log2 domain, -inf where not allowed.
+
+    ``PAGE_SIZE`` > 0: ``k_ptr`` is a paged cache whose page stride is ``stride_kb`` and key ``c``
+    is row ``c % PAGE_SIZE`` of page ``table_ptr[c // PAGE_SIZE]`` (batch 1)."""
     o_d = tl.arange(0, D_PAD)
-    ptrs = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + cols[:, None].to(tl.int64) * stride_kn
-    k = tl.load(ptrs + o_d[None, :], mask=(cols[:, None] < key_end) & (o_d[None, :] < HEAD_DIM), other=0.0)
+    m_cols = cols < key_end
+    if PAGE_SIZE > 0:
+        page = tl.load(table_ptr + cols // PAGE_SIZE, mask=m_cols, other=0)
+        rows = page.to(tl.int64) * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kn
+    else:
+        rows = b.to(tl.int64) * stride_kb + cols.to(tl.int64) * stride_kn
+    ptrs = k_ptr + hk.to(tl.int64) * stride_kh + rows[:, None]
+    k = tl.load(ptrs + o_d[None, :], mask=m_cols[:, None] & (o_d[None, :] < HEAD_DIM), other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -81,11 +91,11 @@ def _scores(q, k_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, key_end, row
 
 
 @triton.jit
-def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr,
+def _row_stats(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, keys_per_split, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr):
     pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
                                               query_offset, ROWS, HEAD_DIM, D_PAD)
     split = tl.program_id(1)
@@ -96,8 +106,8 @@ def _row_stats(q_ptr, k_ptr, m_ptr, l_ptr,
     key_end = tl.minimum(key_start + keys_per_split, seq_len_k)
     for n0 in range(key_start, key_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos, qk_scale,
-                    HEAD_DIM, D_PAD, CAUSAL, IEEE)
+        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos,
+                    qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -121,11 +131,12 @@ def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.co
 
 
 @triton.jit
-def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
+def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+               PAGE_SIZE: tl.constexpr):
     # Persistent: each program walks (head, key tile) pairs; a tile's probabilities stay in registers.
     pid = tl.program_id(0)
     o_r = tl.arange(0, ROWS)
@@ -143,8 +154,8 @@ def _row_lines(q_ptr, k_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
         first_row_pos = rows_start + query_offset
         col0 = (tile % key_tiles) * BLOCK_N
         cols = col0 + o_n
-        s = _scores(q, k_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k, first_row_pos + o_r,
-                    qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE)
+        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
+                    first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
         p = tl.exp2(s - lse[:, None])
         p = tl.where(o_r[:, None] < rows, p, 0.0)
@@ -226,7 +237,8 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
     tl.store(full_counts_ptr + pid, full)
 
 
-def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, last_rows: int) -> torch.Tensor:
+def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, last_rows: int,
+                block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Vertical and slash scores of the last ``last_rows`` queries: ``(2, B, Hq, Nk)`` float32.
 
     Index 0 holds each key's mean attention from those rows, index 1 each offset's; both equal
@@ -236,9 +248,18 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
         q: ``(B, Hq, Nq, D)`` queries, original order; k: ``(B, Hkv, Nk, D)`` keys, original order.
         layout: the call's geometry (unsegmented).
         scale: softmax scale.
+        block_table: ``(max_pages,)`` int32: ``k`` is then a paged cache
+            ``(num_pages, page_size, Hkv, D)`` read in place, key ``t`` at row ``t % page_size``
+            of page ``block_table[t // page_size]``, ``Nk = layout.seq_len_k`` and ``B`` 1.
     """
     b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+    if block_table is None:
+        hk, nk = k.shape[1], k.shape[2]
+        page_size, table = 0, k
+        k_strides = (k.stride(0), k.stride(1), k.stride(2))
+    else:
+        hk, nk, page_size, table = k.shape[2], layout.seq_len_k, k.shape[1], block_table
+        k_strides = (k.stride(0), k.stride(2), k.stride(1))  # page, head, row
     group = hq // hk
     rows = min(last_rows, nq)
     rows_start = nq - rows
@@ -247,15 +268,16 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     block_n = max(KEY_TILE, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2_E
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), hq, group, rows_start, rows)
-    meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee)
+    common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows)
+    meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee,
+                PAGE_SIZE=page_size)
     # Enough programs to fill the GPU: split the keys of each head's rows.
     splits = max(1, min(triton.cdiv(nk, 4 * block_n), triton.cdiv(264, b * hq)))
     keys_per_split = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
     splits = triton.cdiv(nk, keys_per_split)
     part_max = torch.empty(b * hq, splits, rows_pad, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    _row_stats[(b * hq, splits)](q, k, part_max, part_sum, *common, nk, layout.query_offset, keys_per_split,
+    _row_stats[(b * hq, splits)](q, k, table, part_max, part_sum, *common, nk, layout.query_offset, keys_per_split,
                                  splits, qk_scale, **meta)
     # One buffer for both line scores, so that `kept_line_blocks` reads them in one launch.
     scores = torch.empty(2, b, hq, nk, dtype=torch.float32, device=q.device)
@@ -263,7 +285,7 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     key_tiles = triton.cdiv(nk, block_n)
     total_tiles = b * hq * key_tiles
     programs = min(total_tiles, PROGRAMS_PER_SM * _programs_base(q.device))
-    _row_lines[(programs,)](q, k, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
+    _row_lines[(programs,)](q, k, table, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
                             key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
                             SPLITS=triton.next_power_of_2(splits), **meta)
     slash.div_(rows)
