@@ -28,7 +28,7 @@ busy time is its attention phase (local compute, no collective inside), and ``ma
 ``1 - min / max`` of those over the ranks. Peak memory is ``torch.cuda.max_memory_allocated`` per
 rank during the row (inputs included).
 
-One GPU (``--single-lens``, default 256K and 512K): rank 0 alone runs ``pbs.attention`` with the
+One GPU (``--single-lens``, default 256K and 512K; ``--single-repeats`` timed calls): rank 0 alone runs ``pbs.attention`` with the
 same configs on the whole sequence and cuDNN SDPA (the other ranks wait), so that the 4-GPU file
 holds its own baseline; ``scaling`` gives the speed-up and the efficiency ``t1 / (P * tP)`` per
 method and length. ``--world 1`` runs only those single-GPU rows (plain python).
@@ -69,6 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 METHODS = ("pbs_defaults", "pbs_budget_0.2", "torch_ring")
 LONG = 1 << 20
 _MESH = None  # torch's device mesh, made once
+_RING_WAY: tuple[str, bool] | None = None  # (backend, native GQA) of torch's ring that ran
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,13 +241,15 @@ def torch_ring_row(ranks: Ranks, n: int, shape: dict, dtype, seed: int, warmup: 
         rotate_used = str(getattr(_cp_options, "rotate_method", None))
     except ImportError:
         pass
-    global _MESH
+    global _MESH, _RING_WAY
     if _MESH is None:
         _MESH = init_device_mesh(ranks.device.type, (ranks.world,))
     mesh = _MESH
     ways = [(SDPBackend.CUDNN_ATTENTION, True), (SDPBackend.FLASH_ATTENTION, True),
             (SDPBackend.CUDNN_ATTENTION, False), (SDPBackend.FLASH_ATTENTION, False),
             (SDPBackend.EFFICIENT_ATTENTION, False)]
+    if _RING_WAY:  # the way that ran at a shorter length
+        ways = [w for w in ways if (w[0].name, w[1]) == _RING_WAY]
     errors = []
     group = shape["heads_q"] // shape["heads_kv"]
     for backend, native_gqa in ways:
@@ -261,6 +264,7 @@ def torch_ring_row(ranks: Ranks, n: int, shape: dict, dtype, seed: int, warmup: 
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa)
 
                 times, _ = timed(ranks, call, warmup, repeats)
+            _RING_WAY = (backend.name, native_gqa)
             return {"times_ms": times, "backend": backend.name, "gqa": "enable_gqa" if native_gqa else "expanded K/V",
                     "rotate_method": rotate_used, "peak_gib": peak_gib(ranks.device)}
         except Exception as error:  # noqa: BLE001 - recorded, and the next way is tried
@@ -379,6 +383,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--long-repeats", type=int, default=3, help="timed calls from 1M tokens on")
+    parser.add_argument("--single-repeats", type=int, default=3, help="timed calls of the one-GPU rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-rotate", choices=["allgather", "alltoall"], default=None,
                         help="torch's rotate method (default: torch's own default)")
@@ -446,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                 if time.perf_counter() - began > args.budget_s:
                     single.append({"seq_len": n, "world": 1, "error": "skipped: time budget spent"})
                     continue
-                repeats = args.long_repeats if n >= LONG else args.repeats
-                single += single_gpu_rows(n, shape, dtype, ranks.device, args.seed, args.warmup, repeats, args.methods)
+                single += single_gpu_rows(n, shape, dtype, ranks.device, args.seed, args.warmup, args.single_repeats,
+                                          args.methods)
         ranks.barrier()
         if ranks.rank == 0:
             result = {
@@ -455,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 "environment": environment(ranks.device), "shape": {"batch": 1, **shape, "dtype": str(dtype)},
                 "inputs": f"random (torch.randn on the device, seed {args.seed})",
                 "configs": CONFIGS, "warmup": args.warmup, "repeats": args.repeats, "long_repeats": args.long_repeats,
+                "single_repeats": args.single_repeats,
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
                 "rows": rows, "one_gpu": single, "scaling": scaling(rows, single, ranks.world),
                 "targets": targets(rows, single, ranks.world), "wall_s": time.perf_counter() - began,

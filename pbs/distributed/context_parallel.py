@@ -141,6 +141,23 @@ def _group_rank_and_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+# A second communicator over the same ranks for the K/V all-gather, per group: the collectives of
+# one communicator run in order, so on the group itself the planned-density all-reduce would wait
+# behind the whole gather instead of overlapping it.
+_KV_GROUPS: dict[Any, Any] = {}
+
+
+def _kv_group(group: Any, world: int) -> Any:
+    dist = _dist()
+    # new_group must be entered by every process of the job: only a group spanning all of them
+    # gets its own communicator (a sub-group's ranks cannot make one without the others).
+    if world == 1 or world != dist.get_world_size():
+        return group
+    if group not in _KV_GROUPS:
+        _KV_GROUPS[group] = dist.new_group(ranks=list(range(world)))
+    return _KV_GROUPS[group]
+
+
 def _global_rank(group: Any, group_rank: int) -> int:
     dist = _dist()
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
@@ -441,10 +458,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
                       f"dense_fallback.max_density = {fallback.max_density}")
     clock.mark("summaries")
 
-    # Keys and values of every rank, gathered while this rank plans (summaries went first: the
-    # collectives of one group run in order, and these are the small ones).
-    k_parts, k_work = _all_gather_shards(k, lengths, group, async_op=True)
-    v_parts, v_work = _all_gather_shards(v, lengths, group, async_op=True)
+    # Keys and values of every rank, gathered while this rank plans (on a communicator of their own,
+    # so that the planned-density all-reduce does not queue behind them).
+    kv_group = _kv_group(group, world)
+    k_parts, k_work = _all_gather_shards(k, lengths, kv_group, async_op=True)
+    v_parts, v_work = _all_gather_shards(v, lengths, kv_group, async_op=True)
 
     plans: list[Plan | None] = [None, None]
     perm_q: list[torch.Tensor | None] = [None, None]
