@@ -348,6 +348,17 @@ def test_markdown_shows_gpu_agreement(report):
     assert "loss differs by at most 1.00e-03" in markdown_tables(report)
 
 
+def test_markdown_names_the_quick_plan_only_when_no_option_changed_it(report):
+    def note(settings):
+        meta = {**report.meta, "settings": settings}
+        text = markdown_tables(qresults.QualityReport(meta=meta, methods=report.methods, results=report.results))
+        return "The quick plan (`pbs quality` with no options)" in text
+
+    assert note({"plan": "quick", "options_given": []})
+    assert not note({"plan": "quick", "options_given": ["lengths", "texts"]})
+    assert not note({"plan": "full", "options_given": []})
+
+
 def test_cli_lengths_may_be_empty_for_copy_probes_only():
     args = build_parser().parse_args(["quality", "--lengths", "--fillers", "500"])
     assert args.lengths == [] and args.fillers == [500]
@@ -460,6 +471,7 @@ def test_the_quick_run_hands_its_plan_to_run_quality(tiny, monkeypatch, tmp_path
     assert seen["layer_samples"] == ["heldout copy topic:formatstrings / stdlib:inspect.py 2000"]
     assert seen["probe_layers"] is None  # the tiny model has 2 layers: all are probed
     assert seen["meta"]["settings"]["plan"] == "quick" and seen["meta"]["settings"]["documents"] == 1
+    assert seen["meta"]["settings"]["options_given"] == []
     err = capsys.readouterr().err
     assert err.startswith("pbs quality: the quick plan (the full sweep: --full): ")
 

@@ -92,7 +92,7 @@ class Plan:
                 "lengths": list(self.lengths), "fillers": list(self.fillers), "passage_tokens": self.passage_tokens,
                 "layer_probe": self.layer_probe,
                 "probe_layers": None if self.probe_layers is None else list(self.probe_layers),
-                "spread_layers": self.spread_layers}
+                "spread_layers": self.spread_layers, "options_given": sorted(self.given)}
 
     def describe(self, method_labels: Sequence[str]) -> str:
         """One line: the methods, the samples and the per-layer probe (for stderr before the run)."""

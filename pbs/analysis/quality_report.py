@@ -62,7 +62,8 @@ def markdown_tables(report: QualityReport, summary: list[dict[str, Any]] | None 
         "dense on the dense run's inputs, and the share of the exact attention mass inside the selected blocks, "
         "averaged over layers.",
     ]
-    if meta.get("settings", {}).get("plan") == "quick":
+    settings = meta.get("settings", {})
+    if settings.get("plan") == "quick" and not settings.get("options_given"):  # older reports lack the key
         lines += ["", "The quick plan (`pbs quality` with no options): one document and one copy probe per text set; "
                       "`pbs quality --full` runs the full sweep of methods, texts and lengths (hours on a CPU)."]
     for text_set in dict.fromkeys(e["set"] for e in summary):
