@@ -348,6 +348,14 @@ def test_markdown_shows_gpu_agreement(report):
     assert "loss differs by at most 1.00e-03" in markdown_tables(report)
 
 
+def test_a_report_reads_back_from_its_json(report):
+    data = json.loads(json.dumps(report.to_json()))
+    again = qresults.QualityReport.from_json(data)
+    assert again.methods == report.methods
+    assert again.to_json() == data
+    assert markdown_tables(again) == markdown_tables(report)
+
+
 def test_markdown_names_the_quick_plan_only_when_no_option_changed_it(report):
     def note(settings):
         meta = {**report.meta, "settings": settings}

@@ -40,6 +40,18 @@ class QualityReport:
     layers: list[dict[str, Any]] = field(default_factory=list)
     gpu: list[dict[str, Any]] = field(default_factory=list)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "QualityReport":
+        """The report that `to_json` wrote (its summary is recomputed), e.g. to write its markdown again."""
+        from pbs.integrations.dispatch import PBSIntegrationConfig
+
+        methods = [Method(label=m["label"], family=m["family"], threshold=m["threshold"],
+                          config=None if m["config"] is None else PBSIntegrationConfig.model_validate(m["config"]),
+                          chunk_size=m.get("chunk_size")) for m in data["methods"]]
+        return cls(meta=data["meta"], methods=methods, skipped_methods=data.get("skipped_methods", []),
+                   samples=data.get("samples", []), results=data.get("results", []), layers=data.get("layers", []),
+                   gpu=data.get("gpu", []))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "version": REPORT_VERSION,
