@@ -8,6 +8,8 @@ for their values, or a sequence that read another's page, would show it in the o
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -211,6 +213,67 @@ def test_block_means_and_line_scores_read_pages_in_place(page_size, seq_len, seq
     layout = make_layout(q, k, pbs.PBSConfig())
     paged = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
     assert torch.equal(paged, line_scores(q, k, layout, 32**-0.5, 64))
+
+
+@contextlib.contextmanager
+def _compile_only(module, names, compiled):
+    """Within the block, a launch of ``module``'s kernels ``names`` compiles them (``warmup``) and
+    appends the compiled kernel to ``compiled`` instead of running it."""
+    real = {name: getattr(module, name) for name in names}
+
+    class CompileOnly:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs))
+
+    for name in names:
+        setattr(module, name, CompileOnly(real[name]))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(module, name, real[name])
+
+
+def paged_compile_report(page_sizes: list[int]) -> dict:
+    """Compiles, for sm_90 (run by compile_in_subprocess), the paged variants of the attention
+    kernel (bf16, D 128, the GPU's 128x128 tiles), the block means and the line scores: their
+    registers and spills per page size."""
+    from pbs.kernels import block_means, block_sparse_attn, vertical_slash
+    from pbs.planning import full_plan, make_layout
+    from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
+
+    q, k, v = (x.to(torch.bfloat16) for x in pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=1000, head_dim=128))
+    plan = full_plan(q, k, pbs.PBSConfig(backend="reference"), 128)
+    report = {}
+    for page_size in page_sizes:
+        pages = -(-1000 // page_size)
+        cache = torch.zeros(pages + 2, page_size, 2, 128, dtype=torch.bfloat16)
+        table = torch.arange(pages, dtype=torch.int32)
+        compiled = []
+        with sm90_driver():
+            with _compile_only(block_sparse_attn, ["_block_sparse_attn_fwd"], compiled):
+                block_sparse_attn.block_sparse_attention(q, cache, cache, plan.mask, block_table=table,
+                                                         config=block_sparse_attn.KernelConfig(128, 128, 8, 3))
+            with _compile_only(block_means, ["_block_means_kernel"], compiled):
+                block_means.block_means(cache, 128, block_table=table, seq_len=1000)
+            with _compile_only(vertical_slash, ["_row_stats", "_row_lines"], compiled):
+                vertical_slash.line_scores(q, cache, make_layout(q, k, pbs.PBSConfig()), 0.1, 64, block_table=table)
+        report[str(page_size)] = [resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
+    return report
+
+
+def test_the_paged_kernels_compile_for_sm90_without_spills():
+    # The GPU's own code path (the interpreter runs none of it): TMA loads from a page (128) and
+    # row loads through the block table (16), compiled for an H100 with Triton's ptxas.
+    from tests.sm90_compile import compile_in_subprocess
+
+    report = compile_in_subprocess("tests.test_paged:paged_compile_report", page_sizes=[16, 128])
+    for page_size, kernels in report.items():
+        assert len(kernels) == 4
+        assert all(usage["LOCAL"] == 0 for usage in kernels), f"register spills at page_size {page_size}: {kernels}"
 
 
 def _selection_inputs(q, k, paged_k=None, block=32):

@@ -65,7 +65,7 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
 
 @triton.jit
 def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
-    """One entry of a selected-block list (int32).
+    """One entry (or a block of entries) of a selected-block list or a block table (int32).
 
     On the GPU it is read with inline PTX (``ld.global.nc``: the lists are read-only here) because
     the software pipeliner turns a plain ``tl.load`` in the loop into an async copy through shared
@@ -81,26 +81,27 @@ def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
 
 @triton.jit
 def _load_kv_tile(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_p, stride_h, stride_n, dim,
-                  ROWS: tl.constexpr, COLS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                  ROWS: tl.constexpr, COLS: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
     """The ``(ROWS, COLS)`` tile of keys or values at slots ``start_n ...`` of head ``i_hk``.
 
     ``PAGE_SIZE`` 0: contiguous ``(B, Hk, N, D)``, one TMA load. Otherwise ``desc`` and ``p_cache``
     view the cache as ``(num_pages, Hk, page_size, D)`` and ``table_ptr`` is the sequence's block
     table: pages of a multiple of ``ROWS`` rows hold whole tiles (one TMA load, the page in place
     of the batch); smaller ones are read row by row through pointers (rows past ``seq_len_k`` read
-    0). A tile that starts past the end (a mask block's second sub-tile) reads page 0, whose rows
-    the caller masks: its table entry may lie past the table.
+    0). Table entries are read like the block lists (`_load_block_index`: no async copy in the
+    pipelined loop), at slots clamped to the last key: a tile that starts past the end (a mask
+    block's second sub-tile) reads the last page again, and the caller masks its rows.
     """
     if PAGE_SIZE == 0:
         b_x = desc.load([i_b, i_hk, start_n, 0]).reshape(ROWS, COLS)
     elif PAGE_SIZE % ROWS == 0:
-        page = tl.load(table_ptr + start_n // PAGE_SIZE, mask=start_n < seq_len_k, other=0)
+        page = _load_block_index(table_ptr + tl.minimum(start_n, seq_len_k - 1) // PAGE_SIZE, INTERPRET)
         b_x = desc.load([page, i_hk, start_n % PAGE_SIZE, 0]).reshape(ROWS, COLS)
     else:
         o_r = start_n + tl.arange(0, ROWS)
         o_d = tl.arange(0, COLS)
         m_r = o_r < seq_len_k
-        page = tl.load(table_ptr + o_r // PAGE_SIZE, mask=m_r, other=0)
+        page = _load_block_index(table_ptr + tl.minimum(o_r, seq_len_k - 1) // PAGE_SIZE, INTERPRET)
         p_rows = p_cache + page.to(tl.int64) * stride_p + i_hk.to(tl.int64) * stride_h + (o_r % PAGE_SIZE) * stride_n
         b_x = tl.load(p_rows[:, None] + o_d[None, :], mask=m_r[:, None] & (o_d < dim)[None, :], other=0.0)
     return b_x
@@ -219,10 +220,10 @@ def _block_sparse_attn_fwd(
         j = _load_block_index(p_list + it // SUB_N, INTERPRET)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
-                            stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE)
+                            stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
         b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
-                            stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE)
+                            stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET)
         m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
     # On-diagonal blocks (and a partial last key block): per-token check on original positions.
@@ -233,7 +234,7 @@ def _block_sparse_attn_fwd(
             j = _load_block_index(p_list + it // SUB_N, INTERPRET)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
-                                stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE)
+                                stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
             b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
             o_slot = start_n + o_n
             if CAUSAL:
@@ -249,7 +250,7 @@ def _block_sparse_attn_fwd(
                 m_keep = (o_slot < seq_len_k)[None, :]
             b_s = tl.where(m_keep, b_s, float("-inf"))
             b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
-                                stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE)
+                                stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET)
             if PAGE_SIZE != 0:
                 # A page's rows past the sequence's end are another sequence's or stale: their
                 # weight is 0, but 0 * NaN is not.
