@@ -139,10 +139,14 @@ class SequenceSummaries:
             rows over all ``N_seq >= Nk`` key positions and offsets (the layout of
             `pbs.kernels.vertical_slash.line_scores`): ``vertical_slash``'s lines, kept by its
             thresholds over the whole sequence before the call keeps its own ``Nk``.
+        key_permutation: the whole sequence's key permutation, ``(B, Hk, N_seq)``, made where the
+            keys are; a call planning the first ``Nk`` keys (a whole number of segments, or all of
+            them) takes its first ``Nk`` slots instead of running its permuter.
     """
 
     key_block_means: torch.Tensor | None = None
     line_scores: torch.Tensor | None = None
+    key_permutation: Permutation | None = None
 
 
 class SelectionInputs:

@@ -61,7 +61,8 @@ def permute_keys_and_values(
 
 
 def run_permuter(
-    q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSConfig, scale: float, family: str = "reference"
+    q: torch.Tensor, k: torch.Tensor, layout: Layout, config: PBSConfig, scale: float, family: str = "reference",
+    summaries: SequenceSummaries | None = None,
 ) -> tuple[Permutation, Permutation]:
     """The permutation stage: ``(key_permutation, query_permutation)``.
 
@@ -69,14 +70,22 @@ def run_permuter(
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``, both in original order.
         family: the planner family (`pbs.backends.planning_family`); ``"reference"``: the
             permuter's own ``permute``.
+        summaries: with a ``key_permutation`` (context parallelism made it for the whole
+            sequence), its first ``Nk`` slots are the keys' order and the permuter does not run.
 
     Returns:
         Key permutation ``(B, Hk, Nk)`` (``Hk`` is ``Hq`` in per-head mode, else ``Hkv``; identity
         permutations use ``Hkv`` heads so K/V are never copied) and query permutation ``(B, Hq, Nq)``.
     """
     perm_inputs = PermutationInputs(q=q, k=k, layout=layout, gqa=config.gqa, scale=scale)
-    permute = planner_for("permuter", config.permuter.name, family)
-    perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
+    whole = summaries.key_permutation if summaries is not None else None
+    if whole is not None:
+        # Segments never straddle Nk here, so the prefix of the whole order is an order of its own.
+        nk = layout.seq_len_k
+        perms = Permutations(keys=Permutation(whole.indices[..., :nk], whole.inverse[..., :nk], whole.is_identity))
+    else:
+        permute = planner_for("permuter", config.permuter.name, family)
+        perms = permute(config.permuter, perm_inputs) if permute else config.permuter.permute(perm_inputs)
     _check_permutations_type(perms, config.permuter.name)
     b, hq, nq = layout.batch, layout.heads_q, layout.seq_len_q
     # Unpermuted keys need no per-head copy, whatever the GQA mode.
@@ -181,7 +190,7 @@ def build_plan(
                        page_size=page_size_of(k))
     backend = resolve_backend(config.backend, spec)
     family = planning_family(backend, q.device)
-    key_perm, query_perm = run_permuter(q, k, layout, config, scale, family)
+    key_perm, query_perm = run_permuter(q, k, layout, config, scale, family, summaries)
     q_perm = query_perm.apply(q)
     k_perm, v_perm = permute_keys_and_values(key_perm, k, v) if v is not None else (None, None)
     mask = run_selector(q_perm, k, key_perm, query_perm, layout, config, scale, k_perm=k_perm, family=family,

@@ -33,10 +33,12 @@ CASES = {
     "full": {"selector": {"name": "budget", "density": 1.0}, "dense_fallback": SPARSE},
     # the paper's unpermuted MeanPooling: pooled keys of every rank
     "mean_pool": {"selector": {"name": "mean_pool", "threshold": 0.9}, "dense_fallback": SPARSE},
-    # the defaults (union of vertical_slash and mean_pool): last rows broadcast, line scores summed
+    # the defaults (union of vertical_slash and mean_pool): last rows broadcast, line scores summed,
+    # pooled keys gathered
     "defaults": {"dense_fallback": SPARSE},
-    "vertical_slash": {"selector": {"name": "vertical_slash", "threshold": 0.8, "last_rows": 32},
-                       "dense_fallback": SPARSE},
+    # the paper's preset: last_block key order (per-head GQA) scored over every rank's keys
+    "pbs_paper": {"permuter": "last_block", "selector": "mean_pool", "gqa": "per_head", "dense_fallback": SPARSE},
+    "last_block_shared": {"permuter": "last_block", "gqa": "shared", "dense_fallback": SPARSE},
     # the dense policy on the CPU: the probe over the whole sequence, and the length rule
     "probe": {"selector": {"name": "mean_pool", "threshold": 0.9},
               "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_density": 0.3}},
@@ -72,6 +74,7 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
             results[name] = {
                 "out": res.out, "lse": res.lse, "reason": res.reason, "chunks": res.chunks,
                 "masks": [None if p is None else p.mask.to_dense() for p in res.plans],
+                "orders": [None if p is None else p.key_permutation.indices for p in res.plans],
             }
         results["errors"] = error_cases(q, k, v, rank, world)
         torch.save(results, workdir / f"rank{rank}.pt")
@@ -84,7 +87,7 @@ def error_cases(q, k, v, rank: int, world: int) -> dict[str, str]:
 
     errors = {}
     calls = {
-        "unsupported": lambda: cp.context_parallel_attention(q, k, v, "pbs_paper"),
+        "unsupported": lambda: cp.context_parallel_attention(q, k, v, "pbs_xattention"),
         # every rank drops a different number of tokens: the split is no longer the zigzag one
         "not_zigzag": lambda: cp.context_parallel_attention(q[:, :, rank:], k[:, :, rank:], v[:, :, rank:]),
         "heads": lambda: cp.context_parallel_attention(q[:, : 2 + 2 * (rank % 2)], k, v),
@@ -182,7 +185,7 @@ def test_dense_decision_equals_one_process(cp_run, name):
         assert f"over the {world} context-parallel ranks" in reason
 
 
-@pytest.mark.parametrize("name", ["full", "mean_pool", "defaults", "vertical_slash"])
+@pytest.mark.parametrize("name", ["full", "mean_pool", "defaults", "pbs_paper", "last_block_shared"])
 def test_masks_are_the_rows_of_the_one_process_mask(cp_run, name):
     world, ranks = cp_run
     _, _, _, plan = _one_process(world, name)
@@ -190,7 +193,9 @@ def test_masks_are_the_rows_of_the_one_process_mask(cp_run, name):
     bs = plan.layout.block_size
     assert 0 < plan.density <= 1
     for rank, result in enumerate(ranks):
-        for (start, end), mask in zip(result[name]["chunks"], result[name]["masks"]):
+        for (start, end), mask, order in zip(result[name]["chunks"], result[name]["masks"], result[name]["orders"]):
+            # the same key order (keys sorted inside each segment by the last block's attention)
+            assert torch.equal(order, plan.key_permutation.indices[..., :end])
             rows = whole[:, :, start // bs: -(-end // bs)]
             tk = mask.shape[-1]
             assert tk == -(-end // bs)
@@ -212,7 +217,7 @@ def test_errors_name_the_problem(cp_run):
     world, ranks = cp_run
     for result in ranks:
         errors = result["errors"]
-        assert "permuter 'last_block'" in errors["unsupported"] and "mean_pool" in errors["unsupported"]
+        assert "selector 'antidiagonal'" in errors["unsupported"] and "mean_pool" in errors["unsupported"]
         assert "zigzag split" in errors["not_zigzag"] and "shard_sequence" in errors["not_zigzag"]
         assert "same B, Hq, Hkv" in errors["heads"]
 

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from pbs.components import SequenceSummaries
+from pbs.components import PermutationInputs, SequenceSummaries
+from pbs.layout import Layout
+from pbs.permuters._segments import scoring_queries, sort_within_segments
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.distributed.sharding import chunk_bounds
@@ -41,15 +44,14 @@ from pbs.planning import build_plan, permute_keys_and_values, run_planned
 from pbs.reference.block_means import block_means as block_means_eager
 from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
 from pbs.reference.logits import grouped_logits
-from pbs.types import Plan
+from pbs.types import Permutation, Plan
 from pbs.validation import check_qkv, check_scale
 
 ConfigLike = PBSConfig | dict[str, Any] | str | None
 
-SUPPORTED_PERMUTERS = ("none",)
-"""Permuters context parallelism can plan. A segmented permuter (``last_block`` of the
-``pbs_paper`` preset) needs the sequence's last query block scored against every key before the
-keys are sorted: not built yet."""
+SUPPORTED_PERMUTERS = ("none", "last_block")
+"""Permuters context parallelism can plan: ``none`` (the defaults) and ``last_block`` (the
+``pbs_paper`` preset), whose scores need the sequence's last query block against every key."""
 
 SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "budget", "union")
 """Selectors context parallelism can plan (``union`` of these). ``budget`` keeps the same number
@@ -125,8 +127,8 @@ def check_supported(config: PBSConfig) -> None:
     if reasons:
         raise ValueError(
             "config cannot be planned context-parallel yet: " + "; ".join(reasons)
-            + ". pbs.distributed plans permuter 'none' with the selectors mean_pool, vertical_slash, budget "
-            "and union of them (the defaults are: union of vertical_slash and mean_pool, permuter none)"
+            + ". pbs.distributed plans the permuters none and last_block with the selectors mean_pool, "
+            "vertical_slash, budget and union of them (the defaults, and the pbs_paper preset)"
         )
 
 
@@ -239,15 +241,75 @@ def _assemble(gathered: list[torch.Tensor], bounds: list[tuple[int, int]], unit:
     return whole
 
 
-def _block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    # The same pooling as the planners of this device: the Triton kernel on CUDA, the eager twin else.
+def _block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Pooled key blocks of ``x`` (through the permutation ``indices`` when given): the same pooling
+    as the planners of this device, the Triton kernel on CUDA and the eager twin elsewhere."""
     if x.is_cuda:
         try:
             from pbs.kernels.block_means import block_means
         except ImportError:
-            return block_means_eager(x.contiguous(), block_size)
-        return block_means(x, block_size)
+            pass
+        else:
+            return block_means(x, block_size, indices)
+    if indices is not None:
+        x = Permutation(indices, indices).apply(x)  # only the indices are read
     return block_means_eager(x.contiguous(), block_size)
+
+
+def _softmax_over_ranks(
+    queries: torch.Tensor, k: torch.Tensor, parts: list[tuple[int, int, int]], row_pos: torch.Tensor,
+    logit_scale: float | None, causal: bool, group: Any, visit: Callable[..., None],
+) -> None:
+    """Softmax rows of ``queries`` over the keys of every rank, each rank visiting its own keys.
+
+    The rows' maxima and sums over this rank's keys are combined over the ranks (one all-reduce of
+    each), then ``visit(start, end, slot, h0, h1, probs)`` sees the probabilities ``(B, h1 - h0, R,
+    end - start)`` of each of this rank's key ranges ``(start, end, slot)`` (positions, and where
+    the range starts in the local shard), a few heads at a time.
+
+    Args:
+        queries: ``(B, Hs, R, D)``, ``Hs`` a multiple of ``k``'s heads.
+        k: ``(B, Hkv, N_local, D)``, this rank's keys.
+        row_pos: ``(R,)`` positions of the rows (for ``causal``).
+        logit_scale: multiplies the logits (None: the queries are scaled already), as the
+            one-process code does, so the logits are the same numbers.
+    """
+    dist = _dist()
+    b, hs, rows, _ = queries.shape
+    group_size = hs // k.shape[1]
+    longest = max((end - start for start, end, _ in parts), default=1)
+    budget = _LINE_CHUNK_CUDA if queries.is_cuda else _LINE_CHUNK
+    step = max(group_size, (budget // max(1, b * rows * longest)) // group_size * group_size)
+
+    def logits_of(start: int, end: int, slot: int, h0: int, h1: int) -> torch.Tensor:
+        logits = grouped_logits(queries[:, h0:h1], k[:, h0 // group_size:h1 // group_size, slot:slot + end - start])
+        if logit_scale is not None:
+            logits = logits * logit_scale
+        if causal:
+            future = torch.arange(start, end, device=queries.device)[None, :] > row_pos[:, None]
+            logits = logits.masked_fill_(future, float("-inf"))
+        return logits
+
+    row_max = torch.full((b, hs, rows), float("-inf"), device=queries.device)
+    row_sum = torch.zeros(b, hs, rows, device=queries.device)
+    for start, end, slot in parts:
+        for h0 in range(0, hs, step):
+            h1 = min(hs, h0 + step)
+            logits = logits_of(start, end, slot, h0, h1)
+            new_max = torch.maximum(row_max[:, h0:h1], logits.amax(-1))
+            safe = torch.where(new_max == float("-inf"), 0.0, new_max)
+            row_sum[:, h0:h1] = (row_sum[:, h0:h1] * torch.exp(row_max[:, h0:h1] - safe)
+                                 + torch.exp(logits - safe[..., None]).sum(-1))
+            row_max[:, h0:h1] = new_max
+    global_max = row_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    row_sum = row_sum * torch.exp(row_max - global_max).nan_to_num(0.0)
+    dist.all_reduce(row_sum, group=group)
+    for start, end, slot in parts:
+        for h0 in range(0, hs, step):
+            h1 = min(hs, h0 + step)
+            probs = torch.exp(logits_of(start, end, slot, h0, h1) - global_max[:, h0:h1, :, None])
+            visit(start, end, slot, h0, h1, probs / row_sum[:, h0:h1, :, None])
 
 
 def _line_scores(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, int]], seq_len: int, last_rows: int,
@@ -260,62 +322,75 @@ def _line_scores(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, i
     """
     dist = _dist()
     b, hq, n_local, d = q.shape
-    hkv = k.shape[1]
-    group_size = hq // hkv
     rows = min(last_rows, seq_len)
     # Scaled in float32 on the owner, as the reference scales them, so every rank scores equal rows.
     q_last = torch.empty(b, hq, rows, d, dtype=torch.float32, device=q.device)
-    if _dist().get_rank() == src:
+    if dist.get_rank() == src:
         q_last.copy_(q[:, :, n_local - rows:].float() * scale)
     dist.broadcast(q_last, src=src, group=group)
-    row_pos = torch.arange(seq_len - rows, seq_len, device=q.device)
-    longest = max(end - start for start, end, _ in local)
-    budget = _LINE_CHUNK_CUDA if q.is_cuda else _LINE_CHUNK
-    step = max(group_size, (budget // max(1, b * rows * longest)) // group_size * group_size)
-
-    def logits_of(start: int, end: int, slot: int, h0: int, h1: int) -> torch.Tensor:
-        keys = k[:, h0 // group_size:h1 // group_size, slot:slot + end - start]
-        logits = grouped_logits(q_last[:, h0:h1], keys)
-        future = torch.arange(start, end, device=q.device)[None, :] > row_pos[:, None]
-        return logits.masked_fill_(future, float("-inf"))
-
-    # Pass 1: each rank's row maxima and sums over its keys, then over all ranks' keys.
-    row_max = torch.full((b, hq, rows), float("-inf"), device=q.device)
-    row_sum = torch.zeros(b, hq, rows, device=q.device)
-    for start, end, slot in local:
-        for h0 in range(0, hq, step):
-            h1 = min(hq, h0 + step)
-            logits = logits_of(start, end, slot, h0, h1)
-            new_max = torch.maximum(row_max[:, h0:h1], logits.amax(-1))
-            safe = torch.where(new_max == float("-inf"), 0.0, new_max)
-            row_sum[:, h0:h1] = (row_sum[:, h0:h1] * torch.exp(row_max[:, h0:h1] - safe)
-                                 + torch.exp(logits - safe[..., None]).sum(-1))
-            row_max[:, h0:h1] = new_max
-    global_max = row_max.clone()
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-    row_sum = row_sum * torch.exp(row_max - global_max).nan_to_num(0.0)
-    dist.all_reduce(row_sum, group=group)
-
-    # Pass 2: probabilities of this rank's keys; per-key means and per-offset sums over the rows.
     scores = torch.zeros(2, b, hq, seq_len, device=q.device)
     vertical, slash = scores[0], scores[1]
-    for start, end, slot in local:
-        for h0 in range(0, hq, step):
-            h1 = min(hq, h0 + step)
-            probs = torch.exp(logits_of(start, end, slot, h0, h1) - global_max[:, h0:h1, :, None])
-            probs /= row_sum[:, h0:h1, :, None]
-            vertical[:, h0:h1, start:end] = probs.sum(-2) / rows
-            for r in range(rows):
-                pos = seq_len - rows + r
-                seen = min(end, pos + 1) - start  # the row's visible keys of this chunk
-                if seen <= 0:
-                    continue
+
+    def visit(start: int, end: int, slot: int, h0: int, h1: int, probs: torch.Tensor) -> None:
+        vertical[:, h0:h1, start:end] = probs.sum(-2) / rows
+        for r in range(rows):
+            pos = seq_len - rows + r
+            seen = min(end, pos + 1) - start  # the row's visible keys of this range
+            if seen > 0:
                 # key start + x sits at offset pos - start - x: the row reversed lands on offsets.
                 lo = pos - start - seen + 1
                 slash[:, h0:h1, lo:lo + seen] += probs[:, :, r, :seen].flip(-1)
+
+    row_pos = torch.arange(seq_len - rows, seq_len, device=q.device)
+    _softmax_over_ranks(q_last, k, local, row_pos, None, True, group, visit)
     slash /= rows
     dist.all_reduce(scores, group=group)
     return scores
+
+
+def _key_order(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, int]], seq_len: int,
+               config: PBSConfig, scale: float, group: Any, src: int) -> torch.Tensor:
+    """``last_block``'s key order over every rank's keys (`pbs.permuters.last_block`, Eq. 3-4).
+
+    The rank holding the sequence's last queries broadcasts them (their group means in ``shared``
+    GQA mode); every rank scores its own keys with the softmax normalised over all ranks' keys and
+    sorts its own segments.
+
+    Returns:
+        ``(B, Hk, N_local)`` int64: the original positions of this rank's permuted key slots, in
+        shard order (``Hk``: ``Hq`` in ``per_head`` GQA mode, else ``Hkv``).
+    """
+    dist = _dist()
+    permuter = config.permuter
+    segment = config.segment_size
+    permutable = seq_len // segment * segment
+    m = min(seq_len, permuter.num_queries or config.block_size)
+    causal = bool(permuter.causal_scoring) and config.causal
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    heads = hq if config.gqa == "per_head" else hkv
+    proxies = torch.empty(b, heads, m, d, dtype=q.dtype, device=q.device)
+    if dist.get_rank() == src:
+        rows = q[:, :, n_local - m:].contiguous()
+        layout = Layout(b, hq, hkv, m, m, config.block_size, config.segment_size)
+        proxies.copy_(scoring_queries(PermutationInputs(q=rows, k=k, layout=layout, gqa=config.gqa, scale=scale)))
+    dist.broadcast(proxies, src=src, group=group)
+    # Eq. 3 scores the keys of the full segments with no mask; causal_scoring masks and takes all.
+    parts = [(start, end if causal else min(end, permutable), slot) for start, end, slot in local]
+    parts = [part for part in parts if part[1] > part[0]]
+    scores = {start: torch.empty(b, heads, end - start, device=q.device) for start, end, _ in parts}
+
+    def visit(start: int, end: int, slot: int, h0: int, h1: int, probs: torch.Tensor) -> None:
+        scores[start][:, h0:h1] = probs.mean(-2)
+
+    row_pos = torch.arange(seq_len - m, seq_len, device=q.device)
+    _softmax_over_ranks(proxies, k, parts, row_pos, scale, causal, group, visit)
+    pieces = []
+    for start, end, _ in local:
+        sortable = max(0, min(end, permutable) - start)
+        chunk_scores = scores.get(start, torch.zeros(b, heads, 0, device=q.device))
+        pieces.append(start + sort_within_segments(chunk_scores, 0, sortable, segment, total_len=end - start))
+    return torch.cat(pieces, dim=-1)
 
 
 def _probe_estimate(q: torch.Tensor, local: list[tuple[int, int, int]], key_means: torch.Tensor, seq_len: int,
@@ -419,6 +494,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
             f"vertical_slash.last_rows = {lines.last_rows} is longer than the sequence's last chunk "
             f"({bounds[-1][1] - bounds[-1][0]} tokens over {world} ranks): the last rows must sit on one rank"
         )
+    if config.permuter.name == "last_block":
+        proxies = min(seq_len, config.permuter.num_queries or config.block_size)
+        if proxies > bounds[-1][1] - bounds[-1][0]:
+            raise ValueError(
+                f"last_block.num_queries = {proxies} is longer than the sequence's last chunk "
+                f"({bounds[-1][1] - bounds[-1][0]} tokens over {world} ranks): the scoring queries must sit on one rank"
+            )
 
     # Dense decisions as one process takes them: on the whole sequence's length, probe and blocks.
     total_allowed = local_allowed = 1.0
@@ -436,26 +518,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     probe_args = policy.probe_arguments(scale) if reason is None and policy.applies(q.device) else None
     if fallback.max_density is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         probe_args = None
-    needs_means = reason is None and (probe_args is not None or any(leaf.name == "mean_pool" for leaf in leaves))
-    needs_lines = reason is None and lines is not None
-
-    summaries = SequenceSummaries()
     bs = config.block_size
-    if needs_means:
-        means = torch.cat([_block_means(k[:, :, slot:slot + end - start], bs) for start, end, slot in local], dim=2)
-        block_counts = [sum(-(-(bounds[c][1]) // bs) - bounds[c][0] // bs for c in (r, 2 * world - 1 - r))
-                        for r in range(world)]
+    src = _global_rank(group, 0)  # rank 0 holds the last chunk, and so the sequence's last queries
+    block_counts = [sum(-(-(bounds[c][1]) // bs) - bounds[c][0] // bs for c in (r, 2 * world - 1 - r))
+                    for r in range(world)]
+
+    def pooled_keys(order: torch.Tensor | None) -> torch.Tensor:
+        # Every rank pools its own key blocks (through its key order), and the ranks all-gather them.
+        means = torch.cat([_block_means(k[:, :, slot:slot + end - start], bs,
+                                        None if order is None else order[..., slot:slot + end - start] - start)
+                           for start, end, slot in local], dim=2)
         gathered, _ = _all_gather_shards(means, block_counts, group)
-        summaries = SequenceSummaries(key_block_means=_assemble(gathered, bounds, bs, -(-seq_len // bs)))
-    if needs_lines:
-        src = _global_rank(group, 0)  # rank 0 holds the last chunk
-        line_scores = _line_scores(q, k, local, seq_len, lines.last_rows, scale, group, src)
-        summaries = SequenceSummaries(key_block_means=summaries.key_block_means, line_scores=line_scores)
+        return _assemble(gathered, bounds, bs, -(-seq_len // bs))
+
+    permuted = config.permuter.name != "none"
+    pools = reason is None and any(leaf.name == "mean_pool" for leaf in leaves)
+    original_means = None
     if probe_args is not None:
-        estimate = _probe_estimate(q, local, summaries.key_block_means, seq_len, probe_args, group)
+        original_means = pooled_keys(None)
+        estimate = _probe_estimate(q, local, original_means, seq_len, probe_args, group)
         if estimate > fallback.max_density:
             reason = (f"the density probe estimates {estimate:.3f}{policy.scope}, above "
                       f"dense_fallback.max_density = {fallback.max_density}")
+    summaries = SequenceSummaries()
+    if reason is None:
+        key_perm = order = None
+        if permuted:
+            order = _key_order(q, k, local, seq_len, config, scale, group, src)
+            gathered, _ = _all_gather_shards(order[..., None], lengths, group)
+            key_perm = Permutation.from_indices(_assemble(gathered, bounds, 1, seq_len)[..., 0])
+        key_means = None
+        if pools:
+            key_means = original_means if original_means is not None and not permuted else pooled_keys(order)
+        line_scores = _line_scores(q, k, local, seq_len, lines.last_rows, scale, group, src) if lines else None
+        summaries = SequenceSummaries(key_block_means=key_means, line_scores=line_scores, key_permutation=key_perm)
     clock.mark("summaries")
 
     # Keys and values of every rank, gathered while this rank plans (on a communicator of their own,
@@ -545,8 +641,9 @@ def context_parallel_attention(
         k: ``(B, Hkv, N_local, D)``, its key shard, ``Hq % Hkv == 0``.
         v: ``(B, Hkv, N_local, Dv)``, its value shard.
         config: a `pbs.PBSConfig`, dict or JSON string, or None for the defaults; the permuter
-            must be ``none`` and the selector ``mean_pool``, ``vertical_slash``, ``budget`` or a
-            ``union`` of them (`SUPPORTED_SELECTORS`).
+            must be ``none`` or ``last_block`` and the selector ``mean_pool``,
+            ``vertical_slash``, ``budget`` or a ``union`` of them (`SUPPORTED_PERMUTERS`,
+            `SUPPORTED_SELECTORS`).
         group: the process group the sequence is split over; None: the default group.
         scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the float32 ``(B, Hq, N_local)`` log-sum-exp.
