@@ -241,7 +241,7 @@ def paged_compile_report(page_sizes: list[int]) -> dict:
     """Compiles, for sm_90 (run by compile_in_subprocess), the paged variants of the attention
     kernel (bf16, D 128, the GPU's 128x128 tiles), the block means and the line scores: their
     registers and spills per page size."""
-    from pbs.kernels import block_means, block_sparse_attn, vertical_slash
+    from pbs.kernels import block_means, block_sparse_attn, hopper_attn, vertical_slash
     from pbs.planning import full_plan, make_layout
     from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
 
@@ -257,23 +257,34 @@ def paged_compile_report(page_sizes: list[int]) -> dict:
             with _compile_only(block_sparse_attn, ["_block_sparse_attn_fwd"], compiled):
                 block_sparse_attn.block_sparse_attention(q, cache, cache, plan.mask, block_table=table,
                                                          config=block_sparse_attn.KernelConfig(128, 128, 8, 3))
-            with _compile_only(block_means, ["_block_means_kernel"], compiled):
-                block_means.block_means(cache, 128, block_table=table, seq_len=1000)
-            with _compile_only(vertical_slash, ["_row_stats", "_row_lines"], compiled):
-                vertical_slash.line_scores(q, cache, make_layout(q, k, pbs.PBSConfig()), 0.1, 64, block_table=table)
+            if page_size < 128:  # one code path for every page size: compiled once
+                with _compile_only(block_means, ["_block_means_kernel"], compiled):
+                    block_means.block_means(cache, 128, block_table=table, seq_len=1000)
+                with _compile_only(vertical_slash, ["_row_stats", "_row_lines"], compiled):
+                    vertical_slash.line_scores(q, cache, make_layout(q, k, pbs.PBSConfig()), 0.1, 64,
+                                               block_table=table)
         report[str(page_size)] = [resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
+        if page_size % hopper_attn.BLOCK_SIZE == 0:
+            call = block_sparse_attn.prepare_call(q, cache, cache, plan.mask, None, None, None, True, None, table)
+            grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132)
+            with sm90_driver():
+                gluon = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
+            report[f"hopper {page_size}"] = [resource_usage(gluon.asm["cubin"], scratch_dir())]
     return report
 
 
 def test_the_paged_kernels_compile_for_sm90_without_spills():
     # The GPU's own code path (the interpreter runs none of it): TMA loads from a page (128) and
-    # row loads through the block table (16), compiled for an H100 with Triton's ptxas.
+    # row loads through the block table (16), compiled for an H100 with Triton's ptxas; and the
+    # Gluon kernel's producer reading pages of 128.
     from tests.sm90_compile import compile_in_subprocess
 
     report = compile_in_subprocess("tests.test_paged:paged_compile_report", page_sizes=[16, 128])
-    for page_size, kernels in report.items():
-        assert len(kernels) == 4
-        assert all(usage["LOCAL"] == 0 for usage in kernels), f"register spills at page_size {page_size}: {kernels}"
+    assert sorted(report) == ["128", "16", "hopper 128"]  # the Gluon kernel takes pages of whole blocks
+    for name, kernels in report.items():
+        assert len(kernels) == {"16": 4, "128": 1, "hopper 128": 1}[name]
+        assert all(usage["LOCAL"] == 0 for usage in kernels), f"register spills ({name}): {kernels}"
+    assert report["hopper 128"][0]["REG"] <= 168  # as the contiguous Gluon kernel (tests/test_hopper_attn.py)
 
 
 def _selection_inputs(q, k, paged_k=None, block=32):
@@ -314,20 +325,26 @@ def test_paged_selection_inputs_gather_the_pages_for_readers_that_cannot_read_th
 
 
 # -- dispatch: which backend can read pages ---------------------------------------------------------
-def test_only_the_triton_and_reference_backends_read_pages():
-    paged = CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, page_size=16)
-    assert any("paged cache" in reason for reason in gluon_kernel_reasons(paged))
-    assert any("paged cache" in reason for reason in flex_reasons(paged))
-    assert not any("page" in reason for reason in triton_kernel_reasons(paged))
-    assert resolve_backend("auto", paged).name == "reference"  # the interpreter is never auto's choice
-    contiguous = CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128)
-    assert not any("page" in reason for reason in gluon_kernel_reasons(contiguous) + flex_reasons(contiguous))
+def test_which_backends_read_pages_is_their_eligibility():
+    def spec(page_size):
+        return CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, page_size=page_size)
+
+    # triton reads any page size, the Gluon kernel pages of whole 128-key blocks, flex none.
+    assert not any("page" in reason for reason in triton_kernel_reasons(spec(16)))
+    assert any("page_size 16 of the paged cache is not a multiple of 128" in r for r in gluon_kernel_reasons(spec(16)))
+    assert not any("page" in reason for reason in gluon_kernel_reasons(spec(256)))
+    assert any("not pages of a paged cache" in reason for reason in flex_reasons(spec(128)))
+    assert not any("page" in reason for reason in gluon_kernel_reasons(spec(None)) + flex_reasons(spec(None)))
+    assert resolve_backend("auto", spec(16)).name == "reference"  # the interpreter is never auto's choice
 
 
-@pytest.mark.parametrize("backend", ["flex", "hopper"])
-def test_a_backend_that_cannot_read_pages_says_so(backend):
+@pytest.mark.parametrize("backend, reason", [
+    ("flex", r"not pages of a paged cache"),
+    ("hopper", r"page_size 16 of the paged cache is not a multiple of 128"),
+])
+def test_a_backend_that_cannot_read_these_pages_says_so(backend, reason):
     arguments = paged_arguments(make_sequences([(20, 20)], dtype=torch.float16), 16)
-    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run this call: .*not pages of a paged cache"):
+    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run this call: .*{reason}"):
         pbs.varlen_attention(**arguments, config={"backend": backend})
 
 
@@ -439,18 +456,38 @@ def test_gpu_paged_equals_contiguous_in_bf16(page_size, preset, monkeypatch):
     assert any(plan.density < 1 for plan in plans if plan is not None)
 
 
+def _gluon_runs_here() -> bool:
+    probe = torch.zeros(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    return not gluon_kernel_reasons(CallSpec.of(probe, 128, 128))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("page_size", [16, 128, 256])
 def test_gpu_auto_runs_paged_calls_on_a_backend_that_reads_pages(page_size, monkeypatch):
+    # auto: the Gluon kernel on Hopper for pages of whole 128-key blocks, else the Triton kernel;
+    # either gives what it gives on the contiguous batch.
     config = pbs.PBSConfig(**NO_FALLBACK)
-    sequences = make_sequences([(4096, 4096), (100, 5000)], heads_q=8, heads_kv=2, head_dim=128,
+    sequences = make_sequences([(4096, 4096), (100, 5000), (129, 1000)], heads_q=8, heads_kv=2, head_dim=128,
                                dtype=torch.bfloat16, seed=22, device="cuda")
     spy = PlanSpy(monkeypatch)
     paged_out = pbs.varlen_attention(**paged_arguments(sequences, page_size), config=config)
     monkeypatch.undo()
-    assert {plan.backend for plan in spy.plans} == {"triton"}
-    out = pbs.varlen_attention(*pack(sequences), config={**config.model_dump(), "backend": "triton"})
+    backend = "hopper" if page_size % 128 == 0 and _gluon_runs_here() else "triton"
+    assert {plan.backend for plan in spy.plans} == {backend}
+    assert not paged_out.isnan().any()  # the last pages' stale NaN rows stay out
+    out = pbs.varlen_attention(*pack(sequences), config={**config.model_dump(), "backend": backend})
     assert torch.equal(paged_out, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [128, 256])
+def test_gpu_gluon_kernel_reads_pages_in_place(page_size, monkeypatch):
+    if not _gluon_runs_here():
+        pytest.skip("the Gluon kernel cannot run on this GPU")
+    config = pbs.PBSConfig(backend="hopper", **NO_FALLBACK)
+    sequences = make_sequences(GPU_LENGTHS, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, seed=24,
+                               device="cuda")
+    check_paged_equals_contiguous(sequences, config, page_size, monkeypatch)
 
 
 @pytest.mark.gpu

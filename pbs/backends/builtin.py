@@ -11,9 +11,9 @@
   chosen by ``auto``), a second, independent implementation to compare against.
 
 ``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
-``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`);
-``reference`` takes them too, gathering the pages into contiguous tensors first (the oracle);
-``hopper`` and ``flex`` give a reason against paged calls, so ``auto`` passes them over. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
+``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`), and so
+does ``hopper`` when the page size is a multiple of 128; ``reference`` takes them too, gathering
+the pages into contiguous tensors first (the oracle); ``flex`` gives a reason against paged calls. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
 imported when they first run, so ``import pbs`` works without Triton.
 """
 
@@ -37,6 +37,17 @@ def _kernel_arguments(call: AttentionCall) -> dict:
     )
 
 
+def _kv_arguments(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` as the kernels take them: the tensors, or the caches of paged ones."""
+    if is_paged(call.k):
+        return call.k.cache, call.v.cache
+    return call.k, call.v
+
+
+def _paged_arguments(call: AttentionCall) -> dict:
+    return {"block_table": call.k.block_table} if is_paged(call.k) else {}
+
+
 def _run_reference(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The eager oracle. Paged keys and values are gathered into contiguous tensors first: a copy
     of the sequence's pages, which the kernels avoid, but the oracle should share no page
@@ -54,10 +65,8 @@ def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     from pbs.kernels.block_sparse_attn import block_sparse_attention
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
-    k, v, paged = call.k, call.v, {}
-    if is_paged(k):
-        k, v, paged = k.cache, v.cache, {"block_table": k.block_table}
-    out = block_sparse_attention(call.q, k, v, call.plan.mask, lse=lse, **_kernel_arguments(call), **paged)
+    out = block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, **_kernel_arguments(call),
+                                 **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 
@@ -65,7 +74,8 @@ def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
-    out = hopper_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, lse=lse, **_kernel_arguments(call))
+    out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse,
+                                        **_kernel_arguments(call), **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 

@@ -60,7 +60,7 @@ def contiguous_only_reasons(spec: CallSpec, kernel: str) -> list[str]:
     if spec.page_size is None:
         return []
     return [f"{kernel} reads contiguous keys and values, not pages of a paged cache (block_table, "
-            f"page_size {spec.page_size}); the triton and reference backends read pages"]
+            f"page_size {spec.page_size}); the triton, hopper and reference backends read pages"]
 
 
 def triton_kernel_reasons(spec: CallSpec) -> list[str]:
@@ -101,13 +101,14 @@ def triton_auto_reasons(spec: CallSpec) -> list[str]:
 
 def gluon_kernel_reasons(spec: CallSpec) -> list[str]:
     """Why the warp-specialized Gluon kernel (`pbs.kernels.hopper_attn`) cannot run ``spec``: it
-    runs on Hopper GPUs, fp16/bf16, head dims 64 or 128 (the same for values), mask block 128."""
+    runs on Hopper GPUs, fp16/bf16, head dims 64 or 128 (the same for values), mask block 128, and
+    reads paged caches whose page size is a multiple of 128."""
     return list(_gluon_kernel_reasons(spec))
 
 
 @functools.lru_cache(maxsize=256)
 def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
-    reasons = contiguous_only_reasons(spec, "the Gluon kernel")
+    reasons = []
     if spec.device.type != "cuda":
         reasons.append(f"inputs are on {spec.device.type}, not CUDA (the Gluon kernel has no interpreter)")
     kernel = _gluon_kernel_module()
@@ -122,6 +123,9 @@ def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
         reasons.append(f"head dims ({spec.head_dim}, {spec.head_dim_v}) are not both one of {dims}")
     if spec.block_size != kernel.BLOCK_SIZE:
         reasons.append(f"mask block {spec.block_size} is not {kernel.BLOCK_SIZE}")
+    if spec.page_size is not None and spec.page_size % kernel.BLOCK_SIZE:
+        reasons.append(f"page_size {spec.page_size} of the paged cache is not a multiple of {kernel.BLOCK_SIZE} "
+                       "(the Gluon kernel loads whole key blocks from one page; the triton backend reads any page size)")
     return tuple(reasons)
 
 
@@ -166,6 +170,6 @@ def gated_dense_reasons(spec: CallSpec) -> list[str]:
     kernel = _gluon_kernel_module()
     if isinstance(kernel, str):
         return [kernel]
-    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE,
-                          page_size=spec.page_size)
-    return gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)
+    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
+    return (gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)
+            + contiguous_only_reasons(spec, "the gated dense path"))

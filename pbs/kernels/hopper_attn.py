@@ -25,6 +25,12 @@ values alike, mask blocks of `BLOCK_SIZE`, compute capability 9.x); the dispatch
 on original positions in the masked tail of each list exactly as in the Triton kernel, which is
 this kernel's differential twin (``tests/test_hopper_attn.py``); where that tail starts is read
 from the mask (``BlockMask.full_counts``, one rule for every backend), not worked out here.
+
+It also reads one sequence's keys and values from a paged cache in place (``block_table``, a
+``page_size`` that is a multiple of the 128-key block): the producer looks up each block's page and
+loads it from the cache viewed as ``(num_pages, Hk, page_size, D)``, the page where the batch was.
+The last block of a sequence that ends inside a page loads its values through a second descriptor
+whose rows end where the sequence ends, so the stale rows after it arrive as zeros.
 """
 
 from __future__ import annotations
@@ -172,8 +178,10 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
-              GATED: gl.constexpr, CAUSAL: gl.constexpr):
-    q_desc, k_desc, v_desc = descs
+              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    q_desc, k_desc, v_desc, v_last_desc = descs
+    table_ptr = ptrs[9]
+    seq_len_k = dims[3]
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
     tile_counter_ptr = ptrs[5]
@@ -203,12 +211,28 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
             start_n = _block_start(p_list, it, DENSE)
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
+            if PAGE_SIZE == 0:
+                kv_b = i_b
+                kv_row = start_n
+            else:
+                # A paged cache, viewed as (num_pages, Hk, page_size, D): the block's page in place
+                # of the batch (pages hold whole blocks).
+                kv_b = gl.load(table_ptr + start_n // PAGE_SIZE)
+                kv_row = start_n % PAGE_SIZE
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [i_b, i_hk, start_n, 0], k_ready.index(slot), k_smem.index(slot))
+            _tma_load(k_desc, [kv_b, i_hk, kv_row, 0], k_ready.index(slot), k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [i_b, i_hk, start_n, 0], v_ready.index(slot), v_smem.index(slot))
+            if PAGE_SIZE == 0:
+                _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
+            elif start_n + BLOCK > seq_len_k:
+                # The last page's rows past the sequence hold stale values, which a zero weight
+                # does not cancel if they are NaN: this descriptor ends the page's rows at the
+                # sequence's end, so TMA fills the rest with zeros.
+                _tma_load(v_last_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
+            else:
+                _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
             kv_i += 1
         t += 1
         rank = gl.atomic_add(tile_counter_ptr, 1)
@@ -220,7 +244,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr):
-    q_desc, k_desc, v_desc = descs
+    q_desc, k_desc, v_desc, _ = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
     qpos_ptr, kpos_ptr, o_ptr = ptrs[2], ptrs[3], ptrs[4]
@@ -351,10 +375,10 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
-               WRITE_LSE: gl.constexpr):
+               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
-        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL)
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                   PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE)
@@ -362,15 +386,15 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
-    q_desc, k_desc, v_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, gate_ptr,
-    lse_ptr,
+    q_desc, k_desc, v_desc, v_last_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
+    tile_counter_ptr, gate_ptr, lse_ptr, table_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
-    DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr,
+    DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -396,10 +420,11 @@ def _hopper_block_sparse_attn_fwd(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
 
-    descs = (q_desc, k_desc, v_desc)
+    descs = (q_desc, k_desc, v_desc, v_last_desc)
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
-    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr)
+    ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr,
+            table_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
                stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
                stride_lb, stride_lh)
@@ -407,11 +432,14 @@ def _hopper_block_sparse_attn_fwd(
     gl.warp_specialize(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
+                          PAGE_SIZE)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
+                          PAGE_SIZE)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE)),
+                          PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
+                          PAGE_SIZE)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -436,7 +464,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, 
                       *(call.kpos.stride() if call.keys_permuted else (0, 0, 0))),
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
-        lse=call.lse,
+        lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k,
     )
 
 
@@ -468,9 +496,22 @@ def dense_launch_arguments(
 
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
-               keys_permuted, queries_permuted, dense, gated, lse=None) -> tuple[tuple, tuple, dict]:
+               keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
+               seq_len_k=None) -> tuple[tuple, tuple, dict]:
+    """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
+    ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
+    ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    page_size = 0
+    v_last = v
+    if block_table is not None:
+        page_size, nk = k.shape[2], seq_len_k
+        if page_size % BLOCK_SIZE:
+            raise ValueError(f"the Gluon kernel reads pages of a multiple of {BLOCK_SIZE} rows, got page_size {page_size}")
+        # The rows of the sequence's last page, on every page: its last block reads its values
+        # through this, the rest of the page reading as zeros (see _producer).
+        v_last = v[:, :, : nk - (nk - 1) // page_size * page_size]
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
     counts, full_counts, indices, qpos, kpos = lists
@@ -478,8 +519,10 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         _nvmma_descriptor(q, HALF_ROWS),
         _nvmma_descriptor(k, BLOCK_SIZE),
         _nvmma_descriptor(v, BLOCK_SIZE),
+        _nvmma_descriptor(v_last, BLOCK_SIZE),
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
         tile_counter if lse is None else lse,  # any pointer will do when unused
+        tile_counter if block_table is None else block_table,
         *list_strides,
         out.stride(0), out.stride(1), out.stride(2),
         *((0, 0) if lse is None else lse.stride()[:2]),
@@ -496,6 +539,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         DENSE=dense,
         GATED=gated,
         WRITE_LSE=lse is not None,
+        PAGE_SIZE=page_size,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
@@ -513,11 +557,12 @@ def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
 def hopper_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
-    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
-    (no tile ``config``; ``lse`` the same optional float32 buffer), same result, on inputs the
-    kernel supports (the caller checks).
+    (no tile ``config``; ``lse`` the same optional float32 buffer; ``block_table`` the same paged
+    cache, of a ``page_size`` that is a multiple of 128), same result, on inputs the kernel
+    supports (the caller checks).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order.
@@ -526,7 +571,7 @@ def hopper_block_sparse_attention(
 
     from pbs.kernels.block_sparse_attn import attach_lse
 
-    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out)
+    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table)
     attach_lse(call, lse)
     launch_hopper(call, sm_count(q.device))
     return call.out

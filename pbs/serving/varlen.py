@@ -51,10 +51,11 @@ def varlen_attention(
     ``block_table[i, t // page_size]``). ``cu_seq_k`` must then be None: the key lengths are
     ``seqused_k`` alone. Each sequence runs what `pbs.attention` runs on its keys gathered into one
     tensor (the same masks and, on the same backend, the same output), but the Triton kernels
-    read the pages in place: the attention kernel, the default selectors' planners (line scores,
-    block means) and the density probe. The backend is one that reads pages (``triton`` on the
-    GPU, ``reference`` anywhere, which gathers them); ``auto`` picks it. Dense fallback runs every
-    allowed block on that backend instead of SDPA. A permuter that reorders keys (``pbs_paper``'s
+    read the pages in place: the attention kernels, the default selectors' planners (line scores,
+    block means) and the density probe. The backend is one that reads pages (``hopper`` for page
+    sizes that are multiples of 128, ``triton`` for any, ``reference`` anywhere, which gathers
+    them); ``auto`` picks it. Dense fallback runs every allowed block on that backend instead of
+    SDPA. A permuter that reorders keys (``pbs_paper``'s
     ``last_block``) makes a permuted copy of K/V in any case; for paged inputs that copy is made
     from the sequence's pages gathered first. The cache's rows outside the sequences are never
     read for their values (their NaNs cannot leak) and are not checked for NaN.
