@@ -10,6 +10,7 @@ import pytest
 
 import pbs
 import pbs.analysis
+import pbs.distributed
 import pbs.integrations.dispatch
 
 FENCE = re.compile(r"```python\n(.*?)^\s*```", re.S | re.M)
@@ -23,6 +24,8 @@ def _documented():
         objects[f"pbs.{name}"] = getattr(pbs, name)
     for name in getattr(pbs.analysis, "__all__", []):
         objects[f"pbs.analysis.{name}"] = getattr(pbs.analysis, name)
+    for name in pbs.distributed.__all__:
+        objects[f"pbs.distributed.{name}"] = getattr(pbs.distributed, name)
     for label, obj in objects.items():
         for i, block in enumerate(FENCE.findall(inspect.getdoc(obj) or "")):
             yield pytest.param(textwrap.dedent(block), id=f"{label}[{i}]")

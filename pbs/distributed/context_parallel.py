@@ -7,13 +7,17 @@ causal), with the selection inputs that read the whole sequence given to the sel
 `pbs.components.SequenceSummaries`, so the chunk's mask is the rows one process would select:
 
 * ``mean_pool`` reads pooled keys of every block: each rank pools its own key blocks and the ranks
-  all-gather them (``B * Hkv * N / block * D`` float32: 8 MiB per layer at 1M tokens for 8 KV
+  all-gather them (``B * Hkv * N / block * D`` float32: 32 MiB per layer at 1M tokens for 8 KV
   heads of 128);
 * ``vertical_slash`` reads the exact softmax of the sequence's last ``last_rows`` queries: the
   rank holding the last chunk broadcasts those rows, every rank scores them against its own
   keys, the row maxima and sums are all-reduced (the softmax spans every key), and the per-key
   (vertical) and per-offset (slash) scores are summed over the ranks in one all-reduce
   (``2 * B * Hq * N`` float32: 256 MiB at 1M tokens and 32 query heads);
+* ``last_block`` (the ``pbs_paper`` preset) sorts keys by the last query block's attention: that
+  block is broadcast, each rank scores its own keys (row maxima and sums all-reduced, since the
+  softmax spans every key) and sorts its own segments, and the ranks all-gather the order
+  (``B * Hk * N`` int64: 256 MiB at 1M tokens in ``per_head`` mode, 64 MiB in ``shared``);
 * the dense policy decides as one process: the length rule reads the whole sequence's length,
   the density probe pools its sampled query blocks on the ranks that hold them (one small
   all-reduce) against the gathered pooled keys, and the planned density is summed over every
