@@ -387,7 +387,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-rotate", choices=["allgather", "alltoall"], default=None,
                         help="torch's rotate method (default: torch's own default)")
-    parser.add_argument("--budget-s", type=float, default=330, help="skip the rows left after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=300, help="skip the rows left after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (4 / 2 heads of 32, fp32), 2048 and 2432 tokens")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -569,9 +569,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     if reason is None:
         for i, (start, end, slot) in enumerate(local):
             q_chunk = q[:, :, slot:slot + end - start]
-            plan, q_perm, _, _ = build_plan(q_chunk, _shape_only(k, end), config, scale,
-                                            _shape_only(v, end, v.shape[-1]), return_lse=return_lse,
-                                            summaries=summaries)
+            # Values only tell the backend choice their head dim; under a key permutation planning
+            # would gather them (and the shape-only keys), so there it sees none (Dv taken as D).
+            v_spec = None if permuted else _shape_only(v, end, v.shape[-1])
+            plan, q_perm, _, _ = build_plan(q_chunk, _shape_only(k, end), config, scale, v_spec,
+                                            return_lse=return_lse, summaries=summaries)
             plans[i], perm_q[i] = plan, q_perm
         total_allowed = float(q.shape[0] * q.shape[1] * _total_allowed(seq_len, config))
         local_allowed = float(sum(p.layout.batch * p.layout.heads_q * p.layout.total_allowed_blocks for p in plans))
