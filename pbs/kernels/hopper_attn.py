@@ -504,7 +504,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     page_size = 0
-    v_last = v
+    v_last = None
     if block_table is not None:
         page_size, nk = k.shape[2], seq_len_k
         if page_size % BLOCK_SIZE:
@@ -515,11 +515,12 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
     counts, full_counts, indices, qpos, kpos = lists
+    v_desc = _nvmma_descriptor(v, BLOCK_SIZE)
     args = (
         _nvmma_descriptor(q, HALF_ROWS),
         _nvmma_descriptor(k, BLOCK_SIZE),
-        _nvmma_descriptor(v, BLOCK_SIZE),
-        _nvmma_descriptor(v_last, BLOCK_SIZE),
+        v_desc,
+        v_desc if v_last is None else _nvmma_descriptor(v_last, BLOCK_SIZE),  # read only when paged
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
         tile_counter if lse is None else lse,  # any pointer will do when unused
         tile_counter if block_table is None else block_table,
