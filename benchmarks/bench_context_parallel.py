@@ -8,6 +8,10 @@ reason pbs gave): the forced-density row is the speed of a sparse prefill.
 
 Methods (``--methods``), all at the same length on the same ranks:
     pbs_defaults    `pbs.distributed.context_parallel_attend` with ``PBSConfig()``
+    pbs_defaults_planned  the defaults with the density rules off (``max_density=None``): the
+                    default selector's distributed planning runs (pooled keys, line scores) and
+                    attention at whatever density it selects on random inputs (near 1); not run
+                    on one GPU
     pbs_budget_0.2  the same at a forced density of 0.2 (``budget`` selector, permuter ``none``:
                     seeded random blocks, no probe); its ``planning`` phase is that random draw,
                     not a real selector's cost, so ``time_without_planning_ms`` is reported too
@@ -64,9 +68,11 @@ SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128)
 SMOKE_SHAPE = dict(heads_q=4, heads_kv=2, head_dim=32)
 CONFIGS: dict[str, dict[str, Any]] = {
     "pbs_defaults": {},
+    "pbs_defaults_planned": {"dense_fallback": {"max_density": None}},
     "pbs_budget_0.2": {"selector": {"name": "budget", "density": 0.2}},
 }
-METHODS = ("pbs_defaults", "pbs_budget_0.2", "torch_ring")
+METHODS = ("pbs_defaults", "pbs_defaults_planned", "pbs_budget_0.2", "torch_ring")
+SINGLE_SKIPS = ("pbs_defaults_planned",)  # not run on one GPU (time)
 LONG = 1 << 20
 _MESH = None  # torch's device mesh, made once
 _RING_WAY: tuple[str, bool] | None = None  # (backend, native GQA) of torch's ring that ran
@@ -297,7 +303,7 @@ def single_gpu_rows(n: int, shape: dict, dtype, device: torch.device, seed: int,
     q, k, v = whole_sequence(n, shape, dtype, device, seed)
     watch = Stopwatch(device.type == "cuda")
     rows = []
-    calls = {name: config for name, config in CONFIGS.items() if name in methods}
+    calls = {name: config for name, config in CONFIGS.items() if name in methods and name not in SINGLE_SKIPS}
     if "torch_ring" in methods:
         calls["sdpa"] = None
     for name, config in calls.items():
@@ -320,7 +326,7 @@ def single_gpu_rows(n: int, shape: dict, dtype, device: torch.device, seed: int,
             rows.append(row)
         except torch.OutOfMemoryError:
             rows.append({"seq_len": n, "method": name, "world": 1, "error": "did not fit (out of memory)"})
-        print(f"  one GPU {n:>8} {name:<16} {rows[-1].get('time_ms') or rows[-1].get('error')}", flush=True)
+        print(f"  one GPU {n:>8} {name:<22} {rows[-1].get('time_ms') or rows[-1].get('error')}", flush=True)
     del q, k, v
     return rows
 
@@ -407,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ranks = Ranks(args.device)
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    if args.smoke:
-        CONFIGS["pbs_defaults"] = {"dense_fallback": {"min_seq_len": 0}}
-        CONFIGS["pbs_budget_0.2"] = {**CONFIGS["pbs_budget_0.2"], "dense_fallback": {"min_seq_len": 0}}
+    if args.smoke:  # plan at the smoke lengths
+        for name, config in CONFIGS.items():
+            CONFIGS[name] = {**config, "dense_fallback": {**config.get("dense_fallback", {}), "min_seq_len": 0}}
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
     ok = False
@@ -477,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(row: dict[str, Any]) -> str:
     if row.get("error"):
-        return f"{row['seq_len']:>8} {row['method']:<16} {row['error']}"
-    text = f"{row['seq_len']:>8} {row['method']:<16} {row['time_ms']:10.1f} ms"
+        return f"{row['seq_len']:>8} {row['method']:<22} {row['error']}"
+    text = f"{row['seq_len']:>8} {row['method']:<22} {row['time_ms']:10.1f} ms"
     if "phases_ms_per_rank" in row:
         ph = row["phases_ms_per_rank"][0]
         path = "dense: " + row["reason"] if row["reason"] else "density {:.3f}".format(row["density"])
@@ -496,30 +502,33 @@ def targets(rows: list[dict[str, Any]], single: list[dict[str, Any]], world: int
     ring = at.get((longest, "torch_ring"), {}).get("time_ms")
     sparse = at.get((longest, "pbs_budget_0.2"), {}).get("time_ms")
     eff = {s["method"]: s["efficiency"] for s in scaling(rows, single, world) if s["seq_len"] == 524288}
-    idle = [r["max_idle_share"] for r in rows if r.get("max_idle_share") is not None]
+    idle: dict[str, float] = {}
+    for r in rows:
+        if r.get("max_idle_share") is not None:
+            idle[r["method"]] = max(idle.get(r["method"], 0.0), r["max_idle_share"])
     return {
         "speedup_vs_torch_ring_at_longest_density_0.2": ring / sparse if ring and sparse else None,
         "longest": longest,
         "efficiency_at_512k": eff or None,
-        "max_idle_share": max(idle) if idle else None,
+        "max_idle_share_per_method": idle or None,
     }
 
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['environment']['device']} x {result['world']} ({result['backend']})")
-    print(f"{'N':>8} {'method':<16} {'ms':>10} {'kv gather ms':>13} {'idle':>6} {'peak GiB':>9}  path")
+    print(f"{'N':>8} {'method':<22} {'ms':>10} {'kv gather ms':>13} {'idle':>6} {'peak GiB':>9}  path")
     for r in result["rows"]:
         if r.get("error"):
-            print(f"{r['seq_len']:>8} {r['method']:<16} {r['error']}")
+            print(f"{r['seq_len']:>8} {r['method']:<22} {r['error']}")
             continue
         idle = f"{r['max_idle_share']:.1%}" if r.get("max_idle_share") is not None else ""
         peak = max((p for p in r["peak_gib_per_rank"] if p is not None), default=None)
         path = ("dense: " + r["reason"]) if r.get("reason") else (f"density {r['density']:.3f}" if r.get("density") else
                                                                   r.get("backend", ""))
-        print(f"{r['seq_len']:>8} {r['method']:<16} {r['time_ms']:10.1f} {r['kv_allgather_ms']:13.1f} {idle:>6} "
+        print(f"{r['seq_len']:>8} {r['method']:<22} {r['time_ms']:10.1f} {r['kv_allgather_ms']:13.1f} {idle:>6} "
               f"{peak if peak is None else round(peak, 1)!s:>9}  {path}")
     for s in result["scaling"]:
-        print(f"scaling {s['seq_len']:>8} {s['method']:<16} one GPU {s['one_gpu_ms']:.1f} ms -> {s['time_ms']:.1f} ms: "
+        print(f"scaling {s['seq_len']:>8} {s['method']:<22} one GPU {s['one_gpu_ms']:.1f} ms -> {s['time_ms']:.1f} ms: "
               f"{s['speedup']:.2f}x, efficiency {s['efficiency']:.1%}")
     print("targets:", result["targets"])
 
