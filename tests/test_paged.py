@@ -20,7 +20,7 @@ from pbs.backends.eligibility import flex_reasons, gluon_kernel_reasons, triton_
 from pbs.components import SelectionInputs
 from pbs.types import PagedTensor
 from tests.helpers import assert_max_abs_error_within_torch
-from tests.test_serving import cumulative, make_sequences, pack
+from tests.test_serving import make_sequences, pack
 
 REFERENCE = {"backend": "reference"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -443,6 +443,20 @@ GPU_LENGTHS = [(1, 1), (129, 129), (5000, 5000), (3000, 9000), (0, 17), (1000, 2
 NO_FALLBACK = {"dense_fallback": {"min_seq_len": 0, "max_density": None, "max_planned_density": None}}
 
 
+def structured_sequences(lengths, seed, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16):
+    """`make_sequences` with the structured workload of `pbs.testing.make_qkv` (heavy hitters,
+    slashes, local windows), on which the default selector is sparse (on random inputs its lines
+    keep a key in every block); sequences without queries come from `make_sequences`."""
+    sequences = []
+    for i, (len_q, len_k) in enumerate(lengths):
+        if len_q == 0:
+            sequences += make_sequences([(0, len_k)], heads_q, heads_kv, head_dim, dtype, seed + i, "cuda")
+        else:
+            sequences.append(pbs.testing.make_qkv(heads_q=heads_q, heads_kv=heads_kv, seq_len=len_k, seq_len_q=len_q,
+                                                  head_dim=head_dim, dtype=dtype, device="cuda", seed=seed + i))
+    return sequences
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("preset", ["vertical_slash_pooled", "pbs_paper"])
@@ -450,8 +464,7 @@ def test_gpu_paged_equals_contiguous_in_bf16(page_size, preset, monkeypatch):
     # The Triton planners read the pages in place on the GPU (line scores, block means), so the
     # masks must still be the contiguous ones, and the kernel's output too.
     config = pbs.PBSConfig.from_preset(preset, backend="triton", **NO_FALLBACK)
-    sequences = make_sequences(GPU_LENGTHS, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, seed=21,
-                               device="cuda")
+    sequences = structured_sequences(GPU_LENGTHS, seed=21)
     # The masks must be equal; the outputs within rounding (pages of 16 are read through pointers,
     # which the compiler may stage differently from the contiguous tiles' TMA loads).
     plans = check_paged_equals_contiguous(sequences, config, page_size, monkeypatch, exact=False)
@@ -469,8 +482,7 @@ def test_gpu_auto_runs_paged_calls_on_a_backend_that_reads_pages(page_size, monk
     # auto: the Gluon kernel on Hopper for pages of whole 128-key blocks, else the Triton kernel;
     # either gives what it gives on the contiguous batch.
     config = pbs.PBSConfig(**NO_FALLBACK)
-    sequences = make_sequences([(4096, 4096), (100, 5000), (129, 1000)], heads_q=8, heads_kv=2, head_dim=128,
-                               dtype=torch.bfloat16, seed=22, device="cuda")
+    sequences = structured_sequences([(4096, 4096), (100, 5000), (129, 1000)], seed=22)
     spy = PlanSpy(monkeypatch)
     paged_out = pbs.varlen_attention(**paged_arguments(sequences, page_size), config=config)
     monkeypatch.undo()
@@ -487,8 +499,7 @@ def test_gpu_gluon_kernel_reads_pages_in_place(page_size, monkeypatch):
     if not _gluon_runs_here():
         pytest.skip("the Gluon kernel cannot run on this GPU")
     config = pbs.PBSConfig(backend="hopper", **NO_FALLBACK)
-    sequences = make_sequences(GPU_LENGTHS, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, seed=24,
-                               device="cuda")
+    sequences = structured_sequences(GPU_LENGTHS, seed=24)
     check_paged_equals_contiguous(sequences, config, page_size, monkeypatch, exact=False)
 
 
@@ -496,8 +507,7 @@ def test_gpu_gluon_kernel_reads_pages_in_place(page_size, monkeypatch):
 def test_gpu_paged_defaults_with_the_dense_fallback_stay_close_to_contiguous():
     # Defaults: short sequences run dense (every block on the Triton kernel for pages, cuDNN SDPA
     # contiguous), long ones are probed and planned from the pages.
-    sequences = make_sequences([(1, 1), (2000, 2000), (300, 40000)], heads_q=8, heads_kv=2, head_dim=128,
-                               dtype=torch.bfloat16, seed=23, device="cuda")
+    sequences = structured_sequences([(1, 1), (2000, 2000), (300, 40000)], seed=23)
     out = pbs.varlen_attention(*pack(sequences))
     paged_out = pbs.varlen_attention(**paged_arguments(sequences, 64))
     torch.testing.assert_close(paged_out, out, atol=2e-2, rtol=2e-2)
