@@ -48,6 +48,14 @@ CASES = {
 }
 
 
+# The triton backend in the Triton interpreter (2 ranks): small blocks and segments keep it quick.
+INTERPRETER_LEN = 4 * 128 + 3 * 64 + 40
+_SMALL = {"backend": "triton", "block_size": 32, "segment_size": 64, "dense_fallback": SPARSE,
+          "selector": {"name": "union", "selectors": [{"name": "vertical_slash", "threshold": 0.75, "last_rows": 16},
+                                                      {"name": "mean_pool", "threshold": 0.9}]}}
+INTERPRETER_CASES = {"defaults": _SMALL, "last_block": {**_SMALL, "permuter": "last_block", "gqa": "per_head"}}
+
+
 def inputs(world: int):
     import pbs
 
@@ -77,6 +85,16 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
                 "orders": [None if p is None else p.key_permutation.indices for p in res.plans],
             }
         results["errors"] = error_cases(q, k, v, rank, world)
+        if world == 2 and os.environ.get("TRITON_INTERPRET") == "1":
+            import pbs
+
+            whole = pbs.testing.make_qkv(seq_len=INTERPRETER_LEN, seed=2, **SHAPE)
+            results["interpreter"] = {}
+            for name, config in INTERPRETER_CASES.items():
+                shards = (cp.shard_sequence(x, rank, world, segment_size=config["segment_size"]) for x in whole)
+                res = cp.context_parallel_attend(*shards, config)
+                results["interpreter"][name] = {"out": res.out, "chunks": res.chunks,
+                                                "masks": [p.mask.to_dense() for p in res.plans]}
         torch.save(results, workdir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -238,38 +256,29 @@ def test_shard_helpers_round_trip_and_balance():
         unshard_sequence([x[:, :, :1024], x[:, :, :1000]])
 
 
-def test_triton_planners_plan_a_chunk_from_the_summaries():
-    """The GPU planners (here in the Triton interpreter) read `SequenceSummaries` as the reference
-    selectors do: a chunk planned from the whole sequence's pooled keys and line scores (the
-    kernels' own, so equal values) selects the whole sequence's rows, with no keys in hand."""
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (CPU runs)")
+def test_triton_backend_in_the_interpreter_equals_one_process(cp_run):
+    """The GPU path on the CPU: the triton planners read the summaries (the union's fused lines,
+    mean_pool's pooled keys, a last_block order) and the Triton kernel runs each chunk against
+    the gathered prefix (``Nq < Nk``, strided keys)."""
     import pbs
-    from pbs.backends import planner_for
-    from pbs.components import SelectionInputs, SequenceSummaries
-    from pbs.kernels.block_means import block_means
-    from pbs.kernels.vertical_slash import line_scores
-    from pbs.planning import make_layout
+    from pbs.distributed import unshard_sequence
+    from pbs.dense import DensePolicy
 
-    n, bs, scale = 384, 32, 32**-0.5
-    q, k, _ = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=n, head_dim=32, seed=1)
-    config = pbs.PBSConfig(permuter="none", block_size=bs, segment_size=64, backend="reference", selector={
-        "name": "union", "selectors": [{"name": "vertical_slash", "threshold": 0.6, "last_rows": 16},
-                                       {"name": "mean_pool", "threshold": 0.8}]})
-
-    def inputs(queries, keys, summaries=None):
-        layout = make_layout(queries, keys, config)
-        positions = torch.arange(layout.seq_len_q).expand(1, 4, -1) + layout.query_offset
-        return SelectionInputs(q=queries, k=None, source_k=keys, layout=layout, query_positions=positions,
-                               key_positions=torch.arange(layout.seq_len_k).expand(1, 2, -1), scale=scale,
-                               key_permutation=pbs.Permutation.identity(1, 2, layout.seq_len_k), summaries=summaries)
-
-    fast = planner_for("selector", "union", "triton")
-    whole = fast(config.selector, inputs(q, k)).to_dense()
-    summaries = SequenceSummaries(key_block_means=block_means(k, bs),
-                                  line_scores=line_scores(q, k, make_layout(q, k, config), scale, 16))
-    for start, end in ((64, 192), (192, n)):
-        no_keys = torch.zeros(()).expand(1, 2, end, 32)  # planning must not read them
-        got = fast(config.selector, inputs(q[:, :, start:end], no_keys, summaries)).to_dense()
-        assert torch.equal(got, whole[:, :, start // bs: -(-end // bs), : -(-end // bs)])
+    world, ranks = cp_run
+    if world != 2:
+        pytest.skip("run on 2 ranks only (the interpreter is slow)")
+    q, k, v = pbs.testing.make_qkv(seq_len=INTERPRETER_LEN, seed=2, **SHAPE)
+    for name, config in INTERPRETER_CASES.items():
+        config = pbs.PBSConfig.coerce(config)
+        attended = pbs.api.attend(q, k, v, DensePolicy(config))
+        assert attended.plan is not None and attended.plan.backend == "triton"
+        out = unshard_sequence([r["interpreter"][name]["out"] for r in ranks], segment_size=config.segment_size)
+        torch.testing.assert_close(out, attended.out, rtol=2e-5, atol=2e-5)
+        whole, bs = attended.plan.mask.to_dense(), config.block_size
+        for result in ranks:
+            for (start, end), mask in zip(result["interpreter"][name]["chunks"], result["interpreter"][name]["masks"]):
+                assert torch.equal(mask, whole[:, :, start // bs: -(-end // bs), : mask.shape[-1]]), name
 
 
 def test_uninitialised_group_is_named():
