@@ -109,6 +109,7 @@ def error_cases(q, k, v, rank: int, world: int) -> dict[str, str]:
         # every rank drops a different number of tokens: the split is no longer the zigzag one
         "not_zigzag": lambda: cp.context_parallel_attention(q[:, :, rank:], k[:, :, rank:], v[:, :, rank:]),
         "heads": lambda: cp.context_parallel_attention(q[:, : 2 + 2 * (rank % 2)], k, v),
+        "too_short": lambda: cp.context_parallel_attention(q[:, :, :300], k[:, :, :300], v[:, :, :300]),
     }
     for name, call in calls.items():
         try:
@@ -238,6 +239,7 @@ def test_errors_name_the_problem(cp_run):
         assert "selector 'antidiagonal'" in errors["unsupported"] and "mean_pool" in errors["unsupported"]
         assert "zigzag split" in errors["not_zigzag"] and "shard_sequence" in errors["not_zigzag"]
         assert "same B, Hq, Hkv" in errors["heads"]
+        assert f"too short to split over {world} ranks" in errors["too_short"]
 
 
 def test_shard_helpers_round_trip_and_balance():
