@@ -44,7 +44,7 @@ from pbs.permuters._segments import scoring_queries, sort_within_segments
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.distributed.sharding import chunk_bounds
-from pbs.planning import build_plan, permute_keys_and_values, run_planned
+from pbs.planning import build_plan, full_plan, permute_keys_and_values, run_planned
 from pbs.reference.block_means import block_means as block_means_eager
 from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
 from pbs.reference.logits import grouped_logits
@@ -595,7 +595,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
         k_prefix, v_prefix = k_all[:, :, :end], v_all[:, :, :end]
         plan = plans[i]
         if reason is not None:
-            out, lse = policy.dense(q[:, :, slot:slot + end - start], k_prefix, v_prefix, scale)
+            out, lse = _dense_chunk(policy, q[:, :, slot:slot + end - start], k_prefix, v_prefix, scale, return_lse)
         else:
             k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k_prefix, v_prefix)
             result = run_planned(plan, perm_q[i], k_perm, v_perm, q.dtype, scale, return_lse=return_lse)
@@ -606,6 +606,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     lse = torch.cat(lses, dim=2) if return_lse else None
     clock.mark("attention")
     return ContextParallelResult(out, lse, (plans[0], plans[1]), reason, seq_len, chunks, clock.read())
+
+
+def _dense_chunk(policy: DensePolicy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dense attention of one chunk, ``(out, lse)``.
+
+    The first chunk (``Nq == Nk``) takes the policy's dense attention (SDPA, cuDNN first). A later
+    chunk needs bottom-right causal alignment, which SDPA runs with FlashAttention-2 (torch's
+    ``causal_lower_right`` takes the flash kernel, not cuDNN): every allowed block on pbs's own
+    kernel runs instead, 0.97-1.0x cuDNN's time on an H100 at density 1
+    (benchmarks/results/kernel/h100_bench_kernel_hopper.json).
+    """
+    if q.shape[2] == k.shape[2]:
+        return policy.dense(q, k, v, scale)
+    plan = full_plan(q, k, policy.config, v.shape[-1], return_lse=return_lse)
+    result = run_planned(plan, q, k, v, q.dtype, scale, return_lse=return_lse)
+    return result if return_lse else (result, None)
 
 
 def _total_allowed(seq_len: int, config: PBSConfig) -> int:
