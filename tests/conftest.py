@@ -34,3 +34,15 @@ def _return_gpu_memory_after_each_gpu_test(request):
 
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def checked_addresses():
+    """Within the test, every Triton launch in the interpreter fails with `OutOfBoundsAccess` on a
+    load, store or atomic outside the storages of its tensors (``tests/interpreter_bounds.py``; a
+    no-op on the GPU). A module turns it on for all its tests with
+    ``pytestmark = pytest.mark.usefixtures("checked_addresses")``."""
+    from tests.interpreter_bounds import checked_addresses as check
+
+    with check():
+        yield
