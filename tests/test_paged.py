@@ -215,6 +215,44 @@ def test_block_means_and_line_scores_read_pages_in_place(page_size, seq_len, seq
     assert torch.equal(paged, line_scores(q, k, layout, 32**-0.5, 64))
 
 
+# -- addresses: no kernel touches memory outside its tensors (tests/interpreter_bounds.py) --------
+@pytest.mark.parametrize("page_size", [None, 16, 64, 128])  # contiguous; rows through pointers; tiles in a page
+def test_the_attention_kernel_reads_in_bounds_even_ahead_of_its_pipelined_loops(page_size):
+    # The GPU fault of test_gpu_paged_equals_contiguous_in_bf16 on an H100 ("an illegal memory
+    # access"): the kernel reads its block lists and the block table with inline PTX (unmasked),
+    # and the software pipeliner runs those reads num_stages - 1 steps past each loop's end, where
+    # the list entry is a -1 pad (table read before the table) or, after the lists' last row, past
+    # the tensor (whatever follows: a page index anywhere). pipelined_loops replays those steps.
+    from pbs.kernels import block_sparse_attn
+    from pbs.kernels.block_sparse_attn import block_sparse_attention
+    from pbs.planning import full_plan
+    from tests.interpreter_bounds import checked_addresses, pipelined_loops
+
+    for len_q, len_k in [(1, 1), (129, 129), (40, 200)]:
+        q, k, v = pbs.testing.make_qkv(heads_q=4, heads_kv=2, seq_len=len_k, seq_len_q=len_q, head_dim=16,
+                                       dtype=torch.float32, seed=len_k)
+        # Every visible block: the last query block lists all Tk blocks, the earlier ones end in pads.
+        mask = full_plan(q, k, pbs.PBSConfig(backend="triton"), 128).mask
+        if page_size is not None:
+            (k, table), (v, _) = (_one_sequence_in_pages(x, page_size) for x in (k, v))
+        with checked_addresses(), pipelined_loops(block_sparse_attn, stages=3):
+            block_sparse_attention(q, k, v, mask, block_table=None if page_size is None else table)
+
+
+@pytest.mark.parametrize("preset,page_size", [("vertical_slash_pooled", 16), ("pbs_paper", 128)])
+def test_the_gpu_paged_test_stays_in_bounds_in_the_interpreter(preset, page_size, monkeypatch, checked_addresses):
+    # test_gpu_paged_equals_contiguous_in_bf16 on the CPU: the Triton planners (line scores, block
+    # means, block sets, threshold selection, last_block) and the attention kernel, contiguous and
+    # paged, on the GPU test's short and odd lengths, every address checked.
+    monkeypatch.setattr("pbs.planning.planning_family", lambda backend, device: backend.plans_with)
+    config = pbs.PBSConfig.from_preset(preset, backend="triton", **NO_FALLBACK)
+    lengths = [(1, 1), (129, 129), (0, 17), (100, 1000)]
+    sequences = structured_sequences(lengths, seed=21, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.float16,
+                                     device="cpu")
+    plans = check_paged_equals_contiguous(sequences, config, page_size, monkeypatch)
+    assert any(plan.density < 1 for plan in plans if plan is not None)
+
+
 @contextlib.contextmanager
 def _compile_only(module, names, compiled):
     """Within the block, a launch of ``module``'s kernels ``names`` compiles them (``warmup``) and
@@ -443,17 +481,17 @@ GPU_LENGTHS = [(1, 1), (129, 129), (5000, 5000), (3000, 9000), (0, 17), (1000, 2
 NO_FALLBACK = {"dense_fallback": {"min_seq_len": 0, "max_density": None, "max_planned_density": None}}
 
 
-def structured_sequences(lengths, seed, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16):
+def structured_sequences(lengths, seed, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, device="cuda"):
     """`make_sequences` with the structured workload of `pbs.testing.make_qkv` (heavy hitters,
     slashes, local windows), on which the default selector is sparse (on random inputs its lines
     keep a key in every block); sequences without queries come from `make_sequences`."""
     sequences = []
     for i, (len_q, len_k) in enumerate(lengths):
         if len_q == 0:
-            sequences += make_sequences([(0, len_k)], heads_q, heads_kv, head_dim, dtype, seed + i, "cuda")
+            sequences += make_sequences([(0, len_k)], heads_q, heads_kv, head_dim, dtype, seed + i, device)
         else:
             sequences.append(pbs.testing.make_qkv(heads_q=heads_q, heads_kv=heads_kv, seq_len=len_k, seq_len_q=len_q,
-                                                  head_dim=head_dim, dtype=dtype, device="cuda", seed=seed + i))
+                                                  head_dim=head_dim, dtype=dtype, device=device, seed=seed + i))
     return sequences
 
 

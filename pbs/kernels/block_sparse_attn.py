@@ -71,6 +71,12 @@ def _load_block_index(p_entry, PLAIN_LOAD: tl.constexpr):
     the software pipeliner turns a plain ``tl.load`` in the loop into an async copy through shared
     memory, which adds a CTA barrier per step and takes the shared memory of a third K/V stage.
     The interpreter has no inline PTX, so it gets the plain load.
+
+    The PTX load has no mask, and the pipeliner does not predicate it either (it is pure): a
+    pipelined loop runs it for ``num_stages - 1`` steps past its last one (and from its first step
+    when it has none), at the address those steps make. Every caller therefore passes an address
+    that is in bounds for *any* loop counter (`_list_entry`, and the clamped slots of
+    `_load_kv_tile`), not only for the steps the loop really runs.
     """
     if PLAIN_LOAD:
         return tl.load(p_entry)
@@ -91,20 +97,43 @@ def _load_kv_tile(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, strid
     0). Table entries are read like the block lists (`_load_block_index`: no async copy in the
     pipelined loop), at slots clamped to the last key: a tile that starts past the end (a mask
     block's second sub-tile) reads the last page again, and the caller masks its rows.
+
+    The slots are clamped to ``[0, seq_len_k - 1]`` before they index the table (and, for small
+    pages, before they pick the row), so that every lane's address lies in one of the sequence's
+    own pages whatever ``start_n`` is: the table read is unmasked inline PTX that a pipelined loop
+    also runs ahead of its real steps (`_load_block_index`), where ``start_n`` comes from a list
+    entry past the list (a ``-1`` pad) or from whatever followed the list in memory.
     """
     if PAGE_SIZE == 0:
         b_x = desc.load([i_b, i_hk, start_n, 0]).reshape(ROWS, COLS)
     elif PAGE_SIZE % ROWS == 0:
-        page = _load_block_index(table_ptr + tl.minimum(start_n, seq_len_k - 1) // PAGE_SIZE, INTERPRET)
+        slot = tl.maximum(tl.minimum(start_n, seq_len_k - 1), 0)
+        page = _load_block_index(table_ptr + slot // PAGE_SIZE, INTERPRET)
         b_x = desc.load([page, i_hk, start_n % PAGE_SIZE, 0]).reshape(ROWS, COLS)
     else:
         o_r = start_n + tl.arange(0, ROWS)
         o_d = tl.arange(0, COLS)
         m_r = o_r < seq_len_k
-        page = _load_block_index(table_ptr + tl.minimum(o_r, seq_len_k - 1) // PAGE_SIZE, INTERPRET)
-        p_rows = p_cache + page.to(tl.int64) * stride_p + i_hk.to(tl.int64) * stride_h + (o_r % PAGE_SIZE) * stride_n
+        slot = tl.maximum(tl.minimum(o_r, seq_len_k - 1), 0)  # == o_r on every row that is loaded
+        page = _load_block_index(table_ptr + slot // PAGE_SIZE, INTERPRET)
+        p_rows = p_cache + page.to(tl.int64) * stride_p + i_hk.to(tl.int64) * stride_h + (slot % PAGE_SIZE) * stride_n
         b_x = tl.load(p_rows[:, None] + o_d[None, :], mask=m_r[:, None] & (o_d < dim)[None, :], other=0.0)
     return b_x
+
+
+@triton.jit
+def _list_entry(p_list, it, count, SUB_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """The key block of step ``it`` of a tile's walk over its ``count`` listed blocks (``SUB_N``
+    steps per block).
+
+    The entry index is clamped to ``[0, count - 1]`` (entry 0 for an empty list; every row has
+    ``Tk >= 1`` entries): a no-op on the loop's own steps, but the read is unmasked inline PTX that a
+    pipelined loop also runs for the steps after its last (`_load_block_index`), which would read
+    the row's ``-1`` pads or, after the tensor's last row, past its end. Clamped, they read a
+    listed block again, whose loads the pipeliner predicates off.
+    """
+    entry = tl.maximum(tl.minimum(it // SUB_N, count - 1), 0)
+    return _load_block_index(p_list + entry, INTERPRET)
 
 
 @triton.jit
@@ -217,7 +246,7 @@ def _block_sparse_attn_fwd(
 
     # Off-diagonal blocks: no mask at all.
     for it in range(0, n_unmasked * SUB_N):
-        j = _load_block_index(p_list + it // SUB_N, INTERPRET)
+        j = _list_entry(p_list, it, count, SUB_N, INTERPRET)
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
                             stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
@@ -231,7 +260,7 @@ def _block_sparse_attn_fwd(
         if KEYS_PERMUTED:
             p_kpos_head = kpos_ptr + i_b.to(tl.int64) * stride_kpb + i_hk.to(tl.int64) * stride_kph
         for it in range(n_unmasked * SUB_N, count * SUB_N):
-            j = _load_block_index(p_list + it // SUB_N, INTERPRET)
+            j = _list_entry(p_list, it, count, SUB_N, INTERPRET)
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
                                 stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)

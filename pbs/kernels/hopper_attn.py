@@ -216,8 +216,11 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
                 kv_row = start_n
             else:
                 # A paged cache, viewed as (num_pages, Hk, page_size, D): the block's page in place
-                # of the batch (pages hold whole blocks).
-                kv_b = gl.load(table_ptr + start_n // PAGE_SIZE)
+                # of the batch (pages hold whole blocks). The key is clamped to the sequence's
+                # keys, so that the table is read only at the sequence's own (checked) pages even
+                # for an entry past the list's blocks: a -1 pad, or a block past seq_len_k.
+                key = gl.maximum(gl.minimum(start_n, seq_len_k - 1), 0)
+                kv_b = gl.load(table_ptr + key // PAGE_SIZE)
                 kv_row = start_n % PAGE_SIZE
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
