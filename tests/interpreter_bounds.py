@@ -163,6 +163,7 @@ def checked_addresses() -> Iterator[None]:
     real_init, real_call = executor._init_args_hst, executor.__call__
     real_ops = {name: getattr(builder, name) for name in
                 ("create_load", "create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas")}
+    patched_before = {name: builder.__dict__[name] for name in real_ops if name in builder.__dict__}  # nested use
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = real_init(self, args_dev, kwargs)
@@ -219,7 +220,10 @@ def checked_addresses() -> Iterator[None]:
     finally:
         executor._init_args_hst, executor.__call__ = real_init, real_call
         for name in real_ops:
-            delattr(builder, name)  # back to the class's methods
+            if name in patched_before:
+                setattr(builder, name, patched_before[name])
+            else:
+                delattr(builder, name)  # back to the class's methods
 
 
 def _fill(ptrs, other):

@@ -13,6 +13,9 @@ from tests.planning_helpers import (
     case_config,
 )
 
+# Every interpreted launch here has its addresses checked (tests/interpreter_bounds.py).
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
 
 # -- block means-------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

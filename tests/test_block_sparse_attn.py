@@ -33,6 +33,9 @@ from pbs.testing import assert_close_to_reference, make_qkv
 from pbs.types import BlockMask, Plan
 from tests.helpers import assert_max_abs_error_within_torch, assert_plan_output_within_torch
 
+# Every interpreted launch here has its addresses checked (tests/interpreter_bounds.py).
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

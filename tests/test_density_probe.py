@@ -12,6 +12,9 @@ import torch
 import pbs
 from pbs.reference.density_probe import probe_density, sampled_query_blocks
 
+# Every interpreted launch here has its addresses checked (tests/interpreter_bounds.py).
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
 
 def test_sampled_blocks_are_evenly_spaced_distinct_and_end_at_the_last():
     for tq in (1, 2, 5, 17, 128):

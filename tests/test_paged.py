@@ -22,6 +22,9 @@ from pbs.types import PagedTensor
 from tests.helpers import assert_max_abs_error_within_torch
 from tests.test_serving import make_sequences, pack
 
+# Every interpreted launch here has its addresses checked (tests/interpreter_bounds.py).
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
 REFERENCE = {"backend": "reference"}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Lengths around the default block of 128 and a chunk after a cached prefix (len_q < len_k).
@@ -240,10 +243,10 @@ def test_the_attention_kernel_reads_in_bounds_even_ahead_of_its_pipelined_loops(
 
 
 @pytest.mark.parametrize("preset,page_size", [("vertical_slash_pooled", 16), ("pbs_paper", 128)])
-def test_the_gpu_paged_test_stays_in_bounds_in_the_interpreter(preset, page_size, monkeypatch, checked_addresses):
+def test_the_gpu_paged_test_stays_in_bounds_in_the_interpreter(preset, page_size, monkeypatch):
     # test_gpu_paged_equals_contiguous_in_bf16 on the CPU: the Triton planners (line scores, block
     # means, block sets, threshold selection, last_block) and the attention kernel, contiguous and
-    # paged, on the GPU test's short and odd lengths, every address checked.
+    # paged, on the GPU test's short and odd lengths, every address checked (pytestmark).
     monkeypatch.setattr("pbs.planning.planning_family", lambda backend, device: backend.plans_with)
     config = pbs.PBSConfig.from_preset(preset, backend="triton", **NO_FALLBACK)
     lengths = [(1, 1), (129, 129), (0, 17), (100, 1000)]

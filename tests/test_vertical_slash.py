@@ -17,6 +17,9 @@ from pbs.selectors.vertical_slash import (
 from pbs.reference.threshold_select import cumsum_long_rows, select_by_cumulative_threshold
 from tests.helpers import small_config
 
+# Every interpreted launch here has its addresses checked (tests/interpreter_bounds.py).
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
 
 def test_scores_split_a_fixed_key_from_a_fixed_offset():
     nk, rows = 100, 4
