@@ -326,6 +326,7 @@ def test_the_paged_kernels_compile_for_sm90_without_spills():
         assert len(kernels) == {"16": 4, "128": 1, "hopper 128": 1}[name]
         assert all(usage["LOCAL"] == 0 for usage in kernels), f"register spills ({name}): {kernels}"
     assert report["hopper 128"][0]["REG"] <= 168  # as the contiguous Gluon kernel (tests/test_hopper_attn.py)
+    assert report["hopper 128"][0]["STACK"] == 0  # the producer's 24 registers hold the page lookup
 
 
 def _selection_inputs(q, k, paged_k=None, block=32):

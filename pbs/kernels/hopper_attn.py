@@ -216,10 +216,12 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
                 kv_row = start_n
             else:
                 # A paged cache, viewed as (num_pages, Hk, page_size, D): the block's page in place
-                # of the batch (pages hold whole blocks). The key is clamped to the sequence's
-                # keys, so that the table is read only at the sequence's own (checked) pages even
-                # for an entry past the list's blocks: a -1 pad, or a block past seq_len_k.
-                key = gl.maximum(gl.minimum(start_n, seq_len_k - 1), 0)
+                # of the batch (pages hold whole blocks). The table is read at the block's first
+                # key clamped to the sequence's last, so only at the sequence's own (checked) pages
+                # whatever the entry: a block past seq_len_k reads the last page, and a -1 pad,
+                # huge as unsigned, too (one unsigned min: a signed two-sided clamp cost the
+                # 24-register producer 24 bytes of stack).
+                key = gl.minimum(start_n.to(gl.uint32, bitcast=True), (seq_len_k - 1).to(gl.uint32, bitcast=True))
                 kv_b = gl.load(table_ptr + key // PAGE_SIZE)
                 kv_row = start_n % PAGE_SIZE
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
