@@ -12,11 +12,12 @@ fails with `OutOfBoundsAccess`, which names the kernel, the program, the operati
 offending address as an element offset from the nearest argument.
 
 Masked-off lanes are not checked: on the GPU they form addresses but never touch memory. Two
-kinds of read touch memory for every lane, mask or not, and are checked by construction:
+kinds of access are checked through what the interpreter runs in their place:
 
-* inline-PTX loads (``tl.inline_asm_elementwise("ld.global.nc ...")``): the interpreter cannot run
-  them, so the kernels take a plain unmasked ``tl.load`` of the same addresses under
-  ``INTERPRET`` (`pbs.kernels.block_sparse_attn._load_block_index`), and every lane is checked;
+* inline-PTX loads (``tl.inline_asm_elementwise("ld.global.nc ...")``), which read every lane,
+  mask or not: the interpreter cannot run them, so the kernels take a plain unmasked ``tl.load``
+  of the same addresses under ``INTERPRET`` (`pbs.kernels.block_sparse_attn._load_block_index`),
+  and every lane is checked;
 * tensor-descriptor loads and stores (TMA): the interpreter masks the elements outside the
   descriptor's shape (TMA fills them with zeros), and the elements inside must lie in a tensor,
   so a descriptor whose shape runs past its tensor's storage is caught on its first load.
@@ -41,8 +42,9 @@ Usage, as a context manager or through the fixture of the same name in ``tests/c
     with checked_addresses(), pipelined_loops(pbs.kernels.block_sparse_attn, stages=3):
         block_sparse_attention(...)  # also the reads the GPU's pipelined loops make ahead
 
-The check costs a sort and a binary search per load (a few percent of the interpreter's time).
-Outside the interpreter (a GPU run) it does nothing.
+The check costs a binary search per load (no measurable time in the kernel tests, which run
+under it: ``pytestmark = pytest.mark.usefixtures("checked_addresses")``). Outside the
+interpreter (a GPU run) it does nothing.
 """
 
 from __future__ import annotations
