@@ -93,21 +93,10 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_tensor_
 
 import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import LLAMA3_ROPE, LLAMA_8B_SHAPE, build_llama, environment, llama_config, save  # noqa: E402
 from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
-MODEL_SHAPE = dict(
-    num_hidden_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=14336,
-    vocab_size=128256,
-    max_position_embeddings=262144,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+MODEL_SHAPE = LLAMA_8B_SHAPE
 SMOKE_SHAPE = dict(
     num_hidden_layers=2,
     hidden_size=256,
@@ -120,9 +109,7 @@ SMOKE_SHAPE = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
-# Llama 3.1's RoPE (speed does not depend on it; the shapes are the point)
-ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE = LLAMA3_ROPE
 # attention methods: None is transformers' SDPA, a dict the PBSConfig registered for "pbs"
 METHODS: dict[str, dict[str, Any] | None] = {
     "sdpa": None,
@@ -224,32 +211,7 @@ class CollectLogs(logging.Handler):
 # Model
 
 
-def llama_config(shape: dict[str, Any]):
-    import inspect
-
-    from transformers import LlamaConfig
-
-    kwargs = dict(shape)
-    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5.x
-        kwargs["rope_parameters"] = dict(ROPE)
-    else:
-        kwargs.update(rope_theta=ROPE["rope_theta"], rope_scaling={k: v for k, v in ROPE.items() if k != "rope_theta"})
-    return LlamaConfig(**kwargs)
-
-
-def build_model(config, device: torch.device, seed: int):
-    """The whole model, random bf16 weights from ``seed``, created on ``device`` (no CPU copy)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()  # no .to(dtype): it would cast the fp32 rotary frequencies too
+build_model = build_llama
 
 
 @torch.no_grad()

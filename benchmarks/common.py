@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: CUDA timing, the cuDNN dense baseline, and saving results.
+"""What the benchmark scripts share: CUDA timing, the cuDNN dense baseline, saving results, and the
+Llama-3.1-8B-shaped model with random weights of the multi-GPU benchmarks.
 
 Every result file goes through :func:`save`, which records where the numbers came from: the
 command line, the git revision (and whether the working tree had uncommitted changes) and the
@@ -153,3 +154,53 @@ def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     print(f"{what} -> {path}")
+
+
+# --------------------------------------------------------------------------------------------
+# A Llama-3.1-8B-shaped model with random weights (bench_tensor_parallel.py, bench_cp_ttft.py)
+
+LLAMA_8B_SHAPE = dict(
+    num_hidden_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+# Llama 3.1's RoPE (speed does not depend on it; the shapes are the point)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama_config(shape: dict[str, Any]):
+    """A ``LlamaConfig`` of ``shape`` (e.g. `LLAMA_8B_SHAPE`) with `LLAMA3_ROPE`, for transformers 4.x and 5.x."""
+    import inspect
+
+    from transformers import LlamaConfig
+
+    kwargs = dict(shape)
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5.x
+        kwargs["rope_parameters"] = dict(LLAMA3_ROPE)
+    else:
+        kwargs.update(rope_theta=LLAMA3_ROPE["rope_theta"],
+                      rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})
+    return LlamaConfig(**kwargs)
+
+
+def build_llama(config, device: torch.device, seed: int):
+    """The whole model, random bf16 weights from ``seed``, created on ``device`` (no CPU copy)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()  # no .to(dtype): it would cast the fp32 rotary frequencies too
