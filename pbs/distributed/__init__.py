@@ -6,6 +6,10 @@ and returns the rank's shard of the output; `unshard_sequence` joins the shards 
 docs/context-parallel.md has the launch command, what is communicated and the measurements.
 
 Import it explicitly (``import pbs.distributed``): ``import pbs`` does not load torch.distributed.
+
+Modules: ``sharding`` (the zigzag split), ``context_parallel`` (the call: checks, planning,
+attention), ``summaries`` (the whole sequence's selection inputs computed across ranks),
+``collectives`` (the process group and the all-gathers of uneven shards).
 """
 
 from pbs.distributed.context_parallel import (

@@ -27,27 +27,33 @@ None of this moves keys. Attention then needs the keys and values of every earli
 are all-gathered (the simplest exact scheme the issue allows), the gather started before the
 selection runs so that it overlaps it, and each chunk runs as a cached-prefix call on the gathered
 prefix with its own plan. No partial results need merging.
+
+The selection inputs above are computed in `pbs.distributed.summaries`, the group helpers and
+all-gathers in `pbs.distributed.collectives`; this module checks the shards, plans and attends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from pbs.components import PermutationInputs, SequenceSummaries
-from pbs.layout import Layout
-from pbs.permuters._segments import scoring_queries, sort_within_segments
+from pbs.components import SequenceSummaries
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
+from pbs.distributed.collectives import (
+    all_gather_shards,
+    assemble,
+    global_rank,
+    group_rank_and_size,
+    kv_group,
+    torch_distributed,
+)
 from pbs.distributed.sharding import chunk_bounds
+from pbs.distributed.summaries import block_means, key_order, line_scores, probe_estimate
 from pbs.planning import build_plan, full_plan, permute_keys_and_values, run_planned
-from pbs.reference.block_means import block_means as block_means_eager
-from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
-from pbs.reference.logits import grouped_logits
 from pbs.types import Permutation, Plan
 from pbs.validation import check_qkv, check_scale
 
@@ -62,10 +68,6 @@ SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "budget", "union")
 of blocks per query block as one process; below density 1 its seeded random choice differs."""
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-# Line-score rows held at once (float32 elements): bounded on the CPU, larger on the GPU.
-_LINE_CHUNK = 1 << 24
-_LINE_CHUNK_CUDA = 1 << 27
 
 
 class ContextParallelResult(NamedTuple):
@@ -93,12 +95,6 @@ class ContextParallelResult(NamedTuple):
     seq_len: int
     chunks: tuple[tuple[int, int], tuple[int, int]]
     timings: dict[str, float] | None = None
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
 
 
 def _selector_leaves(selector: Any) -> list[Any]:
@@ -136,43 +132,10 @@ def check_supported(config: PBSConfig) -> None:
         )
 
 
-def _group_rank_and_size(group: Any) -> tuple[int, int]:
-    dist = _dist()
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "context_parallel_attention needs an initialised torch.distributed process group: call "
-            "torch.distributed.init_process_group (e.g. under torchrun) first, and pass group= for a "
-            "group other than the default one"
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-# A second communicator over the same ranks for the K/V all-gather, per group: the collectives of
-# one communicator run in order, so on the group itself the planned-density all-reduce would wait
-# behind the whole gather instead of overlapping it.
-_KV_GROUPS: dict[Any, Any] = {}
-
-
-def _kv_group(group: Any, world: int) -> Any:
-    dist = _dist()
-    # new_group must be entered by every process of the job: only a group spanning all of them
-    # gets its own communicator (a sub-group's ranks cannot make one without the others).
-    if world == 1 or world != dist.get_world_size():
-        return group
-    if group not in _KV_GROUPS:
-        _KV_GROUPS[group] = dist.new_group(ranks=list(range(world)))
-    return _KV_GROUPS[group]
-
-
-def _global_rank(group: Any, group_rank: int) -> int:
-    dist = _dist()
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
                   segment_size: int) -> int:
     """Checks that every rank's shard belongs to one sequence under the zigzag split; returns ``N``."""
-    dist = _dist()
+    dist = torch_distributed()
     b, hq, nq, d = q.shape
     meta = torch.tensor([b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], _DTYPES.index(q.dtype)]
                         if q.dtype in _DTYPES else [b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], -1],
@@ -210,211 +173,6 @@ def _shape_only(like: torch.Tensor, length: int, head_dim: int | None = None) ->
     # the selection inputs come as summaries. Zeros, not garbage, if something reads it anyway.
     b, h, _, d = like.shape
     return torch.zeros((), dtype=like.dtype, device=like.device).expand(b, h, length, head_dim or d)
-
-
-def _pad_to(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    if x.shape[dim] == length:
-        return x.contiguous()
-    pad_shape = list(x.shape)
-    pad_shape[dim] = length - x.shape[dim]
-    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-
-
-def _all_gather_shards(x: torch.Tensor, lengths: list[int], group: Any, async_op: bool = False):
-    """All-gathers every rank's ``x`` (lengths differ along dim 2: padded to the longest)."""
-    dist = _dist()
-    longest = max(lengths)
-    padded = _pad_to(x, longest, 2)
-    out = [torch.empty_like(padded) for _ in lengths]
-    work = dist.all_gather(out, padded, group=group, async_op=async_op)
-    return out, work
-
-
-def _assemble(gathered: list[torch.Tensor], bounds: list[tuple[int, int]], unit: int, total: int) -> torch.Tensor:
-    """The whole sequence along dim 2 from every rank's gathered shard (``unit`` positions per entry:
-    1 for tokens, the block size for pooled blocks)."""
-    world = len(gathered)
-    b, h, _, d = gathered[0].shape
-    whole = gathered[0].new_empty(b, h, total, d)
-    for r, shard in enumerate(gathered):
-        offset = 0
-        for c in (r, 2 * world - 1 - r):
-            start, end = bounds[c][0] // unit, -(-bounds[c][1] // unit)
-            whole[:, :, start:end] = shard[:, :, offset:offset + end - start]
-            offset += end - start
-    return whole
-
-
-def _block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None) -> torch.Tensor:
-    """Pooled key blocks of ``x`` (through the permutation ``indices`` when given): the same pooling
-    as the planners of this device, the Triton kernel on CUDA and the eager twin elsewhere."""
-    if x.is_cuda:
-        try:
-            from pbs.kernels.block_means import block_means
-        except ImportError:
-            pass
-        else:
-            return block_means(x, block_size, indices)
-    if indices is not None:
-        x = Permutation(indices, indices).apply(x)  # only the indices are read
-    return block_means_eager(x.contiguous(), block_size)
-
-
-def _softmax_over_ranks(
-    queries: torch.Tensor, k: torch.Tensor, parts: list[tuple[int, int, int]], row_pos: torch.Tensor,
-    logit_scale: float | None, causal: bool, group: Any, visit: Callable[..., None],
-) -> None:
-    """Softmax rows of ``queries`` over the keys of every rank, each rank visiting its own keys.
-
-    The rows' maxima and sums over this rank's keys are combined over the ranks (one all-reduce of
-    each), then ``visit(start, end, slot, h0, h1, probs)`` sees the probabilities ``(B, h1 - h0, R,
-    end - start)`` of each of this rank's key ranges ``(start, end, slot)`` (positions, and where
-    the range starts in the local shard), a few heads at a time.
-
-    Args:
-        queries: ``(B, Hs, R, D)``, ``Hs`` a multiple of ``k``'s heads.
-        k: ``(B, Hkv, N_local, D)``, this rank's keys.
-        row_pos: ``(R,)`` positions of the rows (for ``causal``).
-        logit_scale: multiplies the logits (None: the queries are scaled already), as the
-            one-process code does, so the logits are the same numbers.
-    """
-    dist = _dist()
-    b, hs, rows, _ = queries.shape
-    group_size = hs // k.shape[1]
-    longest = max((end - start for start, end, _ in parts), default=1)
-    budget = _LINE_CHUNK_CUDA if queries.is_cuda else _LINE_CHUNK
-    step = max(group_size, (budget // max(1, b * rows * longest)) // group_size * group_size)
-
-    def logits_of(start: int, end: int, slot: int, h0: int, h1: int) -> torch.Tensor:
-        logits = grouped_logits(queries[:, h0:h1], k[:, h0 // group_size:h1 // group_size, slot:slot + end - start])
-        if logit_scale is not None:
-            logits = logits * logit_scale
-        if causal:
-            future = torch.arange(start, end, device=queries.device)[None, :] > row_pos[:, None]
-            logits = logits.masked_fill_(future, float("-inf"))
-        return logits
-
-    row_max = torch.full((b, hs, rows), float("-inf"), device=queries.device)
-    row_sum = torch.zeros(b, hs, rows, device=queries.device)
-    for start, end, slot in parts:
-        for h0 in range(0, hs, step):
-            h1 = min(hs, h0 + step)
-            logits = logits_of(start, end, slot, h0, h1)
-            new_max = torch.maximum(row_max[:, h0:h1], logits.amax(-1))
-            safe = torch.where(new_max == float("-inf"), 0.0, new_max)
-            row_sum[:, h0:h1] = (row_sum[:, h0:h1] * torch.exp(row_max[:, h0:h1] - safe)
-                                 + torch.exp(logits - safe[..., None]).sum(-1))
-            row_max[:, h0:h1] = new_max
-    global_max = row_max.clone()
-    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-    row_sum = row_sum * torch.exp(row_max - global_max).nan_to_num(0.0)
-    dist.all_reduce(row_sum, group=group)
-    for start, end, slot in parts:
-        for h0 in range(0, hs, step):
-            h1 = min(hs, h0 + step)
-            probs = torch.exp(logits_of(start, end, slot, h0, h1) - global_max[:, h0:h1, :, None])
-            visit(start, end, slot, h0, h1, probs / row_sum[:, h0:h1, :, None])
-
-
-def _line_scores(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, int]], seq_len: int, last_rows: int,
-                 scale: float, group: Any, src: int) -> torch.Tensor:
-    """``vertical_slash``'s line scores of the whole sequence, ``(2, B, Hq, N)`` float32, from every
-    rank's keys: what `pbs.selectors.vertical_slash.vertical_and_slash_scores` gives one process.
-
-    ``local`` lists this rank's chunks as ``(start, end, slot)`` (``slot``: where the chunk starts in
-    the local shard); ``src`` is the global rank holding the sequence's last rows.
-    """
-    dist = _dist()
-    b, hq, n_local, d = q.shape
-    rows = min(last_rows, seq_len)
-    # Scaled in float32 on the owner, as the reference scales them, so every rank scores equal rows.
-    q_last = torch.empty(b, hq, rows, d, dtype=torch.float32, device=q.device)
-    if dist.get_rank() == src:
-        q_last.copy_(q[:, :, n_local - rows:].float() * scale)
-    dist.broadcast(q_last, src=src, group=group)
-    scores = torch.zeros(2, b, hq, seq_len, device=q.device)
-    vertical, slash = scores[0], scores[1]
-
-    def visit(start: int, end: int, slot: int, h0: int, h1: int, probs: torch.Tensor) -> None:
-        vertical[:, h0:h1, start:end] = probs.sum(-2) / rows
-        for r in range(rows):
-            pos = seq_len - rows + r
-            seen = min(end, pos + 1) - start  # the row's visible keys of this range
-            if seen > 0:
-                # key start + x sits at offset pos - start - x: the row reversed lands on offsets.
-                lo = pos - start - seen + 1
-                slash[:, h0:h1, lo:lo + seen] += probs[:, :, r, :seen].flip(-1)
-
-    row_pos = torch.arange(seq_len - rows, seq_len, device=q.device)
-    _softmax_over_ranks(q_last, k, local, row_pos, None, True, group, visit)
-    slash /= rows
-    dist.all_reduce(scores, group=group)
-    return scores
-
-
-def _key_order(q: torch.Tensor, k: torch.Tensor, local: list[tuple[int, int, int]], seq_len: int,
-               config: PBSConfig, scale: float, group: Any, src: int) -> torch.Tensor:
-    """``last_block``'s key order over every rank's keys (`pbs.permuters.last_block`, Eq. 3-4).
-
-    The rank holding the sequence's last queries broadcasts them (their group means in ``shared``
-    GQA mode); every rank scores its own keys with the softmax normalised over all ranks' keys and
-    sorts its own segments.
-
-    Returns:
-        ``(B, Hk, N_local)`` int64: the original positions of this rank's permuted key slots, in
-        shard order (``Hk``: ``Hq`` in ``per_head`` GQA mode, else ``Hkv``).
-    """
-    dist = _dist()
-    permuter = config.permuter
-    segment = config.segment_size
-    permutable = seq_len // segment * segment
-    m = min(seq_len, permuter.num_queries or config.block_size)
-    causal = bool(permuter.causal_scoring) and config.causal
-    b, hq, n_local, d = q.shape
-    hkv = k.shape[1]
-    heads = hq if config.gqa == "per_head" else hkv
-    proxies = torch.empty(b, heads, m, d, dtype=q.dtype, device=q.device)
-    if dist.get_rank() == src:
-        rows = q[:, :, n_local - m:].contiguous()
-        layout = Layout(b, hq, hkv, m, m, config.block_size, config.segment_size)
-        proxies.copy_(scoring_queries(PermutationInputs(q=rows, k=k, layout=layout, gqa=config.gqa, scale=scale)))
-    dist.broadcast(proxies, src=src, group=group)
-    # Eq. 3 scores the keys of the full segments with no mask; causal_scoring masks and takes all.
-    parts = [(start, end if causal else min(end, permutable), slot) for start, end, slot in local]
-    parts = [part for part in parts if part[1] > part[0]]
-    scores = {start: torch.empty(b, heads, end - start, device=q.device) for start, end, _ in parts}
-
-    def visit(start: int, end: int, slot: int, h0: int, h1: int, probs: torch.Tensor) -> None:
-        scores[start][:, h0:h1] = probs.mean(-2)
-
-    row_pos = torch.arange(seq_len - m, seq_len, device=q.device)
-    _softmax_over_ranks(proxies, k, parts, row_pos, scale, causal, group, visit)
-    pieces = []
-    for start, end, _ in local:
-        sortable = max(0, min(end, permutable) - start)
-        chunk_scores = scores.get(start, torch.zeros(b, heads, 0, device=q.device))
-        pieces.append(start + sort_within_segments(chunk_scores, 0, sortable, segment, total_len=end - start))
-    return torch.cat(pieces, dim=-1)
-
-
-def _probe_estimate(q: torch.Tensor, local: list[tuple[int, int, int]], key_means: torch.Tensor, seq_len: int,
-                    args: dict[str, Any], group: Any) -> float:
-    """The density probe of the whole sequence: each rank pools the sampled query blocks it holds."""
-    dist = _dist()
-    bs = args["block_size"]
-    rows = sampled_query_blocks(-(-seq_len // bs), args["num_blocks"])
-    b, hq, _, d = q.shape
-    pooled = torch.zeros(b, hq, rows.numel(), d, device=q.device)
-    for i, block in enumerate(rows.tolist()):
-        first, last = block * bs, min(seq_len, block * bs + bs)
-        for start, end, slot in local:
-            if start <= first < end:
-                a = slot + first - start
-                pooled[:, :, i] = q[:, :, a:a + last - first].float().sum(2) / (last - first)
-    dist.all_reduce(pooled, group=group)
-    estimate = probe_density_of_pooled(pooled, key_means, rows, seq_len, seq_len, block_size=bs,
-                                       threshold=args["threshold"], scale=args["scale"], causal=args["causal"])
-    return float(estimate)
 
 
 class _Clock:
@@ -473,7 +231,7 @@ def context_parallel_attend(
     config = PBSConfig.coerce(config)
     check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
     check_supported(config)
-    rank, world = _group_rank_and_size(group)
+    rank, world = group_rank_and_size(group)
     context = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with context:
         return _attend(q, k, v, config, group, rank, world, check_scale(scale, q.shape[-1]), return_lse, timings)
@@ -481,7 +239,7 @@ def context_parallel_attend(
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig, group: Any, rank: int, world: int,
             scale: float, return_lse: bool, timings: bool) -> ContextParallelResult:
-    dist = _dist()
+    dist = torch_distributed()
     clock = _Clock(timings, q.device)
     seg = config.segment_size
     seq_len = _check_shards(q, k, v, group, rank, world, seg)
@@ -523,24 +281,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     if fallback.max_density is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         probe_args = None
     bs = config.block_size
-    src = _global_rank(group, 0)  # rank 0 holds the last chunk, and so the sequence's last queries
+    src = global_rank(group, 0)  # rank 0 holds the last chunk, and so the sequence's last queries
     block_counts = [sum(-(-(bounds[c][1]) // bs) - bounds[c][0] // bs for c in (r, 2 * world - 1 - r))
                     for r in range(world)]
 
     def pooled_keys(order: torch.Tensor | None) -> torch.Tensor:
         # Every rank pools its own key blocks (through its key order), and the ranks all-gather them.
-        means = torch.cat([_block_means(k[:, :, slot:slot + end - start], bs,
-                                        None if order is None else order[..., slot:slot + end - start] - start)
+        means = torch.cat([block_means(k[:, :, slot:slot + end - start], bs,
+                                       None if order is None else order[..., slot:slot + end - start] - start)
                            for start, end, slot in local], dim=2)
-        gathered, _ = _all_gather_shards(means, block_counts, group)
-        return _assemble(gathered, bounds, bs, -(-seq_len // bs))
+        gathered, _ = all_gather_shards(means, block_counts, group)
+        return assemble(gathered, bounds, bs, -(-seq_len // bs))
 
     permuted = config.permuter.name != "none"
     pools = reason is None and any(leaf.name == "mean_pool" for leaf in leaves)
     original_means = None
     if probe_args is not None:
         original_means = pooled_keys(None)
-        estimate = _probe_estimate(q, local, original_means, seq_len, probe_args, group)
+        estimate = probe_estimate(q, local, original_means, seq_len, probe_args, group)
         if estimate > fallback.max_density:
             reason = (f"the density probe estimates {estimate:.3f}{policy.scope}, above "
                       f"dense_fallback.max_density = {fallback.max_density}")
@@ -548,21 +306,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     if reason is None:
         key_perm = order = None
         if permuted:
-            order = _key_order(q, k, local, seq_len, config, scale, group, src)
-            gathered, _ = _all_gather_shards(order[..., None], lengths, group)
-            key_perm = Permutation.from_indices(_assemble(gathered, bounds, 1, seq_len)[..., 0])
+            order = key_order(q, k, local, seq_len, config, scale, group, src)
+            gathered, _ = all_gather_shards(order[..., None], lengths, group)
+            key_perm = Permutation.from_indices(assemble(gathered, bounds, 1, seq_len)[..., 0])
         key_means = None
         if pools:
             key_means = original_means if original_means is not None and not permuted else pooled_keys(order)
-        line_scores = _line_scores(q, k, local, seq_len, lines.last_rows, scale, group, src) if lines else None
-        summaries = SequenceSummaries(key_block_means=key_means, line_scores=line_scores, key_permutation=key_perm)
+        scores = line_scores(q, k, local, seq_len, lines.last_rows, scale, group, src) if lines else None
+        summaries = SequenceSummaries(key_block_means=key_means, line_scores=scores, key_permutation=key_perm)
     clock.mark("summaries")
 
     # Keys and values of every rank, gathered while this rank plans (on a communicator of their own,
     # so that the planned-density all-reduce does not queue behind them).
-    kv_group = _kv_group(group, world)
-    k_parts, k_work = _all_gather_shards(k, lengths, kv_group, async_op=True)
-    v_parts, v_work = _all_gather_shards(v, lengths, kv_group, async_op=True)
+    kv_comm = kv_group(group, world)
+    k_parts, k_work = all_gather_shards(k, lengths, kv_comm, async_op=True)
+    v_parts, v_work = all_gather_shards(v, lengths, kv_comm, async_op=True)
 
     plans: list[Plan | None] = [None, None]
     perm_q: list[torch.Tensor | None] = [None, None]
@@ -584,9 +342,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
 
     k_work.wait()
     v_work.wait()
-    k_all = _assemble(k_parts, bounds, 1, seq_len)
+    k_all = assemble(k_parts, bounds, 1, seq_len)
     del k_parts
-    v_all = _assemble(v_parts, bounds, 1, seq_len)
+    v_all = assemble(v_parts, bounds, 1, seq_len)
     del v_parts
     clock.mark("kv_wait")
 
