@@ -571,6 +571,10 @@ def test_chunked_density_weighs_each_call_by_its_allowed_blocks():
     assert qm.chunked(qm.DENSE, 64).is_dense and not qm.chunked(qm.DENSE, 64).is_reference
     with pytest.raises(ValueError):
         qm.chunked(method, 32)
+    from pbs.analysis.quality_report import _representative_methods
+
+    one_shot = qm.make_method(MEAN_POOL)
+    assert _representative_methods([qm.DENSE, one_shot, method]) == [one_shot]  # no per-layer rows for chunks
 
 
 def test_cli_chunk_size_runs_every_method_chunked_beside_one_shot(tiny, tmp_path, monkeypatch, capsys):

@@ -138,7 +138,7 @@ def _representative_methods(methods: list[Method], target: float = 0.9) -> list[
     own entry, even where several share a family name."""
     chosen: dict[str, Method] = {}
     for m in methods:
-        if m.is_dense:
+        if m.is_dense or m.chunk_size is not None:  # the per-layer probe measures one-shot methods only
             continue
         if m.threshold is None:
             chosen[f"label:{m.label}"] = m
