@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import Ranks, environment, relaunch_under_torchrun, save  # noqa: E402
 
 SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128)
 SMOKE_SHAPE = dict(heads_q=4, heads_kv=2, head_dim=32)
@@ -80,73 +79,6 @@ _RING_WAY: tuple[str, bool] | None = None  # (backend, native GQA) of torch's ri
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-class Ranks:
-    """This process's place among the ranks (world 1: no process group)."""
-
-    def __init__(self, device_type: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if device_type == "cuda":
-            self.device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        if self.world > 1:
-            import torch.distributed as dist
-
-            kwargs = {"device_id": self.device} if device_type == "cuda" else {}
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **kwargs)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def from_rank0(self, obj: Any) -> Any:
-        if self.world == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-        self.sync()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def close(self, ok: bool) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if ok:
-                dist.barrier()
-            dist.destroy_process_group()
-
-
-def relaunch_under_torchrun(world: int, argv: list[str]) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(Path(__file__).resolve()), *argv]
-    print(f"starting {world} ranks: {' '.join(command)}", flush=True)
-    return subprocess.call(command)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.world > 1 and "LOCAL_RANK" not in os.environ:
-        return relaunch_under_torchrun(args.world, argv)
+        return relaunch_under_torchrun(__file__, args.world, argv)
     ranks = Ranks(args.device)
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -41,7 +41,6 @@ import collections
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,14 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_cp_ttft
 import pbs  # noqa: E402
 import pbs.integrations.context_parallel as pbs_cp  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
-from benchmarks.common import LLAMA_8B_SHAPE, build_llama, environment, llama_config, save  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    LLAMA_8B_SHAPE,
+    build_llama,
+    environment,
+    llama_config,
+    relaunch_under_torchrun,
+    save,
+)
 
 SMOKE_SHAPE = dict(LLAMA_8B_SHAPE, num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1024)
@@ -73,13 +79,6 @@ SMOKE_CHECK_LEN = 2048
 SMOKE_MIN_SEQ_LEN = 256
 CHECK_RTOL = 0.02
 GIB = 2**30
-
-
-def relaunch_under_torchrun(world: int, argv: list[str]) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(Path(__file__).resolve()), *argv]
-    print(f"starting {world} ranks: {' '.join(command)}", flush=True)
-    return subprocess.call(command)
 
 
 def setup(device_type: str) -> tuple[torch.device, int, int]:
@@ -285,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" not in os.environ:
         if not args.world or args.world < 2:
             raise SystemExit("context parallelism needs --world 2 or more (or torchrun)")
-        return relaunch_under_torchrun(args.world, raw_argv)
+        return relaunch_under_torchrun(__file__, args.world, raw_argv)
     import torch.distributed as dist
     import transformers
 

@@ -80,7 +80,6 @@ import gc
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,7 +92,16 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_tensor_
 
 import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
-from benchmarks.common import LLAMA3_ROPE, LLAMA_8B_SHAPE, build_llama, environment, llama_config, save  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    LLAMA3_ROPE,
+    LLAMA_8B_SHAPE,
+    Ranks,
+    build_llama,
+    environment,
+    llama_config,
+    relaunch_under_torchrun,
+    save,
+)
 from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
 MODEL_SHAPE = LLAMA_8B_SHAPE
@@ -128,72 +136,6 @@ GIB = 2**30
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-class Ranks:
-    """This process's place among the ranks (world 1: no process group)."""
-
-    def __init__(self, device_type: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if device_type == "cuda":
-            self.device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        if self.world > 1:
-            import torch.distributed as dist
-
-            kwargs = {"device_id": self.device} if device_type == "cuda" else {}
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **kwargs)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (on every rank)."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def from_rank0(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.world == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def broadcast_(self, tensor: torch.Tensor) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(tensor, src=0)
-
-    def close(self, ok: bool) -> None:
-        """Leaves together after a run that went well (a rank that exits first can abort the others'
-        NCCL); after an error, leaves at once (torchrun then stops the other ranks)."""
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if ok:
-                dist.barrier()
-            dist.destroy_process_group()
-
-
-def relaunch_under_torchrun(world: int, argv: list[str]) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(Path(__file__).resolve()), *argv]
-    print(f"starting {world} ranks: {' '.join(command)}", flush=True)
-    return subprocess.call(command)
 
 
 class CollectLogs(logging.Handler):
@@ -546,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         return combine(args.combine, args.json)
     began = time.perf_counter()
     if "WORLD_SIZE" not in os.environ and args.world and args.world > 1:
-        return relaunch_under_torchrun(args.world, raw_argv)
+        return relaunch_under_torchrun(__file__, args.world, raw_argv)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world is not None and args.world != env_world:
         raise SystemExit(f"--world {args.world} but torchrun started {env_world} processes")

@@ -204,3 +204,84 @@ def build_llama(config, device: torch.device, seed: int):
     finally:
         torch.set_default_dtype(previous)
     return model.eval()  # no .to(dtype): it would cast the fp32 rotary frequencies too
+
+
+class Ranks:
+    """This process's place among the ranks (world 1: no process group)."""
+
+    def __init__(self, device_type: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world > 1:
+            import torch.distributed as dist
+
+            kwargs = {"device_id": self.device} if device_type == "cuda" else {}
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", **kwargs)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (on every rank)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_rank0(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Waits for every rank, then for this rank's GPU work."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        self.sync()
+
+    def sync(self) -> None:
+        """Waits for this rank's GPU work (nothing on the CPU)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def broadcast_(self, tensor: torch.Tensor) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=0)
+
+    def close(self, ok: bool) -> None:
+        """Leaves together after a run that went well (a rank that exits first can abort the others'
+        NCCL); after an error, leaves at once (torchrun then stops the other ranks)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def relaunch_under_torchrun(script: str, world: int, argv: list[str]) -> int:
+    """Runs ``script`` again with ``argv`` in ``world`` processes under torchrun (one node, a free
+    port) and returns its exit status: the multi-GPU benchmarks start themselves this way."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(Path(script).resolve()), *argv]
+    print(f"starting {world} ranks: {' '.join(command)}", flush=True)
+    return subprocess.call(command)
