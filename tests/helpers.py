@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 import pbs
@@ -159,3 +164,26 @@ def tiny_model_config(kind: str = "llama", **overrides):
     )
     fields.update(overrides)
     return transformers.LlamaConfig(**fields) if kind == "llama" else transformers.Qwen2Config(**fields)
+
+
+def run_ranks(script: str, workdir: Path, world: int, timeout: float) -> list[dict]:
+    """Runs ``script`` as ``python script WORKDIR RANK WORLD`` in ``world`` processes (the multi-process
+    tests' workers, meeting through a file rendezvous in ``workdir``) and returns what each rank saved
+    to ``workdir / f"rank{r}.pt"``; fails with a rank's output if it exits with an error."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, script, str(workdir), str(rank), str(world)], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{output[-6000:]}"
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,24 +131,7 @@ def _gloo_available() -> bool:
 
 
 def _spawn(workdir: Path, world: int) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(workdir), str(rank), str(world)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=150)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{output[-6000:]}"
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return run_ranks(__file__, workdir, world, timeout=150)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])

@@ -19,15 +19,13 @@ rendezvous.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import tiny_model_config
+from tests.helpers import run_ranks, tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (2048, 3000)
@@ -114,22 +112,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run(workdir: Path, world: int) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(workdir), str(rank), str(world)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{output[-6000:]}"
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return run_ranks(__file__, workdir, world, timeout=240)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
