@@ -16,6 +16,7 @@ plan's blocks, its longest row and the backend that ran it. If the per-rank sums
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--density", type=float, default=0.2)
-    parser.add_argument("--budget-ms", type=float, default=3000, help="timing budget per chunk")
+    parser.add_argument("--budget-ms", type=float, default=1000, help="timing budget per chunk")
+    parser.add_argument("--repeats", type=int, default=1, help="medians of time_ms (each 9 runs at least)")
+    parser.add_argument("--ranks", type=int, nargs="*", help="time these ranks only (default: every rank)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -49,13 +52,15 @@ def main() -> None:
               "dense_fallback": {"min_seq_len": 0, "max_density": None}}
     rows = []
     chunks = chunk_bounds(args.seq_len, args.world)
-    for rank in range(args.world):
+    ranks = range(args.world) if args.ranks is None else args.ranks
+    for rank in ranks:
         for start, end in (chunks[rank], chunks[2 * args.world - 1 - rank]):
             qc, kc, vc = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
             _, plan = pbs.attention(qc, kc, vc, config, return_plan=True)
             counts = plan.mask.counts.long()
             if qc.is_cuda:
-                kernel_ms = time_ms(lambda: pbs.run(plan, qc, kc, vc), budget_ms=args.budget_ms)
+                kernel_ms = time_ms(lambda: pbs.run(plan, qc, kc, vc), budget_ms=args.budget_ms,
+                                    repeats=args.repeats)
             else:  # the smoke run: one wall-clock run
                 began = time.perf_counter()
                 pbs.run(plan, qc, kc, vc)
@@ -64,12 +69,12 @@ def main() -> None:
                          "blocks": int(counts.sum()), "longest_row": int(counts.max()),
                          "density": plan.density})
             print(rows[-1], flush=True)
-    per_rank = [sum(r["kernel_ms"] for r in rows if r["rank"] == rank) for rank in range(args.world)]
-    blocks = [sum(r["blocks"] for r in rows if r["rank"] == rank) for rank in range(args.world)]
-    print("kernel ms per rank", [round(t, 1) for t in per_rank], "blocks per rank", blocks)
+    per_rank = {rank: sum(r["kernel_ms"] for r in rows if r["rank"] == rank) for rank in ranks}
+    blocks = {rank: sum(r["blocks"] for r in rows if r["rank"] == rank) for rank in ranks}
+    print("kernel ms per rank", {rank: round(t, 1) for rank, t in per_rank.items()}, "blocks per rank", blocks)
     if args.json:
         save({"benchmark": "cp_balance", "environment": environment(), "seq_len": args.seq_len,
-                         "world": args.world, "heads": list(args.heads), "head_dim": args.head_dim,
+                         "world": args.world, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "heads": list(args.heads), "head_dim": args.head_dim,
                          "dtype": args.dtype, "config": config, "rows": rows, "kernel_ms_per_rank": per_rank,
                          "blocks_per_rank": blocks}, args.json)
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every GPU test at once on a host of 4 GPUs: the test files in 4 groups of about equal time, one
+# pytest process per GPU (CUDA_VISIBLE_DEVICES), about 3 minutes instead of over 5 on one GPU.
+#   bash scripts/gpu_tests_parallel.sh        (logs in $OUT, default .gpu-out: gpu_tests_group<N>.log)
+# Installs pydantic, pytest-benchmark and hypothesis from .device-wheels first (scripts/gpu_check.sh says how
+# to download them); WHEELS=<folder> points elsewhere.
+set -uo pipefail
+OUT=${OUT:-.gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --find-links "${WHEELS:-.device-wheels}" pydantic pytest-benchmark hypothesis 2>&1 | grep -v WARNING
+groups=(
+  "tests/test_kernel_gpu_selection.py"
+  "tests/test_block_sparse_attn.py tests/test_vertical_slash.py"
+  "tests/test_hopper_attn.py tests/test_compile_and_graphs.py tests/test_kernel_flex.py"
+  "tests/test_paged.py tests/test_serving.py tests/test_dense_fallback.py tests/test_density_probe.py tests/test_lse.py tests/test_quality.py tests/test_testing_helpers.py tests/test_kernel_antidiagonal.py tests/test_backends.py"
+)
+pids=()
+for i in 0 1 2 3; do
+  # shellcheck disable=SC2086  # a group is a list of files
+  CUDA_VISIBLE_DEVICES=$i timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${groups[$i]} -m gpu -q -p no:cacheprovider -rf \
+    > "$OUT/gpu_tests_group$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in 0 1 2 3; do
+  wait "${pids[$i]}" || status=1
+  echo "== group $i: ${groups[$i]}"
+  tail -n 6 "$OUT/gpu_tests_group$i.log"
+done
+exit $status
