@@ -29,7 +29,9 @@ whole sequence with their collectives, ``planning``, ``kv_wait`` = the part of t
 that planning did not hide, ``attention``). Communication is measured apart as well: the K/V
 all-gather alone (``kv_allgather_ms``, the same tensors, median of 3). Load balance: each rank's
 busy time is its attention phase (local compute, no collective inside), and ``max_idle_share`` is
-``1 - min / max`` of those over the ranks. Peak memory is ``torch.cuda.max_memory_allocated`` per
+``1 - min / max`` of those over the ranks; ``targets`` also gives it with each GPU's own speed divided
+out (`speed_normalized_idle`, the dense row at the same length as the gauge), which tells a slow GPU
+from an unequal split. Peak memory is ``torch.cuda.max_memory_allocated`` per
 rank during the row (inputs included).
 
 One GPU (``--single-lens``, default 256K and 512K; ``--single-repeats`` timed calls): rank 0 alone runs ``pbs.attention`` with the
@@ -50,6 +52,7 @@ machine sets it (the GPU machine sets ``NCCL_NVLS_ENABLE=0``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -328,6 +331,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=300, help="skip the rows left after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (4 / 2 heads of 32, fp32), 2048 and 2432 tokens")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--retarget", type=Path, default=None, metavar="JSON",
+                        help="recompute the targets of a saved result from its rows, and run nothing")
     args = parser.parse_args(argv)
     if args.smoke:
         if "--seq-lens" not in argv:
@@ -340,6 +345,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.retarget:
+        retarget(args.retarget)
+        return 0
     if args.world > 1 and "LOCAL_RANK" not in os.environ:
         return relaunch_under_torchrun(__file__, args.world, argv)
     ranks = Ranks(args.device)
@@ -443,7 +451,42 @@ def targets(rows: list[dict[str, Any]], single: list[dict[str, Any]], world: int
         "longest": longest,
         "efficiency_at_512k": eff or None,
         "max_idle_share_per_method": idle or None,
+        "max_idle_share_per_gpu_speed": speed_normalized_idle(rows) or None,
     }
+
+
+def speed_normalized_idle(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per method, the largest idle share over the lengths once each GPU's own speed is divided out.
+
+    A GPU that runs slower than its peers (a thermal throttle, say) makes its rank the slowest
+    whatever the split, and ``max_idle_share`` cannot tell that from unequal work. A dense row
+    (``reason`` set: every rank runs every allowed pair, and the zigzag split gives each the same
+    number) measures each GPU's speed at that length: ``speed_r = busy_r / mean(busy)``. Dividing
+    another row's busy times by those speeds leaves the imbalance of its work; the dense row
+    itself is not scored. Lengths without a dense row are skipped.
+    """
+    gauges = {r["seq_len"]: r["busy_ms_per_rank"] for r in rows if r.get("reason") and r.get("busy_ms_per_rank")}
+    idle: dict[str, float] = {}
+    for r in rows:
+        gauge = gauges.get(r["seq_len"])
+        busy = r.get("busy_ms_per_rank")
+        if gauge is None or not busy or r.get("reason") or min(gauge) <= 0:
+            continue
+        mean = sum(gauge) / len(gauge)
+        normalized = [b / (g / mean) for b, g in zip(busy, gauge)]
+        share = 1 - min(normalized) / max(normalized) if max(normalized) > 0 else 0.0
+        idle[r["method"]] = max(idle.get(r["method"], 0.0), share)
+    return idle
+
+
+def retarget(path: Path) -> None:
+    """Recomputes ``targets`` of a saved result from its rows (after `targets` gained a field),
+    keeping everything the run recorded, and prints them."""
+    result = json.loads(path.read_text())
+    result["targets"] = targets(result["rows"], result["one_gpu"], result["world"])
+    result["targets_recomputed_by"] = f"python benchmarks/bench_context_parallel.py --retarget {path}"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print("targets:", result["targets"])
 
 
 def print_table(result: dict[str, Any]) -> None:
