@@ -305,7 +305,7 @@ def paged_compile_report(page_sizes: list[int]) -> dict:
                     vertical_slash.line_scores(q, cache, make_layout(q, k, pbs.PBSConfig()), 0.1, 64,
                                                block_table=table)
         report[str(page_size)] = [resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
-        if page_size % hopper_attn.BLOCK_SIZE == 0:
+        if hopper_attn.gluon_page_size_ok(page_size):
             call = block_sparse_attn.prepare_call(q, cache, cache, plan.mask, None, None, None, True, None, table)
             grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132)
             with sm90_driver():
@@ -317,16 +317,22 @@ def paged_compile_report(page_sizes: list[int]) -> dict:
 def test_the_paged_kernels_compile_for_sm90_without_spills():
     # The GPU's own code path (the interpreter runs none of it): TMA loads from a page (128) and
     # row loads through the block table (16), compiled for an H100 with Triton's ptxas; and the
-    # Gluon kernel's producer reading pages of 128.
+    # Gluon kernel's producer reading pages of 128 (one copy per block) and of 16 and 64 (one copy
+    # per page, 8 and 2 per block).
     from tests.sm90_compile import compile_in_subprocess
 
-    report = compile_in_subprocess("tests.test_paged:paged_compile_report", page_sizes=[16, 128])
-    assert sorted(report) == ["128", "16", "hopper 128"]  # the Gluon kernel takes pages of whole blocks
+    report = compile_in_subprocess("tests.test_paged:paged_compile_report", page_sizes=[16, 64, 128])
+    assert sorted(report) == ["128", "16", "64", "hopper 128", "hopper 16", "hopper 64"]
     for name, kernels in report.items():
-        assert len(kernels) == {"16": 4, "128": 1, "hopper 128": 1}[name]
+        assert len(kernels) == {"16": 4, "64": 4, "128": 1}.get(name, 1)
         assert all(usage["LOCAL"] == 0 for usage in kernels), f"register spills ({name}): {kernels}"
-    assert report["hopper 128"][0]["REG"] <= 168  # as the contiguous Gluon kernel (tests/test_hopper_attn.py)
-    assert report["hopper 128"][0]["STACK"] == 0  # the producer's 24 registers hold the page lookup
+    for page_size in (16, 64, 128):
+        gluon = report[f"hopper {page_size}"][0]
+        assert gluon["REG"] <= 168  # as the contiguous Gluon kernel (tests/test_hopper_attn.py)
+    assert report["hopper 128"][0]["STACK"] == 0  # the producer's 24 registers hold one page lookup
+    # A block of small pages keeps its lookups in 24 bytes of stack at most (the producer's own
+    # registers do not hold them all; 88 bytes before K and V shared each lookup).
+    assert report["hopper 16"][0]["STACK"] <= 24 and report["hopper 64"][0]["STACK"] <= 24
 
 
 def _selection_inputs(q, k, paged_k=None, block=32):
@@ -371,10 +377,14 @@ def test_which_backends_read_pages_is_their_eligibility():
     def spec(page_size):
         return CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, page_size=page_size)
 
-    # triton reads any page size, the Gluon kernel pages of whole 128-key blocks, flex none.
+    # triton reads any page size, the Gluon kernel pages of whole 128-key blocks or whole pages of
+    # a block (16 to 64 rows), flex none.
     assert not any("page" in reason for reason in triton_kernel_reasons(spec(16)))
-    assert any("page_size 16 of the paged cache is not a multiple of 128" in r for r in gluon_kernel_reasons(spec(16)))
-    assert not any("page" in reason for reason in gluon_kernel_reasons(spec(256)))
+    for page_size in (2, 8, 96):
+        assert any(f"page_size {page_size} of the paged cache is neither a multiple of 128 nor a power of two "
+                   "from 16 to 64" in r for r in gluon_kernel_reasons(spec(page_size))), page_size
+    for page_size in (16, 32, 64, 128, 256):
+        assert not any("page" in reason for reason in gluon_kernel_reasons(spec(page_size))), page_size
     assert any("not pages of a paged cache" in reason for reason in flex_reasons(spec(128)))
     assert not any("page" in reason for reason in gluon_kernel_reasons(spec(None)) + flex_reasons(spec(None)))
     assert resolve_backend("auto", spec(16)).name == "reference"  # the interpreter is never auto's choice
@@ -382,10 +392,10 @@ def test_which_backends_read_pages_is_their_eligibility():
 
 @pytest.mark.parametrize("backend, reason", [
     ("flex", r"not pages of a paged cache"),
-    ("hopper", r"page_size 16 of the paged cache is not a multiple of 128"),
+    ("hopper", r"page_size 8 of the paged cache is neither a multiple of 128 nor a power of two from 16 to 64"),
 ])
 def test_a_backend_that_cannot_read_these_pages_says_so(backend, reason):
-    arguments = paged_arguments(make_sequences([(20, 20)], dtype=torch.float16), 16)
+    arguments = paged_arguments(make_sequences([(20, 20)], dtype=torch.float16), 8)
     with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run this call: .*{reason}"):
         pbs.varlen_attention(**arguments, config={"backend": backend})
 
@@ -521,14 +531,14 @@ def _gluon_runs_here() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 128, 256])
 def test_gpu_auto_runs_paged_calls_on_a_backend_that_reads_pages(page_size, monkeypatch):
-    # auto: the Gluon kernel on Hopper for pages of whole 128-key blocks, else the Triton kernel;
+    # auto: the Gluon kernel on Hopper for pages it reads (16 and up), else the Triton kernel;
     # either gives what it gives on the contiguous batch.
     config = pbs.PBSConfig(**NO_FALLBACK)
     sequences = structured_sequences([(4096, 4096), (100, 5000), (129, 1000)], seed=22)
     spy = PlanSpy(monkeypatch)
     paged_out = pbs.varlen_attention(**paged_arguments(sequences, page_size), config=config)
     monkeypatch.undo()
-    backend = "hopper" if page_size % 128 == 0 and _gluon_runs_here() else "triton"
+    backend = "hopper" if _gluon_runs_here() else "triton"
     assert {plan.backend for plan in spy.plans} == {backend}
     assert not paged_out.isnan().any()  # the last pages' stale NaN rows stay out
     out = pbs.varlen_attention(*pack(sequences), config={**config.model_dump(), "backend": backend})
@@ -536,7 +546,7 @@ def test_gpu_auto_runs_paged_calls_on_a_backend_that_reads_pages(page_size, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
 def test_gpu_gluon_kernel_reads_pages_in_place(page_size, monkeypatch):
     if not _gluon_runs_here():
         pytest.skip("the Gluon kernel cannot run on this GPU")

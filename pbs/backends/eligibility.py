@@ -102,7 +102,7 @@ def triton_auto_reasons(spec: CallSpec) -> list[str]:
 def gluon_kernel_reasons(spec: CallSpec) -> list[str]:
     """Why the warp-specialized Gluon kernel (`pbs.kernels.hopper_attn`) cannot run ``spec``: it
     runs on Hopper GPUs, fp16/bf16, head dims 64 or 128 (the same for values), mask block 128, and
-    reads paged caches whose page size is a multiple of 128."""
+    reads paged caches whose page size is a multiple of 128 or a power of two from 16 to 64."""
     return list(_gluon_kernel_reasons(spec))
 
 
@@ -123,9 +123,10 @@ def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
         reasons.append(f"head dims ({spec.head_dim}, {spec.head_dim_v}) are not both one of {dims}")
     if spec.block_size != kernel.BLOCK_SIZE:
         reasons.append(f"mask block {spec.block_size} is not {kernel.BLOCK_SIZE}")
-    if spec.page_size is not None and spec.page_size % kernel.BLOCK_SIZE:
-        reasons.append(f"page_size {spec.page_size} of the paged cache is not a multiple of {kernel.BLOCK_SIZE} "
-                       "(the Gluon kernel loads whole key blocks from one page; the triton backend reads any page size)")
+    if spec.page_size is not None and not kernel.gluon_page_size_ok(spec.page_size):
+        reasons.append(f"page_size {spec.page_size} of the paged cache is neither a multiple of {kernel.BLOCK_SIZE} "
+                       f"nor a power of two from {kernel.MIN_PAGE_SIZE} to {kernel.BLOCK_SIZE // 2} (the Gluon kernel "
+                       "loads a key block from one page or from whole pages; the triton backend reads any page size)")
     return tuple(reasons)
 
 

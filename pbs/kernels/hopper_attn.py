@@ -27,8 +27,10 @@ this kernel's differential twin (``tests/test_hopper_attn.py``); where that tail
 from the mask (``BlockMask.full_counts``, one rule for every backend), not worked out here.
 
 It also reads one sequence's keys and values from a paged cache in place (``block_table``, a
-``page_size`` that is a multiple of the 128-key block): the producer looks up each block's page and
-loads it from the cache viewed as ``(num_pages, Hk, page_size, D)``, the page where the batch was.
+``page_size`` that is a multiple of the 128-key block or a power of two from 16 to 64): the producer
+looks up each block's page and loads it from the cache viewed as ``(num_pages, Hk, page_size, D)``,
+the page where the batch was; a block of smaller pages takes one TMA copy per page, each into its
+rows of the block's shared-memory buffer.
 The last block of a sequence that ends inside a page loads its values through a second descriptor
 whose rows end where the sequence ends, so the stale rows after it arrive as zeros.
 """
@@ -56,6 +58,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 COMPUTE_CAPABILITY_MAJOR = 9
 HALF_ROWS = 64  # query rows per consumer warpgroup
+MIN_PAGE_SIZE = 16  # the smallest page a TMA copy moves into its rows of a key block (8 swizzled rows x 2)
 BLOCK = gl.constexpr(BLOCK_SIZE)
 HALF = gl.constexpr(HALF_ROWS)
 STAGES = 3  # K/V ring depth; 3 x (K + V) + Q = 224 KB of shared memory at head dim 128
@@ -177,6 +180,15 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _page_of(table_ptr, key, seq_len_k, PAGE_SIZE: gl.constexpr):
+    """The cache page holding ``key`` of the sequence, read from its block-table row at the key
+    clamped to the sequence's last (one unsigned min: a key past the end, or a -1 pad read as a
+    huge unsigned number, reads the last page's entry)."""
+    key = gl.minimum(key.to(gl.uint32, bitcast=True), (seq_len_k - 1).to(gl.uint32, bitcast=True))
+    return gl.load(table_ptr + key // PAGE_SIZE)
+
+
+@gluon.jit
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
               GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr):
     q_desc, k_desc, v_desc, v_last_desc = descs
@@ -211,33 +223,54 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
             start_n = _block_start(p_list, it, DENSE)
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
-            if PAGE_SIZE == 0:
-                kv_b = i_b
-                kv_row = start_n
+            if PAGE_SIZE == 0 or PAGE_SIZE >= BLOCK:
+                if PAGE_SIZE == 0:
+                    kv_b = i_b
+                    kv_row = start_n
+                else:
+                    # A paged cache, viewed as (num_pages, Hk, page_size, D): the block's page in
+                    # place of the batch (pages hold whole blocks). The table is read at the block's
+                    # first key clamped to the sequence's last, so only at the sequence's own
+                    # (checked) pages whatever the entry: a block past seq_len_k reads the last page,
+                    # and a -1 pad, huge as unsigned, too (one unsigned min: a signed two-sided clamp
+                    # cost the 24-register producer 24 bytes of stack).
+                    kv_b = _page_of(table_ptr, start_n, seq_len_k, PAGE_SIZE)
+                    kv_row = start_n % PAGE_SIZE
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_b, i_hk, kv_row, 0], k_ready.index(slot), k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                if PAGE_SIZE == 0:
+                    _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
+                elif start_n + BLOCK > seq_len_k:
+                    # The last page's rows past the sequence hold stale values, which a zero weight
+                    # does not cancel if they are NaN: this descriptor ends the page's rows at the
+                    # sequence's end, so TMA fills the rest with zeros.
+                    _tma_load(v_last_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
+                else:
+                    _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
             else:
-                # A paged cache, viewed as (num_pages, Hk, page_size, D): the block's page in place
-                # of the batch (pages hold whole blocks). The table is read at the block's first
-                # key clamped to the sequence's last, so only at the sequence's own (checked) pages
-                # whatever the entry: a block past seq_len_k reads the last page, and a -1 pad,
-                # huge as unsigned, too (one unsigned min: a signed two-sided clamp cost the
-                # 24-register producer 24 bytes of stack).
-                key = gl.minimum(start_n.to(gl.uint32, bitcast=True), (seq_len_k - 1).to(gl.uint32, bitcast=True))
-                kv_b = gl.load(table_ptr + key // PAGE_SIZE)
-                kv_row = start_n % PAGE_SIZE
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_b, i_hk, kv_row, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            if PAGE_SIZE == 0:
-                _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
-            elif start_n + BLOCK > seq_len_k:
-                # The last page's rows past the sequence hold stale values, which a zero weight
-                # does not cancel if they are NaN: this descriptor ends the page's rows at the
-                # sequence's end, so TMA fills the rest with zeros.
-                _tma_load(v_last_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
-            else:
-                _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
+                # Pages smaller than a block: the block's PAGES_PER_BLOCK pages, each looked up and
+                # loaded by its own TMA copy into its rows of the block's buffer (one barrier for
+                # all of them). Pages past the sequence read its last page, their keys masked and
+                # their values through the last page's descriptor, as above.
+                PAGES_PER_BLOCK: gl.constexpr = BLOCK // PAGE_SIZE
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                mbarrier.expect(k_ready.index(slot), PAGES_PER_BLOCK * k_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(slot), PAGES_PER_BLOCK * v_desc.block_type.nbytes)
+                for j in gl.static_range(PAGES_PER_BLOCK):
+                    # One lookup per page for both copies (the producer has 24 registers).
+                    page = _page_of(table_ptr, start_n + j * PAGE_SIZE, seq_len_k, PAGE_SIZE)
+                    _tma_load(k_desc, [page, i_hk, 0, 0], k_ready.index(slot),
+                              k_smem.index(slot).slice(j * PAGE_SIZE, PAGE_SIZE, dim=2))
+                    if start_n + (j + 1) * PAGE_SIZE > seq_len_k:
+                        _tma_load(v_last_desc, [page, i_hk, 0, 0], v_ready.index(slot),
+                                  v_smem.index(slot).slice(j * PAGE_SIZE, PAGE_SIZE, dim=2))
+                    else:
+                        _tma_load(v_desc, [page, i_hk, 0, 0], v_ready.index(slot),
+                                  v_smem.index(slot).slice(j * PAGE_SIZE, PAGE_SIZE, dim=2))
             kv_i += 1
         t += 1
         rank = gl.atomic_add(tile_counter_ptr, 1)
@@ -402,8 +435,9 @@ def _hopper_block_sparse_attn_fwd(
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -500,6 +534,15 @@ def dense_launch_arguments(
     )
 
 
+def gluon_page_size_ok(page_size: int) -> bool:
+    """Whether the kernel reads a paged cache of ``page_size`` rows: a multiple of the 128-key
+    block (one TMA copy per block), or a power of two from 16 to 64 (one copy per page of the
+    block, each into its rows of the block's buffer)."""
+    if page_size % BLOCK_SIZE == 0:
+        return page_size > 0
+    return MIN_PAGE_SIZE <= page_size < BLOCK_SIZE and BLOCK_SIZE % page_size == 0
+
+
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
                keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
                seq_len_k=None) -> tuple[tuple, tuple, dict]:
@@ -510,22 +553,25 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     hk, nk = k.shape[1], k.shape[2]
     page_size = 0
     v_last = None
+    copy_rows = BLOCK_SIZE  # rows of K and V one TMA copy moves
     if block_table is not None:
         page_size, nk = k.shape[2], seq_len_k
-        if page_size % BLOCK_SIZE:
-            raise ValueError(f"the Gluon kernel reads pages of a multiple of {BLOCK_SIZE} rows, got page_size {page_size}")
+        if not gluon_page_size_ok(page_size):
+            raise ValueError(f"the Gluon kernel reads pages of a multiple of {BLOCK_SIZE} rows or of a power of two "
+                             f"from {MIN_PAGE_SIZE} to {BLOCK_SIZE // 2}, got page_size {page_size}")
+        copy_rows = min(page_size, BLOCK_SIZE)
         # The rows of the sequence's last page, on every page: its last block reads its values
         # through this, the rest of the page reading as zeros (see _producer).
         v_last = v[:, :, : nk - (nk - 1) // page_size * page_size]
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
     counts, full_counts, indices, qpos, kpos = lists
-    v_desc = _nvmma_descriptor(v, BLOCK_SIZE)
+    v_desc = _nvmma_descriptor(v, copy_rows)
     args = (
         _nvmma_descriptor(q, HALF_ROWS),
-        _nvmma_descriptor(k, BLOCK_SIZE),
+        _nvmma_descriptor(k, copy_rows),
         v_desc,
-        v_desc if v_last is None else _nvmma_descriptor(v_last, BLOCK_SIZE),  # read only when paged
+        v_desc if v_last is None else _nvmma_descriptor(v_last, copy_rows),  # read only when paged
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
         tile_counter if lse is None else lse,  # any pointer will do when unused
         tile_counter if block_table is None else block_table,
