@@ -4,14 +4,14 @@ the same batch packed contiguously.
 Protocol: prompts of 16K, 32K, 64K and 128K tokens (structured synthetic inputs,
 `pbs.testing.make_qkv`, one seed per prompt), Hq=32, Hkv=8, D=128, bf16, causal, the queries
 packed along the token axis. The paged runs copy each prompt's keys and values into a cache of
-``--page-sizes`` rows per page, its pages handed out in a random order (``torch.randperm``, as a
+``--page-sizes`` rows per page (16, 64 and 128 by default), its pages handed out in a random order (``torch.randperm``, as a
 serving engine's allocator leaves them after a while), and call `pbs.varlen_attention` with
 ``block_table`` and ``seqused_k``. Times are CUDA-event medians with the L2 flushed before each
 call (`benchmarks.common.time_ms`), planning included. For the defaults and ``pbs_paper``:
 
 * ``contiguous_ms`` and ``paged_ms`` (per page size): ``backend="auto"``, what a user gets. On
-  Hopper the Gluon kernel runs the planned prompts, contiguous and at pages of 128 or more; pages
-  of 16 run on the Triton kernel. A prompt that the dense fallback takes by length runs cuDNN
+  Hopper the Gluon kernel runs the planned prompts, contiguous and at pages of 16 rows or more
+  (pages below 128 rows by one TMA copy per page). A prompt that the dense fallback takes by length runs cuDNN
   SDPA contiguous, and every block on the page-reading kernel paged;
 * ``contiguous_triton_ms`` and ``paged_triton_ms``: ``backend="triton"`` for both (no dense
   fallback: that policy is ``auto``'s), so their ratio is what reading pages in place costs one
@@ -83,7 +83,7 @@ def _wall_clock_ms(fn, budget_ms: float = 0.0, repeats: int | None = None) -> fl
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--budget-ms", type=float, default=1000.0, help="timing budget per measured call")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

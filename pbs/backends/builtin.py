@@ -12,7 +12,7 @@
 
 ``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
 ``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`), and so
-does ``hopper`` when the page size is a multiple of 128; ``reference`` takes them too, gathering
+does ``hopper`` when the page size is 16 or more; ``reference`` takes them too, gathering
 the pages into contiguous tensors first (the oracle); ``flex`` gives a reason against paged calls. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
 imported when they first run, so ``import pbs`` works without Triton.
 """

@@ -59,7 +59,7 @@ def varlen_attention(
     tensor (the same masks and, on the same backend, the same output), but the Triton kernels
     read the pages in place: the attention kernels, the default selectors' planners (line scores,
     block means) and the density probe. The backend is one that reads pages (``hopper`` for page
-    sizes that are multiples of 128, ``triton`` for any, ``reference`` anywhere, which gathers
+    sizes of 16 and up, ``triton`` for any, ``reference`` anywhere, which gathers
     them); ``auto`` picks it. Dense fallback runs every allowed block on that backend instead of
     SDPA. A permuter that reorders keys (``pbs_paper``'s
     ``last_block``) makes a permuted copy of K/V in any case; for paged inputs that copy is made
