@@ -10,7 +10,8 @@
 #        every GPU's clocks, power, temperature and throttle reasons sampled twice a second (gpu_cp_smi.csv)
 # balance: scripts/cp_balance.py at 1M tokens, one process per GPU and no NCCL, each timing one rank's two
 #        chunks (kernel only), all four at once: first rank r on GPU r, then rank r on GPU (r + 1) % 4, so
-#        that a slow rank can be told from a slow GPU (about 3 minutes)
+#        that a slow rank can be told from a slow GPU (each half took 2-3 minutes on 4 H100s: the first
+#        half of the one run so far finished inside 200 s, the second did not)
 # Installs nothing. NVLink multicast stays as the machine sets it (NCCL_NVLS_ENABLE=0 there): not overridden.
 # Results and logs go to $OUT (default .gpu-out): cp_4gpu.json / cp_smoke.json and their .log. Pass the
 # revision in where the copy of the tree has no usable .git:
