@@ -57,10 +57,14 @@ _SMALL = {"backend": "triton", "block_size": 32, "segment_size": 64, "dense_fall
 INTERPRETER_CASES = {"defaults": _SMALL, "last_block": {**_SMALL, "permuter": "last_block", "gqa": "per_head"}}
 
 
-def inputs(world: int):
+# Two sequences in one call: each is planned on its own, on every rank as in one process.
+BATCH2_CASES = ("defaults", "pbs_paper")
+
+
+def inputs(world: int, batch: int = 1):
     import pbs
 
-    return pbs.testing.make_qkv(seq_len=SEQ_LENS[world], seed=3, **SHAPE)
+    return pbs.testing.make_qkv(seq_len=SEQ_LENS[world], seed=3, **{**SHAPE, "batch": batch})
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +89,12 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
                 "masks": [None if p is None else p.mask.to_dense() for p in res.plans],
                 "orders": [None if p is None else p.key_permutation.indices for p in res.plans],
             }
+        batch2 = [cp.shard_sequence(x, rank, world) for x in inputs(world, batch=2)]
+        results["batch2"] = {}
+        for name in BATCH2_CASES:
+            res = cp.context_parallel_attend(*batch2, CASES[name])
+            results["batch2"][name] = {"out": res.out, "masks": [p.mask.to_dense() for p in res.plans],
+                                       "chunks": res.chunks}
         results["errors"] = error_cases(q, k, v, rank, world)
         if world == 2 and os.environ.get("TRITON_INTERPRET") == "1":
             import pbs
@@ -204,6 +214,29 @@ def test_masks_are_the_rows_of_the_one_process_mask(cp_run, name):
             assert tk == -(-end // bs)
             assert torch.equal(mask, rows[..., :tk]), f"rank {rank}, chunk [{start}, {end}): masks differ"
             assert not rows[..., tk:].any()
+
+
+@pytest.mark.parametrize("name", BATCH2_CASES)
+def test_a_batch_of_two_equals_one_process(cp_run, name):
+    # B = 2: both sequences' outputs and masks equal one process on the same batch.
+    import pbs
+    from pbs.dense import DensePolicy
+    from pbs.distributed import unshard_sequence
+
+    world, ranks = cp_run
+    q, k, v = inputs(world, batch=2)
+    config = pbs.PBSConfig.coerce(CASES[name])
+    attended = pbs.api.attend(q, k, v, DensePolicy(config))
+    assert attended.reason is None  # planned, not dense: the masks below are what is compared
+    out = unshard_sequence([r["batch2"][name]["out"] for r in ranks])
+    assert out.shape == (2, *attended.out.shape[1:])
+    torch.testing.assert_close(out, attended.out, rtol=2e-5, atol=2e-5)
+    whole = pbs.plan(q, k, config).mask.to_dense()
+    bs = config.block_size
+    assert not torch.equal(whole[0], whole[1])  # two different sequences, two different masks
+    for result in ranks:
+        for (start, end), mask in zip(result["batch2"][name]["chunks"], result["batch2"][name]["masks"]):
+            assert torch.equal(mask, whole[:, :, start // bs: -(-end // bs), : mask.shape[-1]])
 
 
 def test_chunks_follow_the_zigzag_rule(cp_run):
