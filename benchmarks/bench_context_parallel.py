@@ -35,7 +35,8 @@ from an unequal split. Peak memory is ``torch.cuda.max_memory_allocated`` per
 rank during the row (inputs included).
 
 One GPU (``--single-lens``, default 256K and 512K; ``--single-repeats`` timed calls): rank 0 alone runs ``pbs.attention`` with the
-same configs on the whole sequence and cuDNN SDPA (the other ranks wait), so that the 4-GPU file
+same configs on the whole sequence and SDPA pinned to the kernel the ring ran (cuDNN with ``enable_gqa``
+on an H100; `one_gpu_sdpa`) while the other ranks wait, so that the 4-GPU file
 holds its own baseline; ``scaling`` gives the speed-up and the efficiency ``t1 / (P * tP)`` per
 method and length. ``--world 1`` runs only those single-GPU rows (plain python).
 
@@ -228,10 +229,36 @@ def kv_allgather_ms(ranks: Ranks, k: torch.Tensor, v: torch.Tensor) -> float:
     return median(times)
 
 
+def one_gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Causal SDPA on one GPU through the kernel the ring ran (cuDNN with ``enable_gqa`` where it
+    runs, as the ring's first choice), so that the scaling compares one kernel with itself; left to
+    itself SDPA takes FlashAttention-2 first (torch's default order). Returns the call, with the
+    backend's name in ``.backend``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend_name, native_gqa = _RING_WAY or ("CUDNN_ATTENTION", True)
+    backends = [getattr(SDPBackend, backend_name)] + [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
+                                             if b.name != backend_name]
+    group = q.shape[1] // k.shape[1]
+    if not native_gqa:
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    for backend in backends:
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa)
+
+        try:
+            call()
+        except RuntimeError:  # this backend does not take these inputs: the next one
+            continue
+        call.backend = backend.name
+        return call
+    raise RuntimeError("no SDPA backend of cuDNN and FlashAttention runs these inputs")
+
+
 def single_gpu_rows(n: int, shape: dict, dtype, device: torch.device, seed: int, warmup: int, repeats: int,
                     methods: list[str]) -> list[dict[str, Any]]:
-    import torch.nn.functional as F
-
     import pbs
     from pbs.dense import DensePolicy
 
@@ -245,7 +272,7 @@ def single_gpu_rows(n: int, shape: dict, dtype, device: torch.device, seed: int,
         reset_peak(device)
         try:
             if config is None:
-                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+                fn = one_gpu_sdpa(q, k, v)
             else:
                 policy = DensePolicy(pbs.PBSConfig.coerce(config))
                 fn = lambda: pbs.api.attend(q, k, v, policy)  # noqa: E731
@@ -254,7 +281,9 @@ def single_gpu_rows(n: int, shape: dict, dtype, device: torch.device, seed: int,
             results = [watch(fn) for _ in range(repeats)]
             row = {"seq_len": n, "method": name, "world": 1, "time_ms": median([t for t, _ in results]),
                    "times_ms": [t for t, _ in results], "peak_gib": peak_gib(device)}
-            if config is not None:
+            if config is None:
+                row["backend"] = fn.backend
+            else:
                 attended = results[-1][1]
                 row["reason"] = attended.reason
                 row["density"] = attended.plan.density if attended.plan is not None and attended.reason is None else None
