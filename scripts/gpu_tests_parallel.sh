@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test at once on a host of 4 GPUs: the test files in 4 groups, one pytest process per GPU
 # (CUDA_VISIBLE_DEVICES). On 4 H100s (ca7ccbd) groups 1 and 2 took 250 s and 191 s; groups 0 and 3 had
-# not finished at 280 s (40 of 48 and 8 of 27 tests done), so the limit per group is 450 s.
+# not finished at 280 s (40 of 48 and 8 of 30 tests done), so the limit per group is 450 s.
 #   bash scripts/gpu_tests_parallel.sh        (logs in $OUT, default .gpu-out: gpu_tests_group<N>.log)
 # Installs pydantic, pytest-benchmark and hypothesis from .device-wheels first (scripts/gpu_check.sh says how
 # to download them); WHEELS=<folder> points elsewhere.
