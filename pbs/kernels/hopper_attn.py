@@ -613,7 +613,7 @@ def hopper_block_sparse_attention(
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
     (no tile ``config``; ``lse`` the same optional float32 buffer; ``block_table`` the same paged
-    cache, of a ``page_size`` that is a multiple of 128), same result, on inputs the kernel
+    cache, of a ``page_size`` that `gluon_page_size_ok` accepts), same result, on inputs the kernel
     supports (the caller checks).
 
     Returns:
