@@ -25,7 +25,7 @@ Logits check (``--check-len``, 32768 by default): the context-parallel last-posi
 against the same model in one process on each GPU (``attn_implementation="pbs"`` with the same
 config, or SDPA for ``cp_dense``), relative difference and top-1; ``pbs_budget_0.2`` is not
 compared (its seeded draw depends on the shape of the call, so it selects other blocks). The bound
-is the larger of ``CHECK_RTOL`` and twice the noise of bf16 on this model: the same difference
+is the larger of ``LOGITS_RTOL`` (2%) and twice the noise of bf16 on this model: the same difference
 between two of PyTorch's dense SDPA kernels in one process (FlashAttention and cuDNN; flash and
 math on the CPU), ``noise_reference`` in the JSON.
 
@@ -59,11 +59,14 @@ import pbs.integrations.context_parallel as pbs_cp  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     LLAMA_8B_SHAPE,
+    LOGITS_RTOL,
     build_llama,
+    compare_logits,
     environment,
     llama_config,
     relaunch_under_torchrun,
     save,
+    sdpa_kernel_noise,
 )
 
 SMOKE_SHAPE = dict(LLAMA_8B_SHAPE, num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
@@ -80,7 +83,6 @@ LONG = 262144
 CHECK_LEN = 32768
 SMOKE_CHECK_LEN = 2048
 SMOKE_MIN_SEQ_LEN = 256
-CHECK_RTOL = 0.02
 GIB = 2**30
 
 
@@ -198,41 +200,11 @@ def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def compare(single: torch.Tensor, cp: torch.Tensor, noise: float | None = None) -> dict[str, Any]:
-    """``cp``'s last logits against ``single``'s. They agree when the largest difference is within
-    ``CHECK_RTOL`` of the largest logit, or within twice ``noise`` (the same measure between two of
-    PyTorch's own dense kernels on this model, `noise_reference`), and the top-1 token is the same
-    unless the single run's top-2 margin is within twice the difference."""
-    diff = float((cp - single).abs().max())
-    scale = float(single.abs().max())
-    top2 = single.topk(2).values
-    margin = float(top2[0] - top2[1])
-    top1 = int(cp.argmax()) == int(single.argmax())
-    rel = diff / scale if scale else float("inf")
-    bound = max(CHECK_RTOL, 2 * noise) if noise is not None else CHECK_RTOL
-    return {"max_abs_diff": diff, "max_abs_logit": scale, "rel_diff": rel, "top1_equal": top1,
-            "top1_margin_single": margin, "bound": bound, "agree": rel <= bound and (top1 or margin <= 2 * diff)}
-
-
 def noise_reference(model, ids: torch.Tensor) -> dict[str, Any]:
-    """The relative difference of the last logits between two of PyTorch's dense attention kernels in
-    one process (SDPA pinned to FlashAttention against cuDNN on CUDA, against the math kernel on the
-    CPU): what bf16 over the model's layers does to the logits when only the kernel's order of
-    summation changes."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    second = SDPBackend.CUDNN_ATTENTION if ids.is_cuda else SDPBackend.MATH
+    """`benchmarks.common.sdpa_kernel_noise` of the model in one process at ``ids``."""
     pbs_hf.switch_attention(model, "sdpa")
-    logits = []
-    try:
-        for backend in (SDPBackend.FLASH_ATTENTION, second):
-            with sdpa_kernel([backend]), torch.inference_mode():
-                logits.append(model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu())
-    except RuntimeError as error:  # a backend that does not take these inputs
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
-    entry = compare(logits[0], logits[1])
-    return {"kernels": ["FLASH_ATTENTION", second.name], "rel_diff": entry["rel_diff"],
-            "max_abs_diff": entry["max_abs_diff"], "top1_equal": entry["top1_equal"]}
+    return sdpa_kernel_noise(
+        lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu(), ids.is_cuda)
 
 
 def logits_check(model, ids: torch.Tensor, methods: list[str], smoke: bool, device: torch.device) -> dict[str, Any]:
@@ -258,7 +230,7 @@ def logits_check(model, ids: torch.Tensor, methods: list[str], smoke: bool, devi
         free_memory(device)
         use_method(method, smoke)
         out = pbs_cp.context_parallel_prefill(model, ids)
-        entry = compare(single, out.last_logits[0].float().cpu(), noise)
+        entry = compare_logits(single, out.last_logits[0].float().cpu(), noise)
         entry["cp_paths"] = dict(collections.Counter(c.path for c in out.layers))
         check["methods"][method] = entry
         free_memory(device)
@@ -389,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 "timing": "TTFT: barrier, then context_parallel_prefill (logits_to_keep=1) and the greedy token on "
                           "the host; wall-clock on rank 0, median of the timed runs",
                 "logits_check": check,
-                "check_rtol": CHECK_RTOL,
+                "check_rtol": LOGITS_RTOL,
                 "total_seconds": time.perf_counter() - began,
                 "rows": rows,
             }

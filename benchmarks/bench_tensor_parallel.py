@@ -36,9 +36,12 @@ rather than run dense by length). Under tensor parallelism, before the model is 
 runs the whole (unsharded) model on its GPU: that is the single-GPU run, on the very tensors the
 shards are cut from. The tensor-parallel model then runs the same prompt, and the last position's
 logits are compared, per method: max abs difference, relative to the largest logit, top-1 and
-top-5 agreement. ``agree`` means a relative difference of at most ``CHECK_RTOL`` (2%, bf16 through
-32 layers whose reductions TP reorders) and the same top-1 token unless the single run's top-1 /
-top-2 margin is within twice the max difference (a tie bf16 may break either way). A world-1 run
+top-5 agreement. ``agree`` (`benchmarks.common.compare_logits`) means a relative difference of at
+most the larger of 2% and twice the noise of bf16 on this model, and the same top-1 token unless
+the single run's top-1 / top-2 margin is within twice the max difference (a tie bf16 may break
+either way). The noise (``noise_reference``) is measured on the unsharded model first: its last
+logits under SDPA pinned to FlashAttention against cuDNN (`benchmarks.common.sdpa_kernel_noise`),
+where only the kernel's order of summation changes, as TP changes the reductions' order. A world-1 run
 records the unsharded model's top-5 at the same length (to set beside a world-2 run's).
 
 TTFT is `pbs.integrations.ttft.measure_ttft` (the measurement of ``pbs generate`` and
@@ -95,12 +98,15 @@ import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     LLAMA3_ROPE,
     LLAMA_8B_SHAPE,
+    LOGITS_RTOL,
     Ranks,
     build_llama,
+    compare_logits,
     environment,
     llama_config,
     relaunch_under_torchrun,
     save,
+    sdpa_kernel_noise,
 )
 from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
@@ -130,7 +136,6 @@ LONG = 131072  # lengths above this get --long-repeats
 CHECK_LEN = 32768  # pbs's defaults run dense below dense_fallback.min_seq_len = 32768
 SMOKE_CHECK_LEN = 512
 SMOKE_MIN_SEQ_LEN = 256  # --smoke lowers pbs's min_seq_len (32768) so that its short prompts plan
-CHECK_RTOL = 0.02
 GIB = 2**30
 
 
@@ -243,25 +248,6 @@ def paths_of(calls: list) -> dict[str, int]:
     return dict(collections.Counter(c.path for c in calls))
 
 
-def compare_logits(single: torch.Tensor, tp: torch.Tensor) -> dict[str, Any]:
-    diff = float((tp - single).abs().max())
-    scale = float(single.abs().max())
-    top2 = single.topk(2).values
-    margin = float(top2[0] - top2[1])
-    top1_equal = int(tp.argmax()) == int(single.argmax())
-    top5 = len(set(tp.topk(5).indices.tolist()) & set(single.topk(5).indices.tolist()))
-    rel = diff / scale if scale else float("inf")
-    return {
-        "max_abs_diff": diff,
-        "max_abs_logit": scale,
-        "rel_diff": rel,
-        "top1_equal": top1_equal,
-        "top1_margin_single": margin,
-        "top5_overlap": top5,
-        "agree": rel <= CHECK_RTOL and (top1_equal or margin <= 2 * diff),
-    }
-
-
 # --------------------------------------------------------------------------------------------
 # Timing
 
@@ -371,6 +357,9 @@ def check_table(check: dict[str, Any]) -> str:
         lines.append(f"  {method:<15} {c['max_abs_diff']:>10.4g} {c['max_abs_logit']:>11.4g} {c['rel_diff']:>7.2%} "
                      f"{'same' if c['top1_equal'] else 'diff':>5} {c['top5_overlap']:>3}/5  {str(c['agree']):<5}  "
                      f"{c['single_paths'] or '-'} | {c['tp_paths'] or '-'}")
+    noise = check.get("noise_reference") or {}
+    if "rel_diff" in noise:
+        lines.append(f"  noise: {' against '.join(noise['kernels'])} on the unsharded model differ by {noise['rel_diff']:.2%}")
     return "\n".join(lines)
 
 
@@ -536,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                     single[method] = {"error": "did not fit (out of memory)"}
                 free_memory(ranks)
             check = {"seq_len": args.check_len, "world": world, "methods": {}}
+            use_method(model, "sdpa")
+            check["noise_reference"] = sdpa_kernel_noise(lambda: last_logits(model, ids)[0], ranks.cuda)
+            free_memory(ranks)
             for method, s in single.items():
                 if "error" in s:
                     check["methods"][method] = {"error": s["error"]}
@@ -561,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             if check is not None:
                 # a method that did not fit unsharded on some rank is skipped on every rank (they meet in its forward)
                 failed = set().union(*ranks.gather({m for m, c in check["methods"].items() if "error" in c}))
+                noise = check["noise_reference"].get("rel_diff")
                 for method in args.methods:
                     entry = check["methods"][method]
                     if method in failed:
@@ -569,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                     use_method(model, method, min_seq_len)
                     try:
                         logits, calls = last_logits(model, ids)
-                        entry.update(compare_logits(single[method]["logits"], logits), tp_paths=paths_of(calls))
+                        entry.update(compare_logits(single[method]["logits"], logits, noise), tp_paths=paths_of(calls))
                     except torch.OutOfMemoryError:
                         entry["error"] = "tensor-parallel run did not fit (out of memory)"
                     free_memory(ranks)
@@ -634,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model_load_s": loaded_s,
                 "model_gib_per_rank": model_gib,
                 "logits_check": check,
-                "check_rtol": CHECK_RTOL,
+                "check_rtol": LOGITS_RTOL,
                 "baseline": baseline,
                 "total_seconds": time.perf_counter() - began,
                 "rows": rows,

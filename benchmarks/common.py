@@ -285,3 +285,52 @@ def relaunch_under_torchrun(script: str, world: int, argv: list[str]) -> int:
                str(Path(script).resolve()), *argv]
     print(f"starting {world} ranks: {' '.join(command)}", flush=True)
     return subprocess.call(command)
+
+
+LOGITS_RTOL = 0.02
+"""The least bound of a logits check: the largest difference within 2% of the largest logit."""
+
+
+def compare_logits(single: torch.Tensor, other: torch.Tensor, noise: float | None = None) -> dict[str, Any]:
+    """``other``'s last logits ``(vocab,)`` against ``single``'s (the same model in one process).
+
+    They agree when the largest difference is within the larger of ``LOGITS_RTOL`` and twice
+    ``noise`` (the same measure between two of PyTorch's dense kernels, `sdpa_kernel_noise`) of the
+    largest logit, and the top-1 token is the same unless the single run's top-2 margin is within
+    twice the difference.
+    """
+    diff = float((other - single).abs().max())
+    scale = float(single.abs().max())
+    top2 = single.topk(2).values
+    margin = float(top2[0] - top2[1])
+    top1_equal = int(other.argmax()) == int(single.argmax())
+    top5 = len(set(other.topk(5).indices.tolist()) & set(single.topk(5).indices.tolist()))
+    rel = diff / scale if scale else float("inf")
+    bound = LOGITS_RTOL if noise is None else max(LOGITS_RTOL, 2 * noise)
+    return {"max_abs_diff": diff, "max_abs_logit": scale, "rel_diff": rel, "top1_equal": top1_equal,
+            "top1_margin_single": margin, "top5_overlap": top5, "bound": bound,
+            "agree": rel <= bound and (top1_equal or margin <= 2 * diff)}
+
+
+def sdpa_kernel_noise(last_logits: Callable[[], torch.Tensor], on_cuda: bool) -> dict[str, Any]:
+    """What bf16 does to a model's logits when only the attention kernel's order of summation
+    changes: ``last_logits()`` (the model's last logits, with SDPA as its attention) under SDPA
+    pinned to FlashAttention and to cuDNN (to the math kernel on the CPU), compared.
+
+    Returns ``kernels``, ``rel_diff``, ``max_abs_diff`` and ``top1_equal``, or ``error`` where a
+    kernel does not take the inputs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    second = SDPBackend.CUDNN_ATTENTION if on_cuda else SDPBackend.MATH
+    logits = []
+    try:
+        for backend in (SDPBackend.FLASH_ATTENTION, second):
+            with sdpa_kernel([backend]), torch.inference_mode():
+                logits.append(last_logits())
+    except RuntimeError as error:
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+    entry = compare_logits(logits[0], logits[1])
+    return {"kernels": ["FLASH_ATTENTION", second.name], "rel_diff": entry["rel_diff"],
+            "max_abs_diff": entry["max_abs_diff"], "top1_equal": entry["top1_equal"]}
+
