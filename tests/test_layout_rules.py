@@ -278,3 +278,18 @@ def test_no_import_circle_even_through_function_level_imports():
 def test_the_circle_finder_finds_circles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_parallel_gpu_script_runs_every_file_with_gpu_tests():
+    # scripts/gpu_tests_parallel.sh lists its test files by hand in 4 groups: a file with GPU tests
+    # that no group names would never run there.
+    import re
+
+    root = PACKAGE.parent
+    script = (root / "scripts" / "gpu_tests_parallel.sh").read_text()
+    grouped = set(re.findall(r"tests/test_\w+\.py", script))
+    with_gpu_tests = {f"tests/{path.name}" for path in (root / "tests").glob("test_*.py")
+                      if re.search(r"^\s*@pytest\.mark\.gpu\b|^pytestmark\s*=.*\bgpu\b", path.read_text(), re.M)}
+    assert with_gpu_tests, "no GPU tests found"
+    assert with_gpu_tests <= grouped, f"not in any group: {sorted(with_gpu_tests - grouped)}"
+    assert grouped <= {f"tests/{path.name}" for path in (root / "tests").glob("test_*.py")}
