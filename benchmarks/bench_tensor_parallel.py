@@ -111,18 +111,8 @@ from benchmarks.common import (  # noqa: E402
 from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
 MODEL_SHAPE = LLAMA_8B_SHAPE
-SMOKE_SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
-    vocab_size=1024,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+SMOKE_SHAPE = dict(LLAMA_8B_SHAPE, num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=512, vocab_size=1024, max_position_embeddings=4096)
 ROPE = LLAMA3_ROPE
 # attention methods: None is transformers' SDPA, a dict the PBSConfig registered for "pbs"
 METHODS: dict[str, dict[str, Any] | None] = {
