@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from pbs.api import ConfigLike, _on_device_of, attention
@@ -10,7 +12,9 @@ from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.types import PagedTensor
 from pbs.serving.varlen_checks import (
+    check_cu_seqs,
     check_max_length,
+    check_paged_arguments,
     check_packed_qkv,
     check_paged_qkv,
     output_buffer,
@@ -35,6 +39,7 @@ def varlen_attention(
     scale: float | None = None,
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    capturable: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal PBS attention over a batch of sequences packed along the token axis.
 
@@ -45,10 +50,23 @@ def varlen_attention(
     its own and gets exactly what ``pbs.attention`` gives on that sequence alone, so the dense
     fallback is decided per sequence; other sequences in the batch change nothing.
 
-    Today every sequence is one `pbs.attention` call on zero-copy strided views of the packed
+    By default every sequence is one `pbs.attention` call on zero-copy strided views of the packed
     tensors (no K/V copy, GQA native), written into ``out``. The lengths are read on the host once
-    (one device-to-host copy of both ``cu_seq`` tensors), so a call cannot be captured in a CUDA
-    graph yet; ``max_q`` and ``max_k`` are checked and reserved for a future path without that read.
+    (one device-to-host copy of both ``cu_seq`` tensors), so such a call cannot be captured in a
+    CUDA graph.
+
+    **CUDA graphs** (``capturable=True``). No tensor is read on the host: the sequences are padded
+    to ``max_q``/``max_k`` on the device, planned together with each sequence's lengths read from
+    the device, and attended in one launch (`pbs.serving.capturable`), so a graph captured at
+    given ``Tq``, ``Tk``, ``N``, ``max_q`` and ``max_k`` replays correctly with any lengths within
+    them. Each sequence gets the selection it gets alone, and the dense policy's rules are decided
+    per sequence on the device; a sequence that decides dense runs every allowed block on the
+    block-sparse kernel (not SDPA). It plans unpermuted configs with the ``mean_pool``,
+    ``vertical_slash`` and ``union`` selectors (the defaults among them), on the ``hopper``,
+    ``triton`` or ``reference`` backend; others raise a ``ValueError``. Outside a capture the
+    lengths are still read and checked as above (the warm-up call before a capture validates its
+    arguments); inside one only shapes, dtypes and devices are, and lengths above ``max_q`` or
+    ``max_k``, or page indices out of range, are the caller's to rule out (as in FlashAttention).
 
     **Paged KV cache.** With ``block_table``, ``k`` and ``v`` are the caches
     ``(num_pages, page_size, Hkv, D)`` and ``(num_pages, page_size, Hkv, Dv)``, and sequence ``i``'s
@@ -91,6 +109,7 @@ def varlen_attention(
             two (16, 64 and 128 are the common ones; 1 to 2**k all work).
         seqused_k: ``(N,)`` int32 on ``q``'s device, with ``block_table`` only: the keys of each
             sequence, ``len_q <= seqused_k[i] <= max_pages * page_size``.
+        capturable: take the path without host reads, for CUDA-graph capture (see above).
 
     Returns:
         ``(Tq, Hq, Dv)`` in ``q``'s dtype, and with ``return_lse`` the LSE ``(Hq, Tq)`` float32
@@ -108,7 +127,7 @@ def varlen_attention(
             not a power of two, ``block_table``/``seqused_k`` of the wrong shape or device, a
             page index out of range, ``seqused_k[i]`` negative or above what the sequence's
             pages hold. (The dtype of ``block_table``/``seqused_k`` is a TypeError.)
-        RuntimeError: called during CUDA graph capture.
+        RuntimeError: called during CUDA graph capture without ``capturable=True``.
 
     Example:
         Two sequences, a prompt of 96 tokens and a chunk of 32 queries after a prefix of 64 cached
@@ -141,12 +160,15 @@ def varlen_attention(
         check_paged_qkv(q, k, v)
     else:
         check_packed_qkv(q, k, v)
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and not capturable:
         raise RuntimeError(
-            f"pbs.varlen_attention cannot be captured in a CUDA graph yet: it reads cu_seq_q and "
-            f"{'seqused_k' if paged else 'cu_seq_k'} on the host (one sync) to split the batch. Call it "
-            "outside the capture, or capture pbs.attention per sequence"
+            f"pbs.varlen_attention reads cu_seq_q and {'seqused_k' if paged else 'cu_seq_k'} on the host (one "
+            "sync) to split the batch, which a CUDA graph capture forbids: pass capturable=True to capture it"
         )
+    if capturing:
+        return _capturable_call(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse, out, scale,
+                                block_table, seqused_k, checked=False)
     if paged:
         bounds_q, lengths_k = read_paged_bounds(cu_seq_q, cu_seq_k, seqused_k, block_table, q, k)
         bounds_k = [0]
@@ -156,6 +178,9 @@ def varlen_attention(
         bounds_q, bounds_k = read_bounds(cu_seq_q, cu_seq_k, q, k)
     check_max_length("max_q", max_q, bounds_q, "query")
     check_max_length("max_k", max_k, bounds_k, "key")
+    if capturable:
+        return _capturable_call(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse, out, scale,
+                                block_table, seqused_k, checked=True)
     config = PBSConfig.coerce(config)  # once, not once per sequence
     check_scale(scale, q.shape[-1])  # here too: a batch of empty sequences never reaches pbs.attention
     total_q, heads_q = q.shape[0], q.shape[1]
@@ -181,6 +206,43 @@ def varlen_attention(
         if lse is not None:
             lse[:, q_start:q_end] = sequence_lse[0]
     return (out, lse) if lse is not None else out
+
+
+def _capturable_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor | None,
+    max_q: int, max_k: int, config: ConfigLike, return_lse: bool, out: torch.Tensor | None, scale: float | None,
+    block_table: torch.Tensor | None, seqused_k: torch.Tensor | None, *, checked: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention` with ``capturable=True``, its lengths checked on the host already
+    (``checked``) or, inside a capture, checked for shapes, dtypes and devices only."""
+    from pbs.serving.capturable import capturable_varlen_attention, check_capturable_config
+
+    if not checked:
+        if block_table is not None:
+            check_paged_arguments(cu_seq_q, cu_seq_k, seqused_k, block_table, q)
+        else:
+            check_cu_seqs(cu_seq_q, cu_seq_k, q)
+        for name, value in (("max_q", max_q), ("max_k", max_k)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise TypeError(f"{name} must be a non-negative int (the longest sequence), got {value!r}")
+    config = PBSConfig.coerce(config)
+    check_capturable_config(config)
+    scale = check_scale(scale, q.shape[-1])
+    out = output_buffer(out, q, v.shape[-1])
+    finite = config.checks_finite(q.device)
+    if finite and not checked:
+        raise ValueError("config.check_finite=True reads the inputs on the host, which a CUDA graph capture "
+                         "forbids: leave it None or False for a captured call")
+    if block_table is not None:
+        block_table = block_table.contiguous()
+    if q.shape[0] == 0:
+        empty_lse = torch.empty(q.shape[1], 0, dtype=torch.float32, device=q.device)
+        return (out, empty_lse) if return_lse else out
+    result, lse = capturable_varlen_attention(
+        q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, scale=scale, out=out, return_lse=return_lse,
+        block_table=block_table, seqused_k=seqused_k, check_finite=finite,
+    )
+    return (result, lse) if return_lse else result
 
 
 def _attend_paged(

@@ -94,15 +94,10 @@ def check_paged_qkv(q: object, k_cache: object, v_cache: object) -> None:
         )
 
 
-def read_paged_bounds(
-    cu_seq_q: object, cu_seq_k: object, seqused_k: object, block_table: object, q: torch.Tensor, k_cache: torch.Tensor
-) -> tuple[list[int], list[int]]:
-    """Checks ``cu_seq_q``, ``seqused_k`` and ``block_table`` of a paged call and reads them on
-    the host in one copy (the lengths, and per sequence whether a page it uses is out of range).
-
-    Returns:
-        ``(bounds_q, lengths_k)``: the ``N + 1`` query boundaries and the ``N`` key lengths.
-    """
+def check_paged_arguments(cu_seq_q: object, cu_seq_k: object, seqused_k: object, block_table: object,
+                          q: torch.Tensor) -> None:
+    """The checks of a paged call's lengths and block table that read no value: types, dtypes,
+    shapes and devices (all a CUDA graph capture allows)."""
     if cu_seq_k is not None:
         raise ValueError(
             "cu_seq_k must be None with a paged cache (block_table): the key lengths are seqused_k alone "
@@ -114,7 +109,6 @@ def read_paged_bounds(
     num_sequences = cu_seq_q.shape[0] - 1
     if seqused_k is None:
         raise ValueError("seqused_k is required with a paged cache (block_table): (N,) int32, the keys of each sequence")
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     for name, x, shape, rank in (("seqused_k", seqused_k, "(N,)", 1), ("block_table", block_table, "(N, max_pages)", 2)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -130,6 +124,21 @@ def read_paged_bounds(
                 f"{name} must have shape {shape} with N = {num_sequences} sequences (len(cu_seq_q) - 1), got "
                 f"shape {tuple(x.shape)}"
             )
+
+
+def read_paged_bounds(
+    cu_seq_q: object, cu_seq_k: object, seqused_k: object, block_table: object, q: torch.Tensor, k_cache: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """Checks ``cu_seq_q``, ``seqused_k`` and ``block_table`` of a paged call and reads them on
+    the host in one copy (the lengths, and per sequence whether a page it uses is out of range).
+
+    Returns:
+        ``(bounds_q, lengths_k)``: the ``N + 1`` query boundaries and the ``N`` key lengths.
+    """
+    check_paged_arguments(cu_seq_q, cu_seq_k, seqused_k, block_table, q)
+    assert isinstance(cu_seq_q, torch.Tensor)
+    num_sequences = cu_seq_q.shape[0] - 1
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     assert isinstance(seqused_k, torch.Tensor) and isinstance(block_table, torch.Tensor)
     max_pages = block_table.shape[1]
     # Pages a sequence uses, then whether any of them is out of range: worked out on the device so
@@ -200,14 +209,8 @@ def _check_bounds(name: str, values: list[int], total: int, tensor_name: str) ->
         )
 
 
-def read_bounds(
-    cu_seq_q: object, cu_seq_k: object, q: torch.Tensor, k: torch.Tensor
-) -> tuple[list[int], list[int]]:
-    """Checks the two cumulative-length tensors and reads them on the host in one copy.
-
-    Returns:
-        ``(bounds_q, bounds_k)``: the ``N + 1`` boundaries of each as Python ints, checked.
-    """
+def check_cu_seqs(cu_seq_q: object, cu_seq_k: object, q: torch.Tensor) -> None:
+    """The checks of two cumulative-length tensors that read no value: types, dtypes, shapes, devices."""
     for name, cu in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
         _check_cu_seq(name, cu, q)
     assert isinstance(cu_seq_q, torch.Tensor) and isinstance(cu_seq_k, torch.Tensor)
@@ -216,6 +219,18 @@ def read_bounds(
             "cu_seq_q and cu_seq_k must have the same length N + 1 (one entry per sequence boundary), "
             f"got {cu_seq_q.shape[0]} and {cu_seq_k.shape[0]}"
         )
+
+
+def read_bounds(
+    cu_seq_q: object, cu_seq_k: object, q: torch.Tensor, k: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """Checks the two cumulative-length tensors and reads them on the host in one copy.
+
+    Returns:
+        ``(bounds_q, bounds_k)``: the ``N + 1`` boundaries of each as Python ints, checked.
+    """
+    check_cu_seqs(cu_seq_q, cu_seq_k, q)
+    assert isinstance(cu_seq_q, torch.Tensor) and isinstance(cu_seq_k, torch.Tensor)
     entries = cu_seq_q.shape[0]
     # The one host read of the call (a sync on CUDA): both tensors in one copy.
     both = torch.cat((cu_seq_q, cu_seq_k)).tolist()

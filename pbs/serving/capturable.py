@@ -1,0 +1,170 @@
+"""`pbs.varlen_attention(..., capturable=True)`: the varlen call with no host read, for CUDA graphs.
+
+A serving engine captures its forward once per bucket of maxima and replays it with new lengths.
+Every launch here therefore has a shape fixed by ``(Tq, Tk, N, max_q, max_k)`` and the tensors'
+own shapes, and every decision that depends on the lengths is taken on the device:
+
+1. the sequences are gathered into padded ``(N, H, max, D)`` buffers (`pbs.serving.ragged`);
+2. each is planned as it is alone (`pbs.serving.ragged_planners`), and the dense policy's three
+   rules are evaluated per sequence on the device; a sequence that decides dense gets every
+   allowed block (dense attention on the block-sparse kernel, as paged calls run it eagerly);
+3. one kernel launch attends all sequences, each query reading its own causal offset from the
+   query positions, and the rows are scattered back to the packing.
+
+What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
+them in place), planning always runs (the eager path skips it for sequences that the length rule
+sends to dense attention), and dense sequences run on the block-sparse kernel instead of cuDNN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pbs.backends import CallSpec, resolve_backend
+from pbs.config import PBSConfig
+from pbs.dense import _GATE_UNIT, probe_gate_limit
+from pbs.layout import Layout
+from pbs.serving.ragged import RaggedGeometry, pad_packed, pad_paged, ragged_geometry, unpad_rows
+from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
+from pbs.types import BlockMask
+from pbs.validation import check_all_finite
+
+CAPTURABLE_BACKENDS = ("hopper", "triton", "reference")
+"""Backends the capturable path launches: those that take per-query positions."""
+
+
+def check_capturable_config(config: PBSConfig) -> None:
+    """Raises a ``ValueError`` naming the field of ``config`` that the capturable path does not run."""
+    if config.permuter.name != "none":
+        raise ValueError(
+            f"capturable=True plans unpermuted layouts only: config.permuter must be 'none' (the defaults), got "
+            f"{config.permuter.name!r}; a permuter's key order needs the sequence's length on the host. Call "
+            "varlen_attention without capturable for this config"
+        )
+    found = unsupported_selector(config.selector)
+    if found is not None:
+        raise ValueError(
+            f"capturable=True plans the selectors 'mean_pool', 'vertical_slash' and a 'union' of them (the "
+            f"defaults), got {found!r} in config.selector; call varlen_attention without capturable for it"
+        )
+    if not config.causal:
+        raise ValueError("capturable=True runs causal attention only: config.causal must be True")
+    if config.backend not in ("auto", *CAPTURABLE_BACKENDS):
+        raise ValueError(f"capturable=True runs on the backends {CAPTURABLE_BACKENDS} (or 'auto'), got "
+                         f"config.backend = {config.backend!r}")
+
+
+def dense_decisions(config: PBSConfig, geometry: RaggedGeometry, selected: torch.Tensor,
+                    counters: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """`pbs.dense.DensePolicy`'s rules per sequence, on the device: ``(N,)`` bool, or None where
+    the policy does not apply (a named backend, or a device outside ``dense_fallback.devices``).
+
+    1. length: ``len_k < min_seq_len``; 2. probe: ``kept / visible > max_density`` in the integer
+    form of the gated kernel (`pbs.dense.probe_says_dense`); 3. planned density: selected over
+    allowed blocks of all heads above ``max_planned_density``.
+    """
+    fallback = config.dense_fallback
+    if config.backend != "auto" or geometry.device.type not in fallback.devices:
+        return None
+    dense = geometry.len_k < fallback.min_seq_len
+    if fallback.max_density is None:
+        return dense
+    if counters is not None:
+        kept, visible = counters
+        dense = dense | (kept * _GATE_UNIT > probe_gate_limit(fallback.max_density) * visible)
+    if fallback.max_planned_density is not None:
+        heads = selected.shape[1]
+        chosen = selected.sum((1, 2, 3), dtype=torch.float64)
+        allowed = geometry.allowed.sum((1, 2), dtype=torch.float64) * heads
+        dense = dense | (chosen > fallback.max_planned_density * allowed)
+    return dense
+
+
+def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
+                scale: float) -> tuple[BlockMask, torch.Tensor | None]:
+    """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)``, ``k (N, Hkv, Tk*B, D)``,
+    and the per-sequence dense decisions (None where the policy does not apply).
+
+    Returns:
+        ``(mask, dense)``: a `BlockMask` over the padded layout whose lists name only blocks of
+        each sequence's own grid (a dense sequence: all its allowed blocks).
+    """
+    n, hq = q.shape[:2]
+    pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
+    selected = select(config.selector, geometry, q, k, pooled, scale)
+    allowed = geometry.allowed[:, None]
+    selected = (selected | geometry.forced(config.force_sink_block)[:, None]) & allowed
+    dense = dense_decisions(config, geometry, selected, probe_counters(config, geometry, *pooled, scale))
+    if dense is not None:
+        selected = torch.where(dense[:, None, None, None], allowed, selected)
+    layout = padded_layout(geometry, hq, k.shape[1])
+    mask = BlockMask.from_dense(selected, layout)
+    mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
+    return mask, dense
+
+
+def padded_layout(geometry: RaggedGeometry, heads_q: int, heads_kv: int) -> Layout:
+    """The `pbs.Layout` of the padded batch (shapes only; the block sets come from ``geometry``)."""
+    return Layout(geometry.batch, heads_q, heads_kv, geometry.padded_len_q, geometry.padded_len_k,
+                  geometry.block_size, geometry.block_size, causal=True, segmented=False)
+
+
+def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
+                  query_positions: torch.Tensor, scale: float, return_lse: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of the backend ``config.backend`` resolves to over the padded batch: ``(out
+    (N, Hq, Tq*B, Dv), lse (N, Hq, Tq*B) or None)``."""
+    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse)
+    backend = resolve_backend(config.backend, spec)
+    if backend.name not in CAPTURABLE_BACKENDS:
+        raise ValueError(f"capturable=True runs on the backends {CAPTURABLE_BACKENDS}; 'auto' chose "
+                         f"{backend.name!r} here. Name one of them in config.backend")
+    n, hq = q.shape[:2]
+    positions = query_positions[:, None, :].expand(n, hq, -1)
+    if backend.name == "reference":
+        from pbs.reference.block_sparse_attn import block_sparse_attention_reference
+
+        key_positions = torch.arange(k.shape[2], device=k.device).expand(n, k.shape[1], -1)
+        result = block_sparse_attention_reference(q, k, v, mask, positions, key_positions, scale=scale,
+                                                  return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
+        return out.to(q.dtype), lse
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
+    if backend.name == "hopper":
+        from pbs.kernels.hopper_attn import hopper_block_sparse_attention as kernel
+    else:
+        from pbs.kernels.block_sparse_attn import block_sparse_attention as kernel
+    out = kernel(q, k, v, mask, query_positions=positions, scale=scale, lse=lse)
+    return out, lse
+
+
+def capturable_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor | None,
+    max_q: int, max_k: int, config: PBSConfig, *, scale: float, out: torch.Tensor, return_lse: bool,
+    block_table: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None, check_finite: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The work of `pbs.varlen_attention` with ``capturable=True``, on checked arguments: ``out``
+    filled, and the ``(Hq, Tq)`` LSE when asked. Launch shapes depend on the arguments' shapes and
+    ``max_q``/``max_k`` only; no tensor is read on the host, except by ``check_finite`` (a scan
+    of the queries and of the sequences' keys and values, never inside a capture)."""
+    len_q = (cu_seq_q[1:] - cu_seq_q[:-1]).long()
+    if block_table is not None:
+        assert seqused_k is not None
+        len_k = seqused_k.long()
+    else:
+        assert cu_seq_k is not None
+        len_k = (cu_seq_k[1:] - cu_seq_k[:-1]).long()
+    geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
+    q_pad = pad_packed(q, cu_seq_q[:-1], len_q, geometry.padded_len_q)
+    if block_table is not None:
+        k_pad, v_pad = (pad_paged(cache, block_table, len_k, geometry.padded_len_k) for cache in (k, v))
+    else:
+        k_pad, v_pad = (pad_packed(x, cu_seq_k[:-1], len_k, geometry.padded_len_k) for x in (k, v))
+    if check_finite:
+        check_all_finite({"q": q, "k": k_pad, "v": v_pad})
+    mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
+    o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
+    total = q.shape[0]
+    out.copy_(unpad_rows(o_pad, cu_seq_q, total))
+    lse = unpad_rows(lse_pad[..., None], cu_seq_q, total)[..., 0].transpose(0, 1).contiguous() if return_lse else None
+    return out, lse

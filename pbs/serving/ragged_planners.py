@@ -1,0 +1,197 @@
+"""The default selectors and the density probe on a padded batch (`pbs.serving.ragged`), each
+sequence planned as it is planned alone, with its lengths read from the device.
+
+These are the reference selectors' rules (``mean_pool``: `pbs.selectors.mean_pool`;
+``vertical_slash``: `pbs.selectors.vertical_slash`; ``union``; the probe:
+`pbs.reference.density_probe`) written over ``N`` sequences at once in PyTorch operations whose
+shapes depend only on the padded maxima, so that a CUDA graph captured once replays them at new
+lengths. A sequence's block scores are masked to its own grid, its pooled blocks average its own
+tokens, and its line scores read its own last rows: padding never enters a score. The tests hold
+every mask to `pbs.plan` of the sequence alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pbs.config import PBSConfig
+from pbs.reference.logits import grouped_logits
+from pbs.reference.threshold_select import select_by_cumulative_threshold
+from pbs.selectors.vertical_slash import kept_lines, offset_prefix
+from pbs.serving.ragged import RaggedGeometry
+
+SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "union")
+"""Selectors the capturable path plans (a ``union`` of these too)."""
+
+_SCORE_ELEMENTS = 1 << 26
+"""Float32 scores held at once per head chunk (256 MiB)."""
+
+
+def unsupported_selector(selector) -> str | None:
+    """The name of the first (member) selector the capturable path cannot plan, or None."""
+    if selector.name == "union":
+        for member in selector.selectors:
+            found = unsupported_selector(member)
+            if found is not None:
+                return found
+        return None
+    return None if selector.name in SUPPORTED_SELECTORS else selector.name
+
+
+def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``(N, H, T, D)`` float32 means of the blocks of padded ``x (N, H, T * block_size, D)``; a
+    sequence's partial last block averages the tokens it has (zeros past it are summed, not
+    counted), and blocks past its end are 0."""
+    n, h, rows, d = x.shape
+    blocks = rows // block_size
+    sums = x.float().view(n, h, blocks, block_size, d).sum(3)
+    first = torch.arange(blocks, device=x.device) * block_size
+    counts = (lengths[:, None] - first[None, :]).clamp(0, block_size).float()
+    return sums / counts.clamp(min=1.0)[:, None, :, None]
+
+
+def _head_chunk(heads_q: int, group: int, per_head: int) -> int:
+    """Query heads scored at once: whole GQA groups within `_SCORE_ELEMENTS`."""
+    return max(group, (_SCORE_ELEMENTS // max(1, per_head)) // group * group)
+
+
+def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """`MeanPoolSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks)."""
+    n, hq, tq, _ = q_bar.shape
+    tk = k_bar.shape[2]
+    group = hq // k_bar.shape[1]
+    candidates = geometry.allowed[:, None]
+    selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=q_bar.device)
+    step = _head_chunk(hq, group, n * tq * tk)
+    for h0 in range(0, hq, step):
+        h1 = min(hq, h0 + step)
+        logits = grouped_logits(q_bar[:, h0:h1], k_bar[:, h0 // group: h1 // group]) * scale
+        scores = logits.masked_fill_(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        selected[:, h0:h1] = select_by_cumulative_threshold(scores, candidates, selector.threshold)
+    return selected
+
+
+def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """`VerticalSlashSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+
+    Each sequence's last ``min(last_rows, len_q)`` queries are scored against its keys; the
+    vertical (per key) and slash (per offset) shares are their means over those rows.
+    """
+    n, hq, _, d = q.shape
+    hkv, padded_k = k.shape[1], k.shape[2]
+    group = hq // hkv
+    bs = geometry.block_size
+    device = q.device
+    rows = min(selector.last_rows, q.shape[2])
+    rows_of = torch.minimum(geometry.len_q, torch.full_like(geometry.len_q, selector.last_rows))  # (N,)
+    step = torch.arange(rows, device=device)
+    slot = geometry.len_q[:, None] - rows + step[None, :]  # (N, R): the last R slots, oldest first
+    real_row = step[None, :] >= (rows - rows_of)[:, None]
+    slot = slot.clamp(min=0)
+    position = geometry.query_offset[:, None] + slot
+    queries = q.gather(2, slot[:, None, :, None].expand(n, hq, rows, d)).float() * scale
+    key = torch.arange(padded_k, device=device)
+    visible = (key[None, None, :] <= position[:, :, None]) & real_row[:, :, None]  # (N, R, Nk)
+    # Offset o of row r is key position(r) - o: one index tensor serves every head.
+    offset_key = position[:, :, None] - key[None, None, :]
+    offset_real = offset_key >= 0
+    offset_key = offset_key.clamp(min=0)
+    divisor = rows_of.clamp(min=1).float()[:, None, None]
+
+    q_lo, q_hi, _ = geometry.query_blocks
+    k_lo, k_hi, _ = geometry.key_blocks
+    limit = geometry.len_k[:, None, None]
+    lo = torch.minimum((q_lo[:, :, None] - k_hi[:, None, :]).clamp(min=0), limit)
+    hi = torch.minimum((q_hi[:, :, None] - k_lo[:, None, :] + 1).clamp(min=0), limit)
+    tq, tk = lo.shape[1], lo.shape[2]
+
+    selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=device)
+    chunk = _head_chunk(hq, group, n * rows * padded_k * 2)
+    for h0 in range(0, hq, chunk):
+        h1 = min(hq, h0 + chunk)
+        h = h1 - h0
+        logits = grouped_logits(queries[:, h0:h1], k[:, h0 // group: h1 // group])  # (N, h, R, Nk)
+        probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
+        vertical = probs.sum(-2) / divisor
+        along = probs.gather(-1, offset_key[:, None].expand(n, h, rows, padded_k))
+        slash = along.masked_fill_(~offset_real[:, None], 0.0).sum(-2) / divisor
+        del probs, along
+        keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
+        vertical_blocks = keys.view(n, h, tk, bs).any(-1)
+        prefix = offset_prefix(offsets)  # (N, h, Nk + 1)
+        flat = (n, h, tq * tk)
+        crossed = (prefix.gather(-1, hi.reshape(n, 1, -1).expand(flat))
+                   - prefix.gather(-1, lo.reshape(n, 1, -1).expand(flat))) > 0
+        selected[:, h0:h1] = crossed.view(n, h, tq, tk) | vertical_blocks[:, :, None, :]
+    return selected
+
+
+def select(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor, pooled: tuple, scale: float) -> torch.Tensor:
+    """``selector``'s selection, ``(N, Hq, Tq, Tk)`` bool, a ``union`` the OR of its members'.
+
+    Args:
+        q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)`` padded; pooled: their block
+            means ``(q_bar, k_bar)``.
+    """
+    if selector.name == "union":
+        result = None
+        for member in selector.selectors:
+            member_selection = select(member, geometry, q, k, pooled, scale)
+            result = member_selection if result is None else result | member_selection
+        return result
+    if selector.name == "mean_pool":
+        return mean_pool(selector, geometry, *pooled, scale)
+    if selector.name == "vertical_slash":
+        return vertical_slash(selector, geometry, q, k, scale)
+    raise ValueError(f"the capturable varlen path plans the selectors {SUPPORTED_SELECTORS}, got {selector.name!r}")
+
+
+def probe_counters(config: PBSConfig, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The density probe per sequence (`pbs.reference.density_probe.probe_density`): ``(kept,
+    visible)`` int64 ``(N,)`` counters over the sampled query blocks and every query head, or None
+    where the probe does not run (``probe_blocks`` 0, or a selector without a mass share).
+
+    Each sequence samples ``min(probe_blocks, Tq_i)`` of its own query blocks, evenly spaced with
+    its last one included (`sampled_query_blocks`' integer rule), from the pooled blocks
+    ``q_bar``/``k_bar`` the planners use.
+    """
+    share = config.selector.mass_share()
+    samples = config.dense_fallback.probe_blocks
+    if samples == 0 or share is None:
+        return None
+    n, hq, _, d = q_bar.shape
+    tk = k_bar.shape[2]
+    bs, device = geometry.block_size, q_bar.device
+    blocks_q = (geometry.len_q + bs - 1) // bs  # (N,)
+    drawn = torch.minimum(blocks_q, torch.full_like(blocks_q, samples))
+    i = torch.arange(samples, device=device)
+    spread = (2 * i[None, :] * (blocks_q[:, None] - 1) + (drawn[:, None] - 1)) // (2 * (drawn[:, None] - 1)).clamp(min=1)
+    rows = torch.where(drawn[:, None] > 1, spread, (blocks_q[:, None] - 1).clamp(min=0))  # (N, P)
+    sampled = i[None, :] < drawn[:, None]
+    rows = torch.where(sampled, rows, 0)
+    if share >= 1.0:
+        # Every visible block kept: the estimate is 1, whatever the scores.
+        ones = sampled.sum(-1)
+        return ones, ones
+    q_pooled = q_bar.gather(2, rows[:, None, :, None].expand(n, hq, samples, d))
+    logits = grouped_logits(q_pooled, k_bar) * scale  # (N, Hq, P, Tk)
+
+    q_lo_all, q_hi_all, _ = geometry.query_blocks
+    first_q, last_q = q_lo_all.gather(1, rows), q_hi_all.gather(1, rows)
+    k_lo, _, k_valid = geometry.key_blocks
+    block = torch.arange(tk, device=device)
+    visible = k_valid[:, None, :] & (k_lo[:, None, :] <= last_q[:, :, None]) & sampled[:, :, None]  # (N, P, Tk)
+    diagonal = visible & ((block + 1)[None, None, :] * bs > first_q[:, :, None])
+    forced = diagonal | (visible & (block == 0)[None, None, :])
+    visible, forced = visible[:, None], forced[:, None]
+
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    ranked = (probs + 2.0 * forced).sort(-1, descending=True).values
+    ranked = ranked - 2.0 * (ranked >= 2.0)
+    mass_before = ranked.cumsum(-1) - ranked
+    kept = (mass_before < share) | (block < forced.sum(-1, keepdim=True))
+    kept = (kept & (block < visible.sum(-1, keepdim=True))).sum((1, 2, 3))
+    return kept, visible.sum((1, 2, 3)) * hq

@@ -1,0 +1,280 @@
+"""`pbs.varlen_attention(..., capturable=True)`: the path without host reads (issue 28, point 6).
+
+On the CPU: every sequence's mask equals `pbs.plan` of that sequence alone, the dense policy decides
+per sequence as `pbs.dense.DensePolicy` does, the output and LSE equal the eager varlen call, and
+paged equals packed. On the GPU: a CUDA graph captured at fixed maxima replays with new lengths
+and matches the eager call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.dense import DensePolicy
+from pbs.serving.capturable import plan_ragged
+from pbs.serving.ragged import pad_packed, ragged_geometry
+from tests.test_paged import paged_cache
+from tests.test_serving import make_sequences, pack
+
+SMALL = {"block_size": 16, "segment_size": 16}  # many blocks at small lengths
+CONFIGS = {
+    "defaults": {},
+    "mean_pooling": {"permuter": "none", "selector": "mean_pool"},
+    "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.6, "last_rows": 20}},
+}
+# Prefills, chunks after a prefix (len_q < len_k), lengths on and off the block, one query, and an
+# empty sequence.
+LENGTHS = [(96, 96), (32, 160), (1, 300), (0, 0), (129, 129), (127, 400), (128, 128), (16, 17)]
+
+
+def padded_plan(sequences, config):
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
+    config = pbs.PBSConfig.coerce(config)
+    len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
+    geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
+    q_pad = pad_packed(q, cu_seq_q[:-1], len_q, geometry.padded_len_q)
+    k_pad = pad_packed(k, cu_seq_k[:-1], len_k, geometry.padded_len_k)
+    return plan_ragged(config, geometry, q_pad, k_pad, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("group", [1, 4])
+def test_each_sequence_gets_the_mask_it_gets_alone(name, group):
+    config = {**CONFIGS[name], **SMALL, "backend": "reference"}
+    sequences = make_sequences(LENGTHS, heads_q=2 * group, heads_kv=2)
+    mask, dense = padded_plan(sequences, config)
+    assert dense is None  # the policy applies on CUDA only by default
+    selected, full = mask.to_dense(), mask.full_counts
+    for i, (q, k, _) in enumerate(sequences):
+        tq, tk = -(-q.shape[2] // 16), -(-k.shape[2] // 16)
+        assert not selected[i, :, tq:].any() and not selected[i, :, :, tk:].any()
+        assert (mask.counts[i, :, tq:] == 0).all()
+        if q.shape[2] == 0:
+            continue
+        alone = pbs.plan(q, k, config).mask
+        assert torch.equal(selected[i, :, :tq, :tk], alone.to_dense()[0]), f"sequence {i} {tuple(q.shape)}"
+        assert torch.equal(full[i, :, :tq], alone.full_counts[0]), f"sequence {i}: full_counts"
+
+
+def test_the_lengths_are_sequence_lengths_not_the_maxima():
+    # The same sequence planned with larger maxima (more padding) gets the same mask.
+    sequences = make_sequences([(129, 129), (40, 200)])
+    config = {**SMALL, "backend": "reference"}
+    mask, _ = padded_plan(sequences, config)
+    q, k, v, cu_seq_q, cu_seq_k, _, _ = pack(sequences)
+    len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
+    geometry = ragged_geometry(len_q, len_k, 300, 500, 16)
+    wider, _ = plan_ragged(pbs.PBSConfig.coerce(config), geometry, pad_packed(q, cu_seq_q[:-1], len_q, 304),
+                           pad_packed(k, cu_seq_k[:-1], len_k, 512), 16 ** -0.5)
+    tq, tk = mask.counts.shape[-1], mask.layout.num_key_blocks
+    assert torch.equal(wider.to_dense()[:, :, :tq, :tk], mask.to_dense())
+    assert not wider.to_dense()[:, :, tq:].any() and not wider.to_dense()[:, :, :, tk:].any()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_output_and_lse_equal_the_eager_varlen_call(name):
+    config = {**CONFIGS[name], **SMALL, "backend": "reference"}
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences(LENGTHS, heads_q=8, heads_kv=2))
+    eager, eager_lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse=True)
+    out, lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q + 5, max_k + 40, config, return_lse=True,
+                                    capturable=True)
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, eager_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_triton_kernel_gives_the_reference_result(dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU (tests/conftest.py)
+    lengths = [(70, 70), (1, 90), (0, 0), (65, 200)]
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences(lengths, dtype=dtype, device=device))
+    config = {"block_size": 64, "segment_size": 64}
+    expected, expected_lse = pbs.varlen_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), cu_seq_q.cpu(),
+                                                  cu_seq_k.cpu(), max_q, max_k, {**config, "backend": "reference"},
+                                                  return_lse=True, capturable=True)
+    out, lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, {**config, "backend": "triton"},
+                                    return_lse=True, capturable=True)
+    tolerance = 2e-3 if dtype == torch.float16 else 2e-5
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=0, atol=tolerance)
+    torch.testing.assert_close(lse.cpu(), expected_lse, rtol=0, atol=tolerance)
+
+
+POLICIES = {
+    "length": {"min_seq_len": 150},
+    "probe": {"min_seq_len": 0, "max_density": 0.9},
+    "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95},
+    "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0},
+}
+
+
+def mixed_sequences():
+    """Random sequences (flat attention: dense by the probe and the plan) between structured ones
+    (`pbs.testing.make_qkv`: their probe estimates 0.86-0.87 and plans 0.91 at block 16)."""
+    random = make_sequences([(96, 96), (200, 200), (5, 40)], heads_q=4, heads_kv=2, seed=3)
+    structured = [pbs.testing.make_qkv(1, 4, 2, n, 16, seq_len_q=m, seed=1) for m, n in [(32, 160), (129, 300)]]
+    return [random[0], structured[0], random[1], structured[1], random[2]]
+
+
+@pytest.mark.parametrize("rule", list(POLICIES))
+def test_the_dense_policy_decides_each_sequence_as_it_decides_alone(rule):
+    config = pbs.PBSConfig.coerce({**SMALL, "dense_fallback": {**POLICIES[rule], "devices": ["cpu"]}})
+    sequences = mixed_sequences()
+    mask, dense = padded_plan(sequences, config)
+    expected = []
+    for q, k, v in sequences:
+        attended = DensePolicy(config).attend(q, k, v, q.shape[-1] ** -0.5)
+        expected.append(attended.reason is not None)
+    assert dense.tolist() == expected
+    if rule != "none":
+        assert any(expected), "the rule must send a sequence to dense attention for the test to mean anything"
+    if rule != "length":
+        assert not all(expected)
+    # A dense sequence runs every allowed block; the output matches the eager call, which ran SDPA.
+    selected = mask.to_dense()
+    for i, (q, k, _) in enumerate(sequences):
+        if dense[i]:
+            tq, tk = -(-q.shape[2] // 16), -(-k.shape[2] // 16)
+            assert selected[i, :, :tq, :tk].sum() == mask.layout.heads_q * pbs.Layout(
+                1, 1, 1, q.shape[2], k.shape[2], 16, 16, segmented=False).total_allowed_blocks
+    packed = pack(sequences)
+    eager = pbs.varlen_attention(*packed, config)
+    torch.testing.assert_close(pbs.varlen_attention(*packed, config, capturable=True), eager, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_equals_packed(page_size):
+    lengths = [(96, 96), (32, 160), (0, 0), (129, 300)]
+    sequences = make_sequences(lengths, heads_q=4, heads_kv=2)
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
+    config = {**SMALL, "backend": "reference"}
+    packed = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+    k_cache, v_cache, block_table, seqused_k = paged_cache(sequences, page_size)  # NaN outside the sequences
+    paged = pbs.varlen_attention(q, k_cache, v_cache, cu_seq_q, None, max_q, max_k, config, capturable=True,
+                                 block_table=block_table, seqused_k=seqused_k)
+    torch.testing.assert_close(paged, packed, rtol=0, atol=0)
+
+
+def test_writes_into_out_and_returns_it():
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20), (0, 0), (7, 30)]))
+    out = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"))
+    result = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, {**SMALL, "backend": "reference"},
+                                  out=out, capturable=True)
+    assert result is out and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"permuter": "last_block"}, "config.permuter"),
+    ({"permuter": "none", "selector": "antidiagonal"}, "'antidiagonal' in config.selector"),
+    ({"selector": {"name": "union", "selectors": ["mean_pool", "budget"]}}, "'budget' in config.selector"),
+    ({"backend": "flex"}, "config.backend"),
+])
+def test_configs_it_cannot_plan_are_clear_errors(config, field):
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20)]))
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+
+
+def test_outside_a_capture_the_lengths_are_still_checked():
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20), (5, 30)]))
+    with pytest.raises(ValueError, match="max_k must be at least the longest key sequence, 30"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, 29, capturable=True)
+    with pytest.raises(ValueError, match="cu_seq_q must start at 0"):
+        pbs.varlen_attention(q, k, v, cu_seq_q + 1, cu_seq_k, max_q, max_k, capturable=True)
+
+
+# -- the GPU: capture once, replay with new lengths ---------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def structured_batch(lengths, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, seed=0):
+    """Packed CUDA inputs of `pbs.testing.make_qkv`'s structured sequences (sinks, heavy hitters,
+    slashes: sparse enough that the defaults plan, unlike random inputs): ``q, k, v, cu_seq_q, cu_seq_k``."""
+    sequences = []
+    for i, (len_q, len_k) in enumerate(lengths):
+        if len_k == 0:
+            empty = torch.empty(1, heads_q, 0, head_dim, dtype=dtype, device="cuda")
+            sequences.append((empty, empty[:, :heads_kv], empty[:, :heads_kv]))
+            continue
+        sequences.append(pbs.testing.make_qkv(1, heads_q, heads_kv, len_k, head_dim, seq_len_q=len_q, seed=seed + i,
+                                              dtype=dtype, device="cuda"))
+    return pack(sequences)[:5]
+
+
+# A serving engine's bucket: the packed totals, N and the maxima are fixed; the lengths vary.
+TOTAL_Q, TOTAL_K, MAX_Q, MAX_K = 6144, 9216, 4096, 6144
+BATCHES = [
+    [(4096, 4096), (2048, 5120), (0, 0)],  # two prefills and an empty slot
+    [(1, 3000), (3071, 3071), (3072, 3145)],  # a decode row, a prefill, a chunk after a prefix
+    [(2000, 3000), (4096, 4096), (48, 2120)],
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["defaults", "mean_pooling"])
+def test_a_captured_graph_replays_with_new_lengths(name):
+    # min_seq_len sends the keys below 3050 to dense attention: a decision that changes between replays.
+    config = {**CONFIGS[name], "dense_fallback": {"min_seq_len": 3050}}
+    for lengths in BATCHES:
+        assert sum(x[0] for x in lengths) == TOTAL_Q and sum(x[1] for x in lengths) == TOTAL_K
+    static = list(structured_batch(BATCHES[0]))
+    out = torch.empty(TOTAL_Q, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+    def call():
+        return pbs.varlen_attention(*static, MAX_Q, MAX_K, config, out=out, return_lse=True, capturable=True)
+
+    call()  # warm-up: compiles, checks the arguments on the host
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # any host read inside raises
+        _, lse = call()
+    for seed, lengths in enumerate(BATCHES[1:] + BATCHES[:1], start=1):
+        fresh = structured_batch(lengths, seed=10 * seed)
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        expected, expected_lse = pbs.varlen_attention(*fresh, MAX_Q, MAX_K, config, return_lse=True, capturable=True)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+        # The eager path (each sequence through pbs.attention: Triton planners, dense by cuDNN):
+        # the same attention, up to bf16 rounding and a rare threshold tie.
+        eager = pbs.varlen_attention(*fresh, MAX_Q, MAX_K, config)
+        close = (out.float() - eager.float()).abs() <= 2e-2
+        assert close.float().mean() > 0.999, f"{lengths}: {close.float().mean():.5f} of the outputs agree"
+
+
+@needs_cuda
+def test_a_captured_graph_at_full_density_equals_dense_attention():
+    config = {"selector": {"name": "mean_pool", "threshold": 1.0}, "dense_fallback": {"min_seq_len": 0}}
+    static = list(structured_batch([(1000, 3000), (2000, 2000)]))
+    out = torch.empty(3000, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+    def call():
+        return pbs.varlen_attention(*static, 2048, 3000, config, out=out, capturable=True)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    fresh = structured_batch([(2000, 2500), (1000, 2500)], seed=7)
+    for buffer, value in zip(static, fresh):
+        buffer.copy_(value)
+    graph.replay()
+    q, k, v, cu_seq_q, cu_seq_k = fresh
+    for i in range(2):
+        a, b = cu_seq_q[i].item(), cu_seq_q[i + 1].item()
+        c, d = cu_seq_k[i].item(), cu_seq_k[i + 1].item()
+        qs, ks, vs = (x.transpose(0, 1)[None].float() for x in (q[a:b], k[c:d], v[c:d]))
+        visible = torch.ones(b - a, d - c, dtype=torch.bool, device="cuda").tril(d - c - (b - a))
+        expected = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, enable_gqa=True)
+        torch.testing.assert_close(out[a:b].float(), expected[0].transpose(0, 1), rtol=0, atol=2e-2)
+
+
+@needs_cuda
+def test_capture_without_capturable_is_a_clear_error():
+    static = structured_batch([(100, 100)])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="pass capturable=True"):
+        with torch.cuda.graph(graph):
+            pbs.varlen_attention(*static, 100, 100)
