@@ -25,23 +25,10 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_varlen.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, save, time_ms  # noqa: E402
+from benchmarks.common import environment, packed_prompts, save, time_ms  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
-
-
-def packed_batch(lengths: list[int]) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
-    """Per-prompt ``(1, H, N, D)`` tensors and the packed ``(T, H, D)`` q, k, v with cu_seq."""
-    prompts = [pbs.testing.make_qkv(batch=1, heads_q=HEADS_Q, heads_kv=HEADS_KV, seq_len=n, head_dim=HEAD_DIM,
-                                    dtype=torch.bfloat16, device="cuda", seed=i) for i, n in enumerate(lengths)]
-    q, k, v = (torch.cat([p[j][0].transpose(0, 1) for p in prompts]).contiguous() for j in range(3))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    views = [tuple(x[b0:b1].transpose(0, 1).unsqueeze(0) for x in (q, k, v)) for b0, b1 in zip(bounds, bounds[1:])]
-    return views, (q, k, v, cu)
 
 
 def torch_varlen(q, k, v, cu, max_len):
@@ -70,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    views, (q, k, v, cu) = packed_batch(args.lengths)
+    views, (q, k, v, cu) = packed_prompts(args.lengths, HEADS_Q, HEADS_KV, HEAD_DIM)
     max_len = max(args.lengths)
     result = {**environment("cuda"), "lengths": args.lengths,
               "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",

@@ -148,6 +148,23 @@ def cudnn_dense(
             return timer(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True)), "expanded K/V"
 
 
+def packed_prompts(lengths: list[int], heads_q: int, heads_kv: int, head_dim: int
+                   ) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """Structured bf16 prompts (`pbs.testing.make_qkv`, seed ``i`` for prompt ``i``) on the GPU: the
+    per-prompt ``(1, H, N, D)`` views and the packed ``(T, H, D)`` q, k, v with their ``cu_seq``."""
+    import pbs
+
+    prompts = [pbs.testing.make_qkv(batch=1, heads_q=heads_q, heads_kv=heads_kv, seq_len=n, head_dim=head_dim,
+                                    dtype=torch.bfloat16, device="cuda", seed=i) for i, n in enumerate(lengths)]
+    q, k, v = (torch.cat([p[j][0].transpose(0, 1) for p in prompts]).contiguous() for j in range(3))
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    views = [tuple(x[b0:b1].transpose(0, 1).unsqueeze(0) for x in (q, k, v)) for b0, b1 in zip(bounds, bounds[1:])]
+    return views, (q, k, v, cu)
+
+
 def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
     """Lays out a matplotlib figure, writes it to ``path`` (creating its folder) and says so."""
     fig.tight_layout()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|capturable] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -8,7 +8,9 @@
 # ttft: end-to-end time to first token, then the planning memory benchmark;
 # defaults: the GPU tests of the dense fallback, the density probe and the Gluon kernel, the host time of each step
 # of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
-# (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs).
+# (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs);
+# capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
+# bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path).
 # The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
 # .device-wheels (git-ignored), downloaded beforehand on a machine with network access for the GPU
 # machine's Python (3.12 there) and carried with the working tree:
@@ -49,6 +51,12 @@ if [[ $mode == defaults ]]; then
   status=${PIPESTATUS[0]}
   timeout 120 python3 scripts/host_overhead.py --seq-len 2048 --probe-seq-len 32768 2>&1 | tee "$OUT/host_overhead.log"
   timeout ${DEFAULTS_TIMEOUT:-400} python3 benchmarks/bench_defaults.py --json "$OUT/defaults.json" "$@" 2>&1 | tee "$OUT/defaults.log"
+fi
+if [[ $mode == capturable ]]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_capturable_varlen.py tests/test_serving.py tests/test_compile_and_graphs.py \
+    -m gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_capturable.log" | tail -n 30
+  status=${PIPESTATUS[0]}
+  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_capturable.py --json "$OUT/capturable.json" "$@" 2>&1 | tee "$OUT/capturable.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -184,7 +184,6 @@ def test_outside_a_capture_the_lengths_are_still_checked():
 
 
 # -- the GPU: capture once, replay with new lengths ---------------------------------------------------------
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
 def structured_batch(lengths, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, seed=0):
@@ -210,7 +209,7 @@ BATCHES = [
 ]
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["defaults", "mean_pooling"])
 def test_a_captured_graph_replays_with_new_lengths(name):
     # min_seq_len sends the keys below 3050 to dense attention: a decision that changes between replays.
@@ -243,7 +242,7 @@ def test_a_captured_graph_replays_with_new_lengths(name):
         assert close.float().mean() > 0.999, f"{lengths}: {close.float().mean():.5f} of the outputs agree"
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_a_captured_graph_at_full_density_equals_dense_attention():
     config = {"selector": {"name": "mean_pool", "threshold": 1.0}, "dense_fallback": {"min_seq_len": 0}}
     static = list(structured_batch([(1000, 3000), (2000, 2000)]))
@@ -271,7 +270,7 @@ def test_a_captured_graph_at_full_density_equals_dense_attention():
         torch.testing.assert_close(out[a:b].float(), expected[0].transpose(0, 1), rtol=0, atol=2e-2)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_capture_without_capturable_is_a_clear_error():
     static = structured_batch([(100, 100)])
     graph = torch.cuda.CUDAGraph()

@@ -1,0 +1,101 @@
+"""`pbs.varlen_attention(..., capturable=True)` eagerly and replayed from a CUDA graph, against the
+eager varlen path it stands in for.
+
+Protocol: the mixed batch of `benchmarks/bench_varlen.py` (structured prompts of 16K, 32K, 64K and
+128K tokens, Hq 32, Hkv 8, D 128, bf16, causal, defaults) and a short batch (1K-4K) where the host
+work that a graph removes is a larger share. Each batch is captured once at its maxima; the graph
+is replayed with the same lengths (what is timed) and, for the correctness line, with the prompts
+in another order (new lengths per slot). Timed with CUDA events after warm-up, L2 flushed
+(`benchmarks.common.time_ms`):
+
+* ``eager``: `pbs.varlen_attention` as it runs by default (per sequence, host read of the lengths);
+* ``capturable``: the same call with ``capturable=True``, run eagerly;
+* ``graph``: that call replayed from a CUDA graph;
+* ``cudnn``: SDPA (cuDNN first) prompt by prompt, dense.
+
+    python benchmarks/bench_capturable.py --json benchmarks/results/serving/capturable_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_capturable.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pbs  # noqa: E402
+from benchmarks.common import environment, packed_prompts, save, time_ms  # noqa: E402
+from pbs.dense import dense_attention_sdpa  # noqa: E402
+
+BATCHES = {"long": [16384, 32768, 65536, 131072], "short": [1024, 2048, 3072, 4096]}
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def measure(lengths: list[int]) -> dict:
+    views, (q, k, v, cu) = packed_prompts(lengths, 32, 8, 128)
+    max_len = max(lengths)
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def capturable():
+        return pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len, out=out, capturable=True)
+
+    eager_ms = time_ms(lambda: pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len))
+    capturable_ms = time_ms(capturable)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    graph = graph_of(capturable)
+    graph_ms = time_ms(graph.replay)
+    peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+    cudnn_ms = time_ms(lambda: [dense_attention_sdpa(*view, scale=scale) for view in views])
+
+    # Correctness: the prompts in reverse order through the same graph (each slot gets new lengths).
+    _, (q2, k2, v2, cu2) = packed_prompts(lengths[::-1], 32, 8, 128)
+    for buffer, value in ((q, q2), (k, k2), (v, v2), (cu, cu2)):
+        buffer.copy_(value)
+    graph.replay()
+    replayed = out.clone()
+    expected = pbs.varlen_attention(q2, k2, v2, cu2, cu2, max_len, max_len, capturable=True)
+    eager = pbs.varlen_attention(q2, k2, v2, cu2, cu2, max_len, max_len)
+    agree = ((replayed.float() - eager.float()).abs() <= 2e-2).float().mean().item()
+    row = {
+        "lengths": lengths, "eager_ms": eager_ms, "capturable_ms": capturable_ms, "graph_ms": graph_ms,
+        "cudnn_per_prompt_ms": cudnn_ms, "graph_over_eager": graph_ms / eager_ms,
+        "graph_over_cudnn": graph_ms / cudnn_ms, "graph_extra_peak_gib": peak_gib,
+        "replay_new_lengths_max_abs_diff_vs_capturable_eager": (replayed.float() - expected.float()).abs().max().item(),
+        "replay_share_within_2e-2_of_eager": agree,
+    }
+    print(f"{lengths}: eager {eager_ms:.2f} ms, capturable {capturable_ms:.2f} ms, graph {graph_ms:.2f} ms "
+          f"({row['graph_over_eager']:.3f}x eager, {row['graph_over_cudnn']:.3f}x cuDNN {cudnn_ms:.2f} ms); "
+          f"replay vs eager agree {agree:.5f}", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = {**environment("cuda"), "config": "defaults",
+              "shape": {"heads_q": 32, "heads_kv": 8, "head_dim": 128, "dtype": "bfloat16", "causal": True},
+              "rows": [measure(BATCHES[name]) for name in args.batches]}
+    if args.json:
+        save(result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
