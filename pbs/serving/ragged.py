@@ -111,8 +111,9 @@ class RaggedGeometry:
         """``(N, Tq, Tk)`` bool: the blocks every selection keeps (the diagonal, and the sink block 0)."""
         if not force_sink_block:
             return self.diagonal
-        sink = torch.zeros(self.num_key_blocks, dtype=torch.bool, device=self.device)
-        sink[0] = True
+        # A comparison, not ``sink[0] = True``: writing a Python scalar is a host-to-device copy,
+        # which a capture refuses.
+        sink = torch.arange(self.num_key_blocks, device=self.device) == 0
         return self.diagonal | (self.allowed & sink)
 
     def first_masked(self) -> torch.Tensor:
