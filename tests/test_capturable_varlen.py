@@ -34,8 +34,8 @@ def padded_plan(sequences, config):
     config = pbs.PBSConfig.coerce(config)
     len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
     geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
-    q_pad = pad_packed(q, cu_seq_q[:-1], len_q, geometry.padded_len_q)
-    k_pad = pad_packed(k, cu_seq_k[:-1], len_k, geometry.padded_len_k)
+    q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
+    k_pad = pad_packed(k, cu_seq_k, geometry.padded_len_k)
     return plan_ragged(config, geometry, q_pad, k_pad, q.shape[-1] ** -0.5)
 
 
@@ -66,8 +66,8 @@ def test_the_lengths_are_sequence_lengths_not_the_maxima():
     q, k, v, cu_seq_q, cu_seq_k, _, _ = pack(sequences)
     len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
     geometry = ragged_geometry(len_q, len_k, 300, 500, 16)
-    wider, _ = plan_ragged(pbs.PBSConfig.coerce(config), geometry, pad_packed(q, cu_seq_q[:-1], len_q, 304),
-                           pad_packed(k, cu_seq_k[:-1], len_k, 512), 16 ** -0.5)
+    wider, _ = plan_ragged(pbs.PBSConfig.coerce(config), geometry, pad_packed(q, cu_seq_q, 304),
+                           pad_packed(k, cu_seq_k, 512), 16 ** -0.5)
     tq, tk = mask.counts.shape[-1], mask.layout.num_key_blocks
     assert torch.equal(wider.to_dense()[:, :, :tq, :tk], mask.to_dense())
     assert not wider.to_dense()[:, :, tq:].any() and not wider.to_dense()[:, :, :, tk:].any()
@@ -102,6 +102,8 @@ def test_the_triton_kernel_gives_the_reference_result(dtype):
 
 POLICIES = {
     "length": {"min_seq_len": 150},
+    # Above the padded key length: every sequence is dense, decided from the shapes without planning.
+    "length, every sequence": {"min_seq_len": 1000},
     "probe": {"min_seq_len": 0, "max_density": 0.9},
     "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95},
     "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0},
@@ -128,7 +130,7 @@ def test_the_dense_policy_decides_each_sequence_as_it_decides_alone(rule):
     assert dense.tolist() == expected
     if rule != "none":
         assert any(expected), "the rule must send a sequence to dense attention for the test to mean anything"
-    if rule != "length":
+    if not rule.startswith("length"):
         assert not all(expected)
     # A dense sequence runs every allowed block; the output matches the eager call, which ran SDPA.
     selected = mask.to_dense()
@@ -140,6 +142,22 @@ def test_the_dense_policy_decides_each_sequence_as_it_decides_alone(rule):
     packed = pack(sequences)
     eager = pbs.varlen_attention(*packed, config)
     torch.testing.assert_close(pbs.varlen_attention(*packed, config, capturable=True), eager, rtol=0, atol=1e-5)
+
+
+def test_nothing_is_planned_when_every_key_length_is_below_min_seq_len(monkeypatch):
+    import pbs.serving.capturable
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned although every sequence is dense by its length")
+
+    monkeypatch.setattr(pbs.serving.capturable, "select", no_planning)
+    config = {**SMALL, "dense_fallback": {"min_seq_len": 1000, "devices": ["cpu"]}}
+    packed = pack(mixed_sequences())
+    eager = pbs.varlen_attention(*packed, config)  # SDPA per sequence
+    torch.testing.assert_close(pbs.varlen_attention(*packed, config, capturable=True), eager, rtol=0, atol=1e-5)
+    with pytest.raises(AssertionError, match="planned although"):  # the patch bites where planning runs
+        pbs.varlen_attention(*packed, {**config, "dense_fallback": {"min_seq_len": 100, "devices": ["cpu"]}},
+                             capturable=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 128])

@@ -80,6 +80,15 @@ def dense_decisions(config: PBSConfig, geometry: RaggedGeometry, selected: torch
     return dense
 
 
+def all_dense_by_length(config: PBSConfig, geometry: RaggedGeometry) -> bool:
+    """Whether the length rule sends every sequence to dense attention whatever its length: the
+    padded key length (at least ``max_k``) is below ``dense_fallback.min_seq_len``. A host
+    decision from shapes alone, the same in every replay."""
+    fallback = config.dense_fallback
+    applies = config.backend == "auto" and geometry.device.type in fallback.devices
+    return applies and geometry.padded_len_k < fallback.min_seq_len
+
+
 def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
                 scale: float) -> tuple[BlockMask, torch.Tensor | None]:
     """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)``, ``k (N, Hkv, Tk*B, D)``,
@@ -90,6 +99,13 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
         each sequence's own grid (a dense sequence: all its allowed blocks).
     """
     n, hq = q.shape[:2]
+    layout = padded_layout(geometry, hq, k.shape[1])
+    if all_dense_by_length(config, geometry):
+        # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
+        allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
+        mask = BlockMask.from_dense(allowed, layout)
+        mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
+        return mask, torch.ones(n, dtype=torch.bool, device=q.device)
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
     selected = select(config.selector, geometry, q, k, pooled, scale)
     allowed = geometry.allowed[:, None]
@@ -97,7 +113,6 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     dense = dense_decisions(config, geometry, selected, probe_counters(config, geometry, *pooled, scale))
     if dense is not None:
         selected = torch.where(dense[:, None, None, None], allowed, selected)
-    layout = padded_layout(geometry, hq, k.shape[1])
     mask = BlockMask.from_dense(selected, layout)
     mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
     return mask, dense
@@ -155,11 +170,11 @@ def capturable_varlen_attention(
         assert cu_seq_k is not None
         len_k = (cu_seq_k[1:] - cu_seq_k[:-1]).long()
     geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
-    q_pad = pad_packed(q, cu_seq_q[:-1], len_q, geometry.padded_len_q)
+    q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
     if block_table is not None:
         k_pad, v_pad = (pad_paged(cache, block_table, len_k, geometry.padded_len_k) for cache in (k, v))
     else:
-        k_pad, v_pad = (pad_packed(x, cu_seq_k[:-1], len_k, geometry.padded_len_k) for x in (k, v))
+        k_pad, v_pad = (pad_packed(x, cu_seq_k, geometry.padded_len_k) for x in (k, v))
     if check_finite:
         check_all_finite({"q": q, "k": k_pad, "v": v_pad})
     mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
