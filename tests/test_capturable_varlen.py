@@ -58,18 +58,6 @@ def test_each_sequence_gets_the_mask_it_gets_alone(name, group):
         assert torch.equal(full[i, :, :tq], alone.full_counts[0]), f"sequence {i}: full_counts"
 
 
-def test_the_kept_lines_agree_with_and_without_the_line_kernel(monkeypatch):
-    # The CPU tests run the Triton kernel in the interpreter; without Triton the sorts run instead.
-    import pbs.serving.ragged_planners as planners
-
-    config = {**CONFIGS["vertical_slash"], **SMALL, "backend": "reference"}
-    sequences = make_sequences(LENGTHS, heads_q=4, heads_kv=2)
-    assert planners.uses_line_kernel(torch.device("cpu"))  # tests/conftest.py sets TRITON_INTERPRET=1
-    with_kernel = padded_plan(sequences, config)[0].to_dense()
-    monkeypatch.setattr(planners, "uses_line_kernel", lambda device: False)
-    assert torch.equal(padded_plan(sequences, config)[0].to_dense(), with_kernel)
-
-
 def test_the_lengths_are_sequence_lengths_not_the_maxima():
     # The same sequence planned with larger maxima (more padding) gets the same mask.
     sequences = make_sequences([(129, 129), (40, 200)])

@@ -118,37 +118,14 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
         along = probs.gather(-1, offset_key[:, None].expand(n, h, rows, padded_k))
         slash = along.masked_fill_(~offset_real[:, None], 0.0).sum(-2) / divisor
         del probs, along
-        vertical_blocks, prefix = _kept_line_blocks(vertical, slash, selector, bs)
+        keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
+        vertical_blocks = keys.view(n, h, tk, bs).any(-1)
+        prefix = offset_prefix(offsets)  # (N, h, Nk + 1)
         flat = (n, h, tq * tk)
         crossed = (prefix.gather(-1, hi.reshape(n, 1, -1).expand(flat))
                    - prefix.gather(-1, lo.reshape(n, 1, -1).expand(flat))) > 0
         selected[:, h0:h1] = crossed.view(n, h, tq, tk) | vertical_blocks[:, :, None, :]
     return selected
-
-
-def uses_line_kernel(device: torch.device) -> bool:
-    """Whether the kept lines come from the Triton kernel of the eager path (on CUDA, and in the
-    interpreter) rather than from sorts in PyTorch."""
-    from pbs.kernels._common import interpreting
-
-    return device.type == "cuda" or interpreting()
-
-
-def _kept_line_blocks(vertical: torch.Tensor, slash: torch.Tensor, selector, block_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vertical_blocks (N, h, Tk) bool, prefix (N, h, Nk + 1) int32)`` of the kept keys and
-    offsets. Padding scores are 0, and a zero score is never kept, so the padded rows need no
-    length: the eager path's one-launch kernel (`pbs.kernels.vertical_slash.kept_line_blocks`)
-    serves as it is, in place of two sorts per head."""
-    n, h, padded_k = vertical.shape
-    if uses_line_kernel(vertical.device):
-        from pbs.kernels.vertical_slash import kept_line_blocks
-
-        blocks, prefix = kept_line_blocks(torch.stack((vertical, slash)), selector.threshold,
-                                          selector.vertical_threshold, block_size)
-        return blocks.bool(), prefix
-    keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
-    return keys.view(n, h, padded_k // block_size, block_size).any(-1), offset_prefix(offsets)
 
 
 def select(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor, pooled: tuple, scale: float) -> torch.Tensor:
