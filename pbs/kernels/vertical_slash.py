@@ -63,6 +63,21 @@ def _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, r
 
 
 @triton.jit
+def _sequence(lens_ptr, b, rows_start, rows, seq_len_k, query_offset, last_rows, RAGGED: tl.constexpr):
+    """``(rows_start, rows, seq_len_k, query_offset)`` of batch entry ``b``: the launch's own, or,
+    for a padded batch of sequences (``RAGGED``), those of sequence ``b``, whose query and key
+    lengths are ``lens_ptr[b]`` and ``lens_ptr[B + b]`` (int32, on the device)."""
+    if RAGGED:
+        len_q = tl.load(lens_ptr + 2 * b)
+        len_k = tl.load(lens_ptr + 2 * b + 1)
+        rows = tl.minimum(len_q, last_rows)
+        rows_start = len_q - rows
+        seq_len_k = len_k
+        query_offset = len_k - len_q
+    return rows_start, rows, seq_len_k, query_offset
+
+
+@triton.jit
 def _scores(q, k_ptr, table_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos, qk_scale,
             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
             PAGE_SIZE: tl.constexpr):
@@ -93,9 +108,12 @@ def _scores(q, k_ptr, table_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, k
 @triton.jit
 def _row_stats(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, rows_start, rows, seq_len_k, query_offset, keys_per_split, splits, qk_scale,
+               heads_q, group, rows_start, rows, lens_ptr, last_rows, seq_len_k, query_offset, keys_per_split,
+               splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr):
+               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr):
+    rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, tl.program_id(0) // heads_q, rows_start, rows,
+                                                          seq_len_k, query_offset, last_rows, RAGGED)
     pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
                                               query_offset, ROWS, HEAD_DIM, D_PAD)
     split = tl.program_id(1)
@@ -133,10 +151,11 @@ def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.co
 @triton.jit
 def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, rows_start, rows, seq_len_k, query_offset, key_tiles, total_tiles, splits, qk_scale,
+               heads_q, group, launch_rows_start, launch_rows, lens_ptr, last_rows, line_len, query_offset_0,
+               key_tiles, total_tiles, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-               PAGE_SIZE: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr):
     # Persistent: each program walks (head, key tile) pairs; a tile's probabilities stay in registers.
     pid = tl.program_id(0)
     o_r = tl.arange(0, ROWS)
@@ -150,6 +169,9 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
         pid_bh = tile // key_tiles
         b = pid_bh // heads_q
         hq = pid_bh % heads_q
+        # Lines are line_len apart (the padded length of a ragged batch); seq_len_k bounds this one.
+        rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, launch_rows_start, launch_rows, line_len,
+                                                              query_offset_0, last_rows, RAGGED)
         q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
         first_row_pos = rows_start + query_offset
         col0 = (tile % key_tiles) * BLOCK_N
@@ -159,7 +181,7 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
         lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
         p = tl.exp2(s - lse[:, None])
         p = tl.where(o_r[:, None] < rows, p, 0.0)
-        line = pid_bh.to(tl.int64) * seq_len_k
+        line = pid_bh.to(tl.int64) * line_len
         tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
         skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
         # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
@@ -238,7 +260,7 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
 
 
 def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, last_rows: int,
-                block_table: torch.Tensor | None = None) -> torch.Tensor:
+                block_table: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Vertical and slash scores of the last ``last_rows`` queries: ``(2, B, Hq, Nk)`` float32.
 
     Index 0 holds each key's mean attention from those rows, index 1 each offset's; both equal
@@ -251,6 +273,10 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
         block_table: ``(max_pages,)`` int32: ``k`` is then a paged cache
             ``(num_pages, page_size, Hkv, D)`` read in place, key ``t`` at row ``t % page_size``
             of page ``block_table[t // page_size]``, ``Nk = layout.seq_len_k`` and ``B`` 1.
+        lengths: ``(B, 2)`` int32 on the device: ``q`` and ``k`` are then a padded batch of
+            sequences (`pbs.serving.ragged`) and entry ``b`` holds ``len_q`` queries and ``len_k``
+            keys (rows from 0); its scores are those of the sequence alone, 0 past ``len_k``, and
+            both its lines are divided by its own row count. No host read.
     """
     b, hq, nq, d = q.shape
     if block_table is None:
@@ -268,9 +294,11 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     block_n = max(KEY_TILE, rows_pad)  # at least ROWS: then an offset spans at most two key tiles (see _row_lines)
     ieee = q.dtype == torch.float32
     qk_scale = scale * LOG2_E
-    common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows)
+    ragged = lengths is not None
+    lens = lengths if ragged else part_lengths_placeholder(q.device)
+    common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows, lens, last_rows)
     meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee,
-                PAGE_SIZE=page_size)
+                PAGE_SIZE=page_size, RAGGED=ragged)
     # Enough programs to fill the GPU: split the keys of each head's rows.
     splits = max(1, min(triton.cdiv(nk, 4 * block_n), triton.cdiv(264, b * hq)))
     keys_per_split = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
@@ -280,7 +308,8 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     _row_stats[(b * hq, splits)](q, k, table, part_max, part_sum, *common, nk, layout.query_offset, keys_per_split,
                                  splits, qk_scale, **meta)
     # One buffer for both line scores, so that `kept_line_blocks` reads them in one launch.
-    scores = torch.empty(2, b, hq, nk, dtype=torch.float32, device=q.device)
+    # Ragged: keys past a sequence's end get no store, so they start at 0.
+    scores = (torch.zeros if ragged else torch.empty)(2, b, hq, nk, dtype=torch.float32, device=q.device)
     vertical, slash = scores[0], scores[1].zero_()
     key_tiles = triton.cdiv(nk, block_n)
     total_tiles = b * hq * key_tiles
@@ -288,8 +317,16 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     _row_lines[(programs,)](q, k, table, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
                             key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
                             SPLITS=triton.next_power_of_2(splits), **meta)
-    slash.div_(rows)
+    if ragged:
+        slash.div_(lengths[:, 0].clamp(min=1, max=last_rows).float()[:, None, None])
+    else:
+        slash.div_(rows)
     return scores
+
+
+def part_lengths_placeholder(device: torch.device) -> torch.Tensor:
+    """Any int32 tensor on ``device`` for the unused lengths pointer of a launch of one length."""
+    return torch.empty(2, dtype=torch.int32, device=device)
 
 
 @triton.jit

@@ -23,7 +23,6 @@ import torch
 from pbs.backends import CallSpec, resolve_backend
 from pbs.config import PBSConfig
 from pbs.dense import _GATE_UNIT, probe_gate_limit
-from pbs.layout import Layout
 from pbs.serving.ragged import RaggedGeometry, pad_packed, pad_paged, ragged_geometry, unpad_rows
 from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
 from pbs.types import BlockMask
@@ -99,7 +98,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
         each sequence's own grid (a dense sequence: all its allowed blocks).
     """
     n, hq = q.shape[:2]
-    layout = padded_layout(geometry, hq, k.shape[1])
+    layout = geometry.layout(hq, k.shape[1])
     if all_dense_by_length(config, geometry):
         # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
         allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
@@ -116,12 +115,6 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     mask = BlockMask.from_dense(selected, layout)
     mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
     return mask, dense
-
-
-def padded_layout(geometry: RaggedGeometry, heads_q: int, heads_kv: int) -> Layout:
-    """The `pbs.Layout` of the padded batch (shapes only; the block sets come from ``geometry``)."""
-    return Layout(geometry.batch, heads_q, heads_kv, geometry.padded_len_q, geometry.padded_len_k,
-                  geometry.block_size, geometry.block_size, causal=True, segmented=False)
 
 
 def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,

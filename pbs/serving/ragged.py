@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from pbs.layout import cdiv
+from pbs.layout import Layout, cdiv
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,6 +115,11 @@ class RaggedGeometry:
         # which a capture refuses.
         sink = torch.arange(self.num_key_blocks, device=self.device) == 0
         return self.diagonal | (self.allowed & sink)
+
+    def layout(self, heads_q: int, heads_kv: int) -> Layout:
+        """The `pbs.Layout` of the padded batch (shapes only; the block sets come from here)."""
+        return Layout(self.batch, heads_q, heads_kv, self.padded_len_q, self.padded_len_k, self.block_size,
+                      self.block_size, causal=True, segmented=False)
 
     def first_masked(self) -> torch.Tensor:
         """``(N, Tq)`` int64: per query block, the first key block that needs the per-token check

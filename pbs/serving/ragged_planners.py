@@ -72,17 +72,21 @@ def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: to
     return selected
 
 
-def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """`VerticalSlashSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+def uses_line_kernel(device: torch.device) -> bool:
+    """Whether the line scores come from the eager path's Triton kernels (on CUDA) rather than
+    from PyTorch operations (elsewhere; the tests hold the two to each other in the interpreter)."""
+    return device.type == "cuda"
 
-    Each sequence's last ``min(last_rows, len_q)`` queries are scored against its keys; the
-    vertical (per key) and slash (per offset) shares are their means over those rows.
-    """
+
+def line_scores_torch(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor, scale: float,
+                      heads: slice) -> torch.Tensor:
+    """Vertical and slash scores of each sequence's last ``min(last_rows, len_q)`` queries for the
+    query heads ``heads`` (whole GQA groups): ``(2, N, h, Nk)`` float32, means over those rows,
+    0 past each sequence's keys (`pbs.selectors.vertical_slash.vertical_and_slash_scores` per
+    sequence)."""
     n, hq, _, d = q.shape
-    hkv, padded_k = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bs = geometry.block_size
+    padded_k = k.shape[2]
+    group = hq // k.shape[1]
     device = q.device
     rows = min(selector.last_rows, q.shape[2])
     rows_of = torch.minimum(geometry.len_q, torch.full_like(geometry.len_q, selector.last_rows))  # (N,)
@@ -91,40 +95,69 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
     real_row = step[None, :] >= (rows - rows_of)[:, None]
     slot = slot.clamp(min=0)
     position = geometry.query_offset[:, None] + slot
-    queries = q.gather(2, slot[:, None, :, None].expand(n, hq, rows, d)).float() * scale
+    h = heads.stop - heads.start
+    queries = q[:, heads].gather(2, slot[:, None, :, None].expand(n, h, rows, d)).float() * scale
     key = torch.arange(padded_k, device=device)
     visible = (key[None, None, :] <= position[:, :, None]) & real_row[:, :, None]  # (N, R, Nk)
-    # Offset o of row r is key position(r) - o: one index tensor serves every head.
+    # Offset o of row r is key position(r) - o.
     offset_key = position[:, :, None] - key[None, None, :]
     offset_real = offset_key >= 0
-    offset_key = offset_key.clamp(min=0)
     divisor = rows_of.clamp(min=1).float()[:, None, None]
+    logits = grouped_logits(queries, k[:, heads.start // group: heads.stop // group])  # (N, h, R, Nk)
+    probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
+    vertical = probs.sum(-2) / divisor
+    along = probs.gather(-1, offset_key.clamp(min=0)[:, None].expand(n, h, rows, padded_k))
+    slash = along.masked_fill_(~offset_real[:, None], 0.0).sum(-2) / divisor
+    return torch.stack((vertical, slash))
 
+
+def _lines_to_blocks(keys_blocks: torch.Tensor, prefix: torch.Tensor, geometry: RaggedGeometry) -> torch.Tensor:
+    """Key blocks holding a kept key (``keys_blocks (N, h, Tk)`` bool) or crossed by a kept offset
+    (``prefix (N, h, Nk + 1)``, the running count of kept offsets): ``(N, h, Tq, Tk)`` bool, with
+    each sequence's offsets clamped to its own key count (`pbs.selectors.vertical_slash.blocks_of_lines`)."""
+    n, h = prefix.shape[:2]
     q_lo, q_hi, _ = geometry.query_blocks
     k_lo, k_hi, _ = geometry.key_blocks
     limit = geometry.len_k[:, None, None]
     lo = torch.minimum((q_lo[:, :, None] - k_hi[:, None, :]).clamp(min=0), limit)
     hi = torch.minimum((q_hi[:, :, None] - k_lo[:, None, :] + 1).clamp(min=0), limit)
     tq, tk = lo.shape[1], lo.shape[2]
+    flat = (n, h, tq * tk)
+    crossed = (prefix.gather(-1, hi.reshape(n, 1, -1).expand(flat))
+               - prefix.gather(-1, lo.reshape(n, 1, -1).expand(flat))) > 0
+    return crossed.view(n, h, tq, tk) | keys_blocks[:, :, None, :]
 
-    selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=device)
-    chunk = _head_chunk(hq, group, n * rows * padded_k * 2)
+
+def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """`VerticalSlashSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+
+    Each sequence's last ``min(last_rows, len_q)`` queries are scored against its keys; the
+    vertical (per key) and slash (per offset) shares are their means over those rows. On CUDA the
+    eager path's kernels do it (`pbs.kernels.vertical_slash.line_scores` reading the lengths from
+    the device, then `kept_line_blocks`: padding scores are 0, and a zero score is never kept);
+    elsewhere PyTorch operations, a chunk of heads at a time.
+    """
+    n, hq = q.shape[:2]
+    bs = geometry.block_size
+    if uses_line_kernel(q.device):
+        from pbs.kernels.vertical_slash import kept_line_blocks, line_scores
+
+        lengths = torch.stack((geometry.len_q, geometry.len_k), 1).to(torch.int32)
+        scores = line_scores(q, k, geometry.layout(hq, k.shape[1]), scale, selector.last_rows, lengths=lengths)
+        keys_blocks, prefix = kept_line_blocks(scores, selector.threshold, selector.vertical_threshold, bs)
+        return _lines_to_blocks(keys_blocks.bool(), prefix, geometry)
+    group = hq // k.shape[1]
+    rows = min(selector.last_rows, q.shape[2])
+    selected = torch.empty(n, hq, geometry.num_query_blocks, geometry.num_key_blocks, dtype=torch.bool,
+                           device=q.device)
+    chunk = _head_chunk(hq, group, n * rows * k.shape[2] * 2)
     for h0 in range(0, hq, chunk):
-        h1 = min(hq, h0 + chunk)
-        h = h1 - h0
-        logits = grouped_logits(queries[:, h0:h1], k[:, h0 // group: h1 // group])  # (N, h, R, Nk)
-        probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
-        vertical = probs.sum(-2) / divisor
-        along = probs.gather(-1, offset_key[:, None].expand(n, h, rows, padded_k))
-        slash = along.masked_fill_(~offset_real[:, None], 0.0).sum(-2) / divisor
-        del probs, along
+        heads = slice(h0, min(hq, h0 + chunk))
+        vertical, slash = line_scores_torch(selector, geometry, q, k, scale, heads)
         keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
-        vertical_blocks = keys.view(n, h, tk, bs).any(-1)
-        prefix = offset_prefix(offsets)  # (N, h, Nk + 1)
-        flat = (n, h, tq * tk)
-        crossed = (prefix.gather(-1, hi.reshape(n, 1, -1).expand(flat))
-                   - prefix.gather(-1, lo.reshape(n, 1, -1).expand(flat))) > 0
-        selected[:, h0:h1] = crossed.view(n, h, tq, tk) | vertical_blocks[:, :, None, :]
+        keys_blocks = keys.view(*keys.shape[:2], -1, bs).any(-1)
+        selected[:, heads] = _lines_to_blocks(keys_blocks, offset_prefix(offsets), geometry)
     return selected
 
 
