@@ -23,7 +23,7 @@ import torch
 from pbs.backends import CallSpec, resolve_backend
 from pbs.config import PBSConfig
 from pbs.dense import _GATE_UNIT, probe_gate_limit
-from pbs.serving.ragged import RaggedGeometry, pad_packed, pad_paged, ragged_geometry, unpad_rows
+from pbs.serving.ragged import RaggedGeometry, flat_slots, pad_packed, pad_paged, ragged_geometry, unpad_rows
 from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
 from pbs.types import BlockMask
 from pbs.validation import check_all_finite
@@ -142,7 +142,9 @@ def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
         from pbs.kernels.hopper_attn import hopper_block_sparse_attention as kernel
     else:
         from pbs.kernels.block_sparse_attn import block_sparse_attention as kernel
-    out = kernel(q, k, v, mask, query_positions=positions, scale=scale, lse=lse)
+    # Token-major like the padded inputs, so that unpadding copies whole token rows.
+    out = torch.empty(n, q.shape[2], hq, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    kernel(q, k, v, mask, query_positions=positions, scale=scale, lse=lse, out=out)
     return out, lse
 
 
@@ -173,6 +175,11 @@ def capturable_varlen_attention(
     mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
     o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
     total = q.shape[0]
-    out.copy_(unpad_rows(o_pad, cu_seq_q, total))
+    token_major = o_pad.transpose(1, 2)
+    if token_major.is_contiguous():  # the kernels' output: one copy of whole token rows
+        torch.index_select(token_major.reshape(-1, *out.shape[1:]), 0, flat_slots(cu_seq_q, total, o_pad.shape[2]),
+                           out=out)
+    else:
+        out.copy_(unpad_rows(o_pad, cu_seq_q, total))
     lse = unpad_rows(lse_pad[..., None], cu_seq_q, total)[..., 0].transpose(0, 1).contiguous() if return_lse else None
     return out, lse

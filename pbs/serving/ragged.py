@@ -150,18 +150,24 @@ def ragged_geometry(len_q: torch.Tensor, len_k: torch.Tensor, max_q: int, max_k:
 def pad_packed(x: torch.Tensor, cu_seq: torch.Tensor, rows: int) -> torch.Tensor:
     """Sequences of packed ``x (T, H, D)`` as ``(N, H, rows, D)``, zeros past each length.
 
-    Sequence ``i`` is ``x[cu_seq[i] : cu_seq[i + 1]]``. Each packed row is written once to its
-    slot (`sequence_slots`, worked out on the device: no host read) of a zeroed buffer, which
-    moves about half the bytes of a gather from the padded side. A sequence longer than ``rows``
-    is not cut cleanly (its extra rows land on its last slot): the caller bounds the lengths.
+    Sequence ``i`` is ``x[cu_seq[i] : cu_seq[i + 1]]``. The result is a view of a token-major
+    ``(N, rows, H, D)`` buffer, the layout of the packed tensor itself, so padding is one copy of
+    whole token rows to their slots (`sequence_slots`, worked out on the device: no host read) and
+    the kernels read it as they read the packed strided views of the eager path. A sequence longer
+    than ``rows`` is not cut cleanly (its extra rows land on its last slot): the caller bounds the
+    lengths.
     """
     n = cu_seq.shape[0] - 1
-    padded = x.new_zeros(n, x.shape[1], rows, x.shape[2])
-    if x.shape[0] == 0:
-        return padded
-    sequence, row = sequence_slots(cu_seq, x.shape[0], rows)
-    padded.transpose(1, 2)[sequence, row] = x
-    return padded
+    tokens = x.new_zeros(n * rows, x.shape[1], x.shape[2])
+    if x.shape[0] > 0:
+        tokens.index_copy_(0, flat_slots(cu_seq, x.shape[0], rows), x)
+    return tokens.view(n, rows, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def flat_slots(cu_seq: torch.Tensor, total: int, rows: int) -> torch.Tensor:
+    """``(total,)`` int64: each packed token's row in a token-major ``(N * rows, ...)`` buffer."""
+    sequence, row = sequence_slots(cu_seq, total, rows)
+    return sequence * rows + row
 
 
 def sequence_slots(cu_seq: torch.Tensor, total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +197,7 @@ def pad_paged(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Ten
     pages = torch.where(valid, pages, 0)
     gathered = cache[pages, (slot % page_size)[None, :].expand(n, rows)]  # (N, rows, H, D)
     gathered = torch.where(valid[:, :, None, None], gathered, 0)
-    return gathered.transpose(1, 2).contiguous()
+    return gathered.transpose(1, 2)  # token-major, as pad_packed's
 
 
 def unpad_rows(padded: torch.Tensor, cu_seq_q: torch.Tensor, total: int) -> torch.Tensor:

@@ -44,7 +44,9 @@ def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torc
     counted), and blocks past its end are 0."""
     n, h, rows, d = x.shape
     blocks = rows // block_size
-    sums = x.view(n, h, blocks, block_size, d).sum(3, dtype=torch.float32)  # no float32 copy of x
+    # Summed in the token-major order of the padded buffers (`pad_packed`), with no float32 copy.
+    tokens = x.transpose(1, 2).reshape(n, blocks, block_size, h, d)
+    sums = tokens.sum(2, dtype=torch.float32).transpose(1, 2)
     first = torch.arange(blocks, device=x.device) * block_size
     counts = (lengths[:, None] - first[None, :]).clamp(0, block_size).float()
     return sums / counts.clamp(min=1.0)[:, None, :, None]
