@@ -187,16 +187,13 @@ class Layout:
         out again. All on ``device``, no host sync.
         """
         tk = self.num_key_blocks
+        partial = tk - 1 if self.seq_len_k % self.block_size else None
         if self.causal:
             _, k_hi = self.key_block_ranges(device)
             q_lo, _ = self.query_block_ranges(device)
-            # k_hi grows with the block index, so the full blocks are a prefix of 0 .. Tk-1.
-            first = (k_hi[None, :] < q_lo[:, None]).sum(-1)
-        else:
-            first = torch.full((self.num_query_blocks,), tk, dtype=torch.int64, device=device)
-        if self.seq_len_k % self.block_size:
-            first = first.clamp(max=tk - 1)
-        return first
+            return first_masked_key_blocks(k_hi, q_lo, partial)
+        first = torch.full((self.num_query_blocks,), tk, dtype=torch.int64, device=device)
+        return first if partial is None else first.clamp(max=partial)
 
     def candidate_blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Blocks a score-based selector ranks: ``(Tq, Tk)`` bool (Algorithm 2's causal mask ``C``).
@@ -221,6 +218,32 @@ class Layout:
         return _total_allowed_blocks(
             self.seq_len_q, self.seq_len_k, self.block_size, self.segment_size, self.causal
         )
+
+
+def first_masked_key_blocks(key_hi: torch.Tensor, query_lo: torch.Tensor,
+                            partial_block: int | torch.Tensor | None) -> torch.Tensor:
+    """The causal masking rule of `Layout.first_masked_blocks`, from block position ranges.
+
+    Key blocks whose last effective position precedes the query block's first are full (``key_hi``
+    grows with the block index, so they are a prefix); from the first other one on, the per-token
+    check runs, and from a partial last key block on at the latest.
+
+    Args:
+        key_hi: ``(..., Tk)`` last effective key position of each key block (blocks past the keys:
+            any value at least every ``query_lo``).
+        query_lo: ``(..., Tq)`` first effective query position of each query block.
+        partial_block: the index of a partial last key block (an int, or ``(...,)`` per batch
+            entry for a padded batch of sequences, `pbs.serving.ragged`), or None.
+
+    Returns:
+        ``(..., Tq)`` int64.
+    """
+    first = (key_hi[..., None, :] < query_lo[..., :, None]).sum(-1)
+    if partial_block is None:
+        return first
+    if isinstance(partial_block, int):
+        return first.clamp(max=partial_block)
+    return torch.minimum(first, partial_block[..., None])
 
 
 @lru_cache(maxsize=1024)

@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from pbs.layout import Layout, cdiv
+from pbs.layout import Layout, cdiv, first_masked_key_blocks
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,22 +121,17 @@ class RaggedGeometry:
         return Layout(self.batch, heads_q, heads_kv, self.padded_len_q, self.padded_len_k, self.block_size,
                       self.block_size, causal=True, segmented=False)
 
-    def first_masked(self) -> torch.Tensor:
-        """``(N, Tq)`` int64: per query block, the first key block that needs the per-token check
-        (`pbs.Layout.first_masked_blocks` per sequence): blocks ending before the query block's
-        first position are full, and a sequence's partial last key block is always checked."""
-        q_lo, _, _ = self.query_blocks
-        _, k_hi, k_valid = self.key_blocks
-        first = (k_valid[:, None, :] & (k_hi[:, None, :] < q_lo[:, :, None])).sum(-1)
-        key_blocks = (self.len_k + self.block_size - 1) // self.block_size
-        partial = (self.len_k % self.block_size != 0)[:, None]
-        return torch.where(partial, torch.minimum(first, (key_blocks - 1)[:, None]), first)
-
     def full_counts(self, counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """`pbs.BlockMask.full_counts` of lists ``indices (N, Hq, Tq, Tk)`` with ``counts``: the
-        leading entries below each query block's `first_masked` block (the ``-1`` padding is
-        below it too and is taken off again)."""
-        first = self.first_masked().to(indices.dtype)[:, None, :, None]
+        leading entries before each query block's first masked key block (the one rule,
+        `pbs.layout.first_masked_key_blocks`, per sequence; the ``-1`` padding is below it too
+        and is taken off again)."""
+        q_lo, _, _ = self.query_blocks
+        _, k_hi, k_valid = self.key_blocks
+        past_the_keys = torch.where(k_valid, k_hi, torch.iinfo(torch.int64).max)
+        key_blocks = (self.len_k + self.block_size - 1) // self.block_size
+        partial = torch.where(self.len_k % self.block_size != 0, key_blocks - 1, self.num_key_blocks)
+        first = first_masked_key_blocks(past_the_keys, q_lo, partial).to(indices.dtype)[:, None, :, None]
         below = (indices < first).sum(-1, dtype=torch.int32)
         return below - (indices.shape[-1] - counts.to(torch.int32))
 
