@@ -58,26 +58,27 @@ def test_each_sequence_gets_the_mask_it_gets_alone(name, group):
         assert torch.equal(full[i, :, :tq], alone.full_counts[0]), f"sequence {i}: full_counts"
 
 
-def test_the_line_kernels_read_each_sequence_s_lengths_from_the_device(monkeypatch):
-    # CUDA runs the eager path's line-score kernels over the padded batch with the lengths on the
-    # device; here they run in the interpreter against the PyTorch operations the CPU uses.
+def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypatch):
+    # CUDA runs the eager path's line-score and threshold kernels over the padded batch with the
+    # lengths on the device; here they run in the interpreter against the PyTorch operations the
+    # CPU uses (the defaults: lines and mean pooling).
     import pbs.serving.ragged_planners as planners
     from pbs.kernels.vertical_slash import line_scores
 
-    config = {**CONFIGS["vertical_slash"], **SMALL, "backend": "reference"}
+    config = {**CONFIGS["defaults"], **SMALL, "backend": "reference"}
     sequences = make_sequences([(40, 40), (1, 90), (0, 0), (70, 200), (16, 17)], heads_q=4, heads_kv=2)
     q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
     len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
     geometry = ragged_geometry(len_q, len_k, max_q, max_k, 16)
     q_pad, k_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q), pad_packed(k, cu_seq_k, geometry.padded_len_k)
-    selector = pbs.PBSConfig.coerce(config).selector
+    selector = pbs.PBSConfig.coerce(config).selector.selectors[0]  # the lines
     lengths = torch.stack((len_q, len_k), 1).to(torch.int32)
     kernel = line_scores(q_pad, k_pad, geometry.layout(4, 2), 0.25, selector.last_rows, lengths=lengths)
     torch_ops = planners.line_scores_torch(selector, geometry, q_pad, k_pad, 0.25, slice(0, 4))
     torch.testing.assert_close(kernel, torch_ops, rtol=0, atol=1e-6)
     assert kernel[:, 2].abs().sum() == 0  # the empty sequence
     without = padded_plan(sequences, config)[0].to_dense()
-    monkeypatch.setattr(planners, "uses_line_kernel", lambda device: True)
+    monkeypatch.setattr(planners, "uses_gpu_planners", lambda device: True)
     assert torch.equal(padded_plan(sequences, config)[0].to_dense(), without)
 
 

@@ -39,6 +39,7 @@ def _threshold_select_kernel(
     scores_ptr,
     candidates_ptr,
     diagonal_ptr,
+    stride_sets_b,
     inverse_ptr,
     stride_inv_b,
     stride_inv_h,
@@ -66,7 +67,7 @@ def _threshold_select_kernel(
     o_j = tl.arange(0, TK_PAD)
     m_j = o_j < num_key_blocks
 
-    p_sets = i_q.to(tl.int64) * num_key_blocks + o_j
+    p_sets = i_b.to(tl.int64) * stride_sets_b + i_q.to(tl.int64) * num_key_blocks + o_j
     candidates = tl.load(candidates_ptr + p_sets, mask=m_j, other=0) != 0
     diagonal = tl.load(diagonal_ptr + p_sets, mask=m_j, other=0) != 0
     allowed = candidates | diagonal  # block_sets guarantees it: no third load
@@ -157,7 +158,8 @@ def threshold_select_rows(
             entry for position 0 gives the sink block; None to not force the sink.
         from_logits: whether ``scores`` are logits or shares.
         candidates, diagonal: ``(Tq, Tk)`` bool block sets of the layout
-            (`pbs.kernels.block_sets.block_sets`); the allowed set is their union.
+            (`pbs.kernels.block_sets.block_sets`), or ``(B, Tq, Tk)``, one per batch entry (a
+            padded batch of sequences, `pbs.serving.ragged`); the allowed set is their union.
         logit_scale: factor of the logits before the softmax.
         forced_first: rank the forced candidates (diagonal and sink) first and count their mass
             first towards ``threshold`` (XAttention's rule; see the module docstring).
@@ -171,6 +173,7 @@ def threshold_select_rows(
     tk_pad = max(16, triton.next_power_of_2(tk))
     _threshold_select_kernel[(b * hc * tq,)](
         scores, candidates.contiguous().view(torch.int8), diagonal.contiguous().view(torch.int8),
+        tq * tk if candidates.dim() == 3 else 0,
         inverse, inverse.stride(0) if key_inverse is not None else 0,
         inverse.stride(1) if key_inverse is not None else 0, key_group,
         counts, indices,

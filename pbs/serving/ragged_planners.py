@@ -19,6 +19,7 @@ from pbs.reference.logits import grouped_logits
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.selectors.vertical_slash import kept_lines, offset_prefix
 from pbs.serving.ragged import RaggedGeometry
+from pbs.types import BlockMask
 
 SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "union")
 """Selectors the capturable path plans (a ``union`` of these too)."""
@@ -59,24 +60,42 @@ def _head_chunk(heads_q: int, group: int, per_head: int) -> int:
 
 def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """`MeanPoolSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks)."""
+    """`MeanPoolSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+
+    On CUDA the eager path's row kernel (`pbs.kernels.threshold_select.threshold_select_rows`,
+    given each sequence's allowed blocks) takes the softmax and the threshold; elsewhere PyTorch
+    operations do.
+    """
     n, hq, tq, _ = q_bar.shape
     tk = k_bar.shape[2]
     group = hq // k_bar.shape[1]
-    candidates = geometry.allowed[:, None]
-    selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=q_bar.device)
+    kernel = uses_gpu_planners(q_bar.device)
+    if kernel:
+        from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
+
+        layout = geometry.layout(hq, k_bar.shape[1])
+        counts, indices = empty_block_mask_tensors(layout, q_bar.device)
+        nothing_forced = torch.zeros_like(geometry.allowed)  # planning adds the forced blocks
+    else:
+        candidates = geometry.allowed[:, None]
+        selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=q_bar.device)
     step = _head_chunk(hq, group, n * tq * tk)
     for h0 in range(0, hq, step):
         h1 = min(hq, h0 + step)
-        logits = grouped_logits(q_bar[:, h0:h1], k_bar[:, h0 // group: h1 // group]) * scale
-        scores = logits.masked_fill_(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        logits = grouped_logits(q_bar[:, h0:h1], k_bar[:, h0 // group: h1 // group])
+        if kernel:
+            threshold_select_rows(logits, layout, selector.threshold, counts, indices, head_offset=h0,
+                                  key_inverse=None, from_logits=True, logit_scale=scale,
+                                  candidates=geometry.allowed, diagonal=nothing_forced)
+            continue
+        scores = (logits * scale).masked_fill_(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
         selected[:, h0:h1] = select_by_cumulative_threshold(scores, candidates, selector.threshold)
-    return selected
+    return BlockMask(counts, indices, layout).to_dense() if kernel else selected
 
 
-def uses_line_kernel(device: torch.device) -> bool:
-    """Whether the line scores come from the eager path's Triton kernels (on CUDA) rather than
-    from PyTorch operations (elsewhere; the tests hold the two to each other in the interpreter)."""
+def uses_gpu_planners(device: torch.device) -> bool:
+    """Whether planning runs the eager path's Triton kernels (on CUDA) rather than PyTorch
+    operations (elsewhere; the tests hold the two to each other in the interpreter)."""
     return device.type == "cuda"
 
 
@@ -142,7 +161,7 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
     """
     n, hq = q.shape[:2]
     bs = geometry.block_size
-    if uses_line_kernel(q.device):
+    if uses_gpu_planners(q.device):
         from pbs.kernels.vertical_slash import kept_line_blocks, line_scores
 
         lengths = torch.stack((geometry.len_q, geometry.len_k), 1).to(torch.int32)
