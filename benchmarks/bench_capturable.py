@@ -11,7 +11,9 @@ in another order (new lengths per slot). Timed with CUDA events after warm-up, L
 * ``eager``: `pbs.varlen_attention` as it runs by default (per sequence, host read of the lengths);
 * ``capturable``: the same call with ``capturable=True``, run eagerly;
 * ``graph``: that call replayed from a CUDA graph;
-* ``cudnn``: SDPA (cuDNN first) prompt by prompt, dense.
+* ``cudnn``: SDPA (cuDNN first) prompt by prompt, dense;
+* ``stages_ms``: the capturable call's stages run one by one (padding, planning, attention,
+  unpadding) and the eager path's planning of the same prompts (`pbs.plan` per prompt).
 
     python benchmarks/bench_capturable.py --json benchmarks/results/serving/capturable_h100.json
 """
@@ -30,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_captura
 import pbs  # noqa: E402
 from benchmarks.common import environment, packed_prompts, save, time_ms  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
+from pbs.serving import capturable  # noqa: E402
 
 BATCHES = {"long": [16384, 32768, 65536, 131072], "short": [1024, 2048, 3072, 4096]}
 
@@ -42,6 +45,26 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def stage_times(q, k, v, cu, max_len, views) -> dict:
+    """Median ms of each stage of the capturable call (`pbs.serving.capturable`), run eagerly, and
+    of the eager path's planning (`pbs.plan` on each prompt)."""
+    config = pbs.PBSConfig()
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    geometry, q_pad, k_pad, v_pad = capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size)
+    mask, _ = capturable.plan_ragged(config, geometry, q_pad, k_pad, scale)
+    positions = geometry.query_positions()
+    o_pad, _ = capturable.attend_padded(config, q_pad, k_pad, v_pad, mask, positions, scale, False)
+    return {
+        "pad_ms": time_ms(lambda: capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size)),
+        "plan_ms": time_ms(lambda: capturable.plan_ragged(config, geometry, q_pad, k_pad, scale)),
+        "attention_ms": time_ms(lambda: capturable.attend_padded(config, q_pad, k_pad, v_pad, mask, positions,
+                                                                 scale, False)),
+        "unpad_ms": time_ms(lambda: capturable.write_packed(out, o_pad, None, cu)),
+        "eager_plan_per_prompt_ms": time_ms(lambda: [pbs.plan(*view[:2]) for view in views]),
+    }
 
 
 def measure(lengths: list[int]) -> dict:
@@ -63,7 +86,7 @@ def measure(lengths: list[int]) -> dict:
     cudnn_ms = time_ms(lambda: [dense_attention_sdpa(*view, scale=scale) for view in views])
 
     # Correctness: the prompts in reverse order through the same graph (each slot gets new lengths).
-    _, (q2, k2, v2, cu2) = packed_prompts(lengths[::-1], 32, 8, 128)
+    reversed_views, (q2, k2, v2, cu2) = packed_prompts(lengths[::-1], 32, 8, 128)
     for buffer, value in ((q, q2), (k, k2), (v, v2), (cu, cu2)):
         buffer.copy_(value)
     graph.replay()
@@ -71,8 +94,9 @@ def measure(lengths: list[int]) -> dict:
     expected = pbs.varlen_attention(q2, k2, v2, cu2, cu2, max_len, max_len, capturable=True)
     eager = pbs.varlen_attention(q2, k2, v2, cu2, cu2, max_len, max_len)
     agree = ((replayed.float() - eager.float()).abs() <= 2e-2).float().mean().item()
+    stages = stage_times(q2, k2, v2, cu2, max_len, reversed_views)
     row = {
-        "lengths": lengths, "eager_ms": eager_ms, "capturable_ms": capturable_ms, "graph_ms": graph_ms,
+        "lengths": lengths, "stages_ms": stages, "eager_ms": eager_ms, "capturable_ms": capturable_ms, "graph_ms": graph_ms,
         "cudnn_per_prompt_ms": cudnn_ms, "graph_over_eager": graph_ms / eager_ms,
         "graph_over_cudnn": graph_ms / cudnn_ms, "graph_extra_peak_gib": peak_gib,
         "replay_new_lengths_max_abs_diff_vs_capturable_eager": (replayed.float() - expected.float()).abs().max().item(),
@@ -80,7 +104,7 @@ def measure(lengths: list[int]) -> dict:
     }
     print(f"{lengths}: eager {eager_ms:.2f} ms, capturable {capturable_ms:.2f} ms, graph {graph_ms:.2f} ms "
           f"({row['graph_over_eager']:.3f}x eager, {row['graph_over_cudnn']:.3f}x cuDNN {cudnn_ms:.2f} ms); "
-          f"replay vs eager agree {agree:.5f}", flush=True)
+          f"replay vs eager agree {agree:.5f}; stages {stages}", flush=True)
     return row
 
 

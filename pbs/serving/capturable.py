@@ -157,6 +157,22 @@ def capturable_varlen_attention(
     filled, and the ``(Hq, Tq)`` LSE when asked. Launch shapes depend on the arguments' shapes and
     ``max_q``/``max_k`` only; no tensor is read on the host, except by ``check_finite`` (a scan
     of the queries and of the sequences' keys and values, never inside a capture)."""
+    geometry, q_pad, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
+                                              block_table, seqused_k)
+    if check_finite:
+        check_all_finite({"q": q, "k": k_pad, "v": v_pad})
+    mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
+    o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
+    return out, write_packed(out, o_pad, lse_pad, cu_seq_q)
+
+
+def pad_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor | None,
+    max_q: int, max_k: int, block_size: int, block_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+) -> tuple[RaggedGeometry, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The geometry and the padded ``(N, H, rows, D)`` q, k, v of a packed (or, with
+    ``block_table`` and ``seqused_k``, paged) batch, with the lengths read on the device."""
     len_q = (cu_seq_q[1:] - cu_seq_q[:-1]).long()
     if block_table is not None:
         assert seqused_k is not None
@@ -164,22 +180,26 @@ def capturable_varlen_attention(
     else:
         assert cu_seq_k is not None
         len_k = (cu_seq_k[1:] - cu_seq_k[:-1]).long()
-    geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
+    geometry = ragged_geometry(len_q, len_k, max_q, max_k, block_size)
     q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
     if block_table is not None:
         k_pad, v_pad = (pad_paged(cache, block_table, len_k, geometry.padded_len_k) for cache in (k, v))
     else:
         k_pad, v_pad = (pad_packed(x, cu_seq_k, geometry.padded_len_k) for x in (k, v))
-    if check_finite:
-        check_all_finite({"q": q, "k": k_pad, "v": v_pad})
-    mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
-    o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
-    total = q.shape[0]
+    return geometry, q_pad, k_pad, v_pad
+
+
+def write_packed(out: torch.Tensor, o_pad: torch.Tensor, lse_pad: torch.Tensor | None,
+                 cu_seq_q: torch.Tensor) -> torch.Tensor | None:
+    """``o_pad (N, Hq, rows, Dv)``'s rows written to the packed ``out (Tq, Hq, Dv)``; returns the
+    packed LSE ``(Hq, Tq)`` of ``lse_pad (N, Hq, rows)``, or None."""
+    total = out.shape[0]
     token_major = o_pad.transpose(1, 2)
     if token_major.is_contiguous():  # the kernels' output: one copy of whole token rows
         torch.index_select(token_major.reshape(-1, *out.shape[1:]), 0, flat_slots(cu_seq_q, total, o_pad.shape[2]),
                            out=out)
     else:
         out.copy_(unpad_rows(o_pad, cu_seq_q, total))
-    lse = unpad_rows(lse_pad[..., None], cu_seq_q, total)[..., 0].transpose(0, 1).contiguous() if return_lse else None
-    return out, lse
+    if lse_pad is None:
+        return None
+    return unpad_rows(lse_pad[..., None], cu_seq_q, total)[..., 0].transpose(0, 1).contiguous()
