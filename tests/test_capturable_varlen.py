@@ -313,6 +313,53 @@ def test_a_captured_graph_at_full_density_equals_dense_attention():
 
 
 @pytest.mark.gpu
+def test_a_captured_graph_reads_a_paged_cache_at_new_lengths():
+    # A serving step over a paged cache: the graph reads block_table and seqused_k from the device,
+    # so new requests (other pages, other lengths) replay it. 128-row pages, handed out shuffled.
+    config = {"dense_fallback": {"min_seq_len": 3050}}
+    first = [(4096, 4096), (2048, 5120), (0, 0)]
+    second = [(1, 3000), (3071, 3071), (3072, 3145)]
+
+    def paged_batch(lengths, seed):
+        q, k, v, cu_seq_q, cu_seq_k = structured_batch(lengths, seed=seed)
+        sequences = []
+        for i in range(len(lengths)):
+            ks, vs = (x[cu_seq_k[i]:cu_seq_k[i + 1]].transpose(0, 1)[None] for x in (k, v))
+            sequences.append((None, ks, vs))
+        k_cache, v_cache, block_table, seqused_k = paged_cache(sequences, 128, seed=seed, spare_pages=8)
+        # The graph's tables keep one shape: as many pages per sequence as MAX_K needs.
+        table = torch.full((len(lengths), MAX_K // 128), -1, dtype=torch.int32, device="cuda")
+        table[:, : block_table.shape[1]] = block_table[:, : MAX_K // 128]
+        return q, k_cache, v_cache, cu_seq_q, table, seqused_k
+
+    static = list(paged_batch(first, seed=0))
+    fresh = paged_batch(second, seed=1)
+    pages = max(static[1].shape[0], fresh[1].shape[0])
+    for i in (1, 2):  # caches of one size for both batches
+        static[i] = torch.cat([static[i], static[i].new_zeros(pages - static[i].shape[0], *static[i].shape[1:])])
+    out = torch.empty(TOTAL_Q, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+    def call(q, k_cache, v_cache, cu_seq_q, table, seqused_k, out=None):
+        return pbs.varlen_attention(q, k_cache, v_cache, cu_seq_q, None, MAX_Q, MAX_K, config, out=out,
+                                    block_table=table, seqused_k=seqused_k, capturable=True)
+
+    call(*static, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(*static, out=out)
+    for buffer, value in zip(static, fresh):
+        buffer.zero_()
+        buffer[: value.shape[0]].copy_(value)
+    graph.replay()
+    torch.testing.assert_close(out, call(*fresh), rtol=0, atol=0)
+    q, k_cache, v_cache, cu_seq_q, table, seqused_k = fresh
+    eager = pbs.varlen_attention(q, k_cache, v_cache, cu_seq_q, None, MAX_Q, MAX_K, config, block_table=table,
+                                 seqused_k=seqused_k)
+    assert ((out.float() - eager.float()).abs() <= 2e-2).float().mean() > 0.999
+
+
+@pytest.mark.gpu
 def test_capture_without_capturable_is_a_clear_error():
     static = structured_batch([(100, 100)])
     graph = torch.cuda.CUDAGraph()
