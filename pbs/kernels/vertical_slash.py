@@ -172,25 +172,27 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
         # Lines are line_len apart (the padded length of a ragged batch); seq_len_k bounds this one.
         rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, launch_rows_start, launch_rows, line_len,
                                                               query_offset_0, last_rows, RAGGED)
-        q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
-        first_row_pos = rows_start + query_offset
         col0 = (tile % key_tiles) * BLOCK_N
-        cols = col0 + o_n
-        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
-                    first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
-        lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
-        p = tl.exp2(s - lse[:, None])
-        p = tl.where(o_r[:, None] < rows, p, 0.0)
-        line = pid_bh.to(tl.int64) * line_len
-        tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
-        skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
-        # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
-        # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
-        # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
-        # atomics leave the result deterministic.
-        offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_x
-        tl.atomic_add(slash_ptr + line + offsets, tl.sum(skewed, 0), sem="relaxed",
-                      mask=(o_x < ROWS + BLOCK_N - 1) & (offsets >= 0) & (offsets < seq_len_k))
+        # A ragged sequence's tiles past its keys score nothing (its lines there stay 0).
+        if col0 < seq_len_k:
+            q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
+            first_row_pos = rows_start + query_offset
+            cols = col0 + o_n
+            s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
+                        first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
+            lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
+            p = tl.exp2(s - lse[:, None])
+            p = tl.where(o_r[:, None] < rows, p, 0.0)
+            line = pid_bh.to(tl.int64) * line_len
+            tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
+            skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
+            # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
+            # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
+            # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
+            # atomics leave the result deterministic.
+            offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_x
+            tl.atomic_add(slash_ptr + line + offsets, tl.sum(skewed, 0), sem="relaxed",
+                          mask=(o_x < ROWS + BLOCK_N - 1) & (offsets >= 0) & (offsets < seq_len_k))
 
 
 @triton.jit

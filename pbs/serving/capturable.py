@@ -108,7 +108,8 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
     selected = select(config.selector, geometry, q, k, pooled, scale)
     allowed = geometry.allowed[:, None]
-    selected = (selected | geometry.forced(config.force_sink_block)[:, None]) & allowed
+    selected |= geometry.forced(config.force_sink_block)[:, None]  # in place: N * Hq * Tq * Tk bools a pass
+    selected &= allowed
     dense = dense_decisions(config, geometry, selected, probe_counters(config, geometry, *pooled, scale))
     if dense is not None:
         selected = torch.where(dense[:, None, None, None], allowed, selected)
