@@ -4,7 +4,8 @@ A serving engine captures its forward once per bucket of maxima and replays it w
 Every launch here therefore has a shape fixed by ``(Tq, Tk, N, max_q, max_k)`` and the tensors'
 own shapes, and every decision that depends on the lengths is taken on the device:
 
-1. the sequences are gathered into padded ``(N, H, max, D)`` buffers (`pbs.serving.ragged`);
+1. the sequences are written into token-major padded buffers, viewed as ``(N, H, max, D)``
+   (`pbs.serving.ragged`);
 2. each is planned as it is alone (`pbs.serving.ragged_planners`), and the dense policy's three
    rules are evaluated per sequence on the device; a sequence that decides dense gets every
    allowed block (dense attention on the block-sparse kernel, as paged calls run it eagerly);
@@ -12,8 +13,9 @@ own shapes, and every decision that depends on the lengths is taken on the devic
    query positions, and the rows are scattered back to the packing.
 
 What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
-them in place), planning always runs (the eager path skips it for sequences that the length rule
-sends to dense attention), and dense sequences run on the block-sparse kernel instead of cuDNN.
+them in place), every sequence is planned at the padded size unless the shapes alone send all of
+them to dense attention (the eager path skips planning per sequence), and dense sequences run on
+the block-sparse kernel instead of cuDNN.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from pbs.backends import CallSpec, resolve_backend
 from pbs.config import PBSConfig
-from pbs.dense import _GATE_UNIT, probe_gate_limit
+from pbs.dense import _GATE_UNIT, DensePolicy, probe_gate_limit
 from pbs.serving.ragged import RaggedGeometry, flat_slots, pad_packed, pad_paged, ragged_geometry, unpad_rows
 from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
 from pbs.types import BlockMask
@@ -63,7 +65,7 @@ def dense_decisions(config: PBSConfig, geometry: RaggedGeometry, selected: torch
     allowed blocks of all heads above ``max_planned_density``.
     """
     fallback = config.dense_fallback
-    if config.backend != "auto" or geometry.device.type not in fallback.devices:
+    if not DensePolicy(config).applies(geometry.device):
         return None
     dense = geometry.len_k < fallback.min_seq_len
     if fallback.max_density is None:
@@ -83,9 +85,7 @@ def all_dense_by_length(config: PBSConfig, geometry: RaggedGeometry) -> bool:
     """Whether the length rule sends every sequence to dense attention whatever its length: the
     padded key length (at least ``max_k``) is below ``dense_fallback.min_seq_len``. A host
     decision from shapes alone, the same in every replay."""
-    fallback = config.dense_fallback
-    applies = config.backend == "auto" and geometry.device.type in fallback.devices
-    return applies and geometry.padded_len_k < fallback.min_seq_len
+    return DensePolicy(config).applies(geometry.device) and geometry.padded_len_k < config.dense_fallback.min_seq_len
 
 
 def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
@@ -101,10 +101,8 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     layout = geometry.layout(hq, k.shape[1])
     if all_dense_by_length(config, geometry):
         # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
-        allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
-        mask = BlockMask.from_dense(allowed, layout)
-        mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
-        return mask, torch.ones(n, dtype=torch.bool, device=q.device)
+        every_allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
+        return _block_mask(every_allowed, geometry, layout), torch.ones(n, dtype=torch.bool, device=q.device)
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
     selected = select(config.selector, geometry, q, k, pooled, scale)
     allowed = geometry.allowed[:, None]
@@ -113,9 +111,14 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     dense = dense_decisions(config, geometry, selected, probe_counters(config, geometry, *pooled, scale))
     if dense is not None:
         selected = torch.where(dense[:, None, None, None], allowed, selected)
+    return _block_mask(selected, geometry, layout), dense
+
+
+def _block_mask(selected: torch.Tensor, geometry: RaggedGeometry, layout) -> BlockMask:
+    """``selected (N, Hq, Tq, Tk)`` bool as a `BlockMask` whose full/masked split is each
+    sequence's own (`RaggedGeometry.full_counts`), not the padded layout's."""
     mask = BlockMask.from_dense(selected, layout)
-    mask = BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
-    return mask, dense
+    return BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
 
 
 def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,

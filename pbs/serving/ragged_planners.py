@@ -132,7 +132,7 @@ def line_scores_torch(selector, geometry: RaggedGeometry, q: torch.Tensor, k: to
     return torch.stack((vertical, slash))
 
 
-def _lines_to_blocks(keys_blocks: torch.Tensor, prefix: torch.Tensor, geometry: RaggedGeometry) -> torch.Tensor:
+def _blocks_of_kept_lines(keys_blocks: torch.Tensor, prefix: torch.Tensor, geometry: RaggedGeometry) -> torch.Tensor:
     """Key blocks holding a kept key (``keys_blocks (N, h, Tk)`` bool) or crossed by a kept offset
     (``prefix (N, h, Nk + 1)``, the running count of kept offsets): ``(N, h, Tq, Tk)`` bool, with
     each sequence's offsets clamped to its own key count (`pbs.selectors.vertical_slash.blocks_of_lines`)."""
@@ -167,7 +167,7 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
         lengths = torch.stack((geometry.len_q, geometry.len_k), 1).to(torch.int32)
         scores = line_scores(q, k, geometry.layout(hq, k.shape[1]), scale, selector.last_rows, lengths=lengths)
         keys_blocks, prefix = kept_line_blocks(scores, selector.threshold, selector.vertical_threshold, bs)
-        return _lines_to_blocks(keys_blocks.bool(), prefix, geometry)
+        return _blocks_of_kept_lines(keys_blocks.bool(), prefix, geometry)
     group = hq // k.shape[1]
     rows = min(selector.last_rows, q.shape[2])
     selected = torch.empty(n, hq, geometry.num_query_blocks, geometry.num_key_blocks, dtype=torch.bool,
@@ -178,7 +178,7 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
         vertical, slash = line_scores_torch(selector, geometry, q, k, scale, heads)
         keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
         keys_blocks = keys.view(*keys.shape[:2], -1, bs).any(-1)
-        selected[:, heads] = _lines_to_blocks(keys_blocks, offset_prefix(offsets), geometry)
+        selected[:, heads] = _blocks_of_kept_lines(keys_blocks, offset_prefix(offsets), geometry)
     return selected
 
 
