@@ -13,18 +13,16 @@ registry key and whose method is the pure-PyTorch reference implementation:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from pbs.config_view import ConfigView
 from pbs.layout import Layout
 from pbs.registry import Registry
 from pbs.types import PagedTensor, Permutation
-
-if TYPE_CHECKING:
-    from pbs.config import PBSConfig
 
 
 def name_valid_fields(model: type[BaseModel], data: Any, handler: Any) -> Any:
@@ -68,7 +66,7 @@ class ComponentConfig(BaseModel):
     def _name_valid_fields(cls, data: Any, handler: Any) -> Any:
         return name_valid_fields(cls, data, handler)
 
-    def check_compatible(self, config: "PBSConfig") -> None:
+    def check_compatible(self, config: ConfigView) -> None:
         """Raises ``ValueError`` if this component cannot run with ``config`` (e.g. a stride that
         does not divide the block size). The default accepts everything."""
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from pbs.config_view import ConfigView
 from pbs.layout import Layout
-
-if TYPE_CHECKING:
-    from pbs.config import PBSConfig
 
 
 @dataclass(frozen=True, eq=False)
@@ -256,7 +253,7 @@ class Plan:
     key_permutation: Permutation
     query_permutation: Permutation
     mask: BlockMask
-    config: "PBSConfig"
+    config: ConfigView
     backend: str
     fallback: str | None = None
 
