@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_chunked
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, save, time_ms  # noqa: E402
+from benchmarks.common import environment, save, time_ms, torch_varlen, wall_clock_ms  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -53,35 +52,20 @@ def chunk_bounds(seq_len: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def torch_varlen_chunk(q, k, v):
-    """PyTorch's dense varlen attention of one chunk (bottom-right causal), or None where it does not run."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    group = q.shape[1] // k.shape[1]
-    q_p = q[0].transpose(0, 1).contiguous()
-    k_p, v_p = (x[0].transpose(0, 1).repeat_interleave(group, 1).contiguous() for x in (k, v))
+    """PyTorch's dense varlen attention of one chunk ``(1, H, N, D)`` (`benchmarks.common.torch_varlen`),
+    or None where it does not run."""
+    q_p, k_p, v_p = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
     nq, nk = q_p.shape[0], k_p.shape[0]
-    cu_q = torch.tensor([0, nq], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, nk], dtype=torch.int32, device=q.device)
-
-    def call():
-        return varlen_attn(q_p, k_p, v_p, cu_q, cu_k, nq, nk, window_size=(-1, 0))
-
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
-        print(f"varlen_attn failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-        return None
-    return call
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=q.device) for n in (nq, nk))
+    return torch_varlen(q_p, k_p, v_p, cu_q, cu_k, nq, nk)
 
 
-def measure_chunks(q, k, v, chunk: int, config, full_ms_cache: dict, budget_ms: float) -> dict:
-    """Times every chunk's call and kernel for one chunk size and config."""
+def measure_chunks(q, k, v, chunk: int, config, full_ms_cache: dict, budget_ms: float, timer=time_ms) -> dict:
+    """Times every chunk's call and kernel for one chunk size and config, by ``timer``."""
     rows, total_ms = [], 0.0
     for start, end in chunk_bounds(q.shape[2], chunk):
         qc, kc, vc = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
-        call_ms = time_ms(lambda: pbs.attention(qc, kc, vc, config), budget_ms=budget_ms)
+        call_ms = timer(lambda: pbs.attention(qc, kc, vc, config), budget_ms=budget_ms)
         total_ms += call_ms
         _, plan = pbs.attention(qc, kc, vc, config, return_plan=True)
         row = {"start": start, "end": end, "call_ms": call_ms}
@@ -91,19 +75,13 @@ def measure_chunks(q, k, v, chunk: int, config, full_ms_cache: dict, budget_ms: 
             key = (start, end, plan.backend)
             if key not in full_ms_cache:
                 full_plan = pbs.plan(qc, kc, {**FULL, "backend": plan.backend})
-                full_ms_cache[key] = time_ms(lambda: pbs.run(full_plan, qc, kc, vc), budget_ms=budget_ms)
-            kernel_ms = time_ms(lambda: pbs.run(plan, qc, kc, vc), budget_ms=budget_ms)
+                full_ms_cache[key] = timer(lambda: pbs.run(full_plan, qc, kc, vc), budget_ms=budget_ms)
+            kernel_ms = timer(lambda: pbs.run(plan, qc, kc, vc), budget_ms=budget_ms)
             full_ms = full_ms_cache[key]
             row.update(ran=plan.backend, density=plan.density, kernel_ms=kernel_ms, full_ms=full_ms,
                        ratio_to_ideal=kernel_ms / (plan.density * full_ms))
         rows.append(row)
     return {"chunk": chunk, "total_ms": total_ms, "chunks": rows}
-
-
-def _wall_clock_ms(fn, budget_ms: float = 0.0, repeats: int | None = None) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,10 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="cpu: a smoke run of the script's logic (fp32, wall-clock times, reference backend)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    global time_ms
-    dtype = torch.bfloat16
-    if args.device == "cpu":
-        time_ms, dtype = _wall_clock_ms, torch.float32
+    timer, dtype = (wall_clock_ms, torch.float32) if args.device == "cpu" else (time_ms, torch.bfloat16)
     q, k, v = pbs.testing.make_qkv(batch=1, heads_q=HEADS_Q, heads_kv=HEADS_KV, seq_len=args.seq_len,
                                    head_dim=HEAD_DIM, dtype=dtype, device=args.device, seed=0)
     scale = HEAD_DIM**-0.5
@@ -127,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
               "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": str(dtype).removeprefix("torch."),
                         "causal": True},
               "configs": {name: CONFIGS[name] for name in args.configs}, "rows": []}
-    cudnn_ms = time_ms(lambda: dense_attention_sdpa(q, k, v, scale=scale))
+    cudnn_ms = timer(lambda: dense_attention_sdpa(q, k, v, scale=scale))
     result["cudnn_one_shot_ms"] = cudnn_ms
     print(f"cuDNN one-shot {args.seq_len}: {cudnn_ms:.2f} ms", flush=True)
     for chunk in args.chunks:
@@ -137,20 +112,20 @@ def main(argv: list[str] | None = None) -> dict:
             if calls[-1] is None:
                 break
         if all(c is not None for c in calls):
-            dense_ms = sum(time_ms(c, budget_ms=args.budget_ms) for c in calls)
+            dense_ms = sum(timer(c, budget_ms=args.budget_ms) for c in calls)
             result.setdefault("torch_varlen_chunked_ms", {})[str(chunk)] = dense_ms
             print(f"torch varlen_attn (dense) in {chunk} chunks: {dense_ms:.2f} ms", flush=True)
         del calls
     full_ms_cache: dict = {}
     for name in args.configs:
         config = CONFIGS[name]
-        one_shot_ms = time_ms(lambda: pbs.attention(q, k, v, config))
+        one_shot_ms = timer(lambda: pbs.attention(q, k, v, config))
         _, plan = pbs.attention(q, k, v, config, return_plan=True)
         row = {"config": name, "one_shot_ms": one_shot_ms, "one_shot_over_cudnn": one_shot_ms / cudnn_ms,
                "one_shot_density": None if plan is None else plan.density, "chunked": []}
         print(f"{name}: one-shot {one_shot_ms:.2f} ms ({one_shot_ms / cudnn_ms:.3f}x cuDNN)", flush=True)
         for chunk in args.chunks:
-            measured = measure_chunks(q, k, v, chunk, config, full_ms_cache, args.budget_ms)
+            measured = measure_chunks(q, k, v, chunk, config, full_ms_cache, args.budget_ms, timer)
             measured["total_over_one_shot"] = measured["total_ms"] / one_shot_ms
             row["chunked"].append(measured)
             sparse = [c for c in measured["chunks"] if "ratio_to_ideal" in c]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import os
 import statistics
 import sys
@@ -58,8 +57,10 @@ import pbs  # noqa: E402
 import pbs.integrations.context_parallel as pbs_cp  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    GIB,
     LLAMA_8B_SHAPE,
     LOGITS_RTOL,
+    Ranks,
     build_llama,
     compare_logits,
     environment,
@@ -83,46 +84,6 @@ LONG = 262144
 CHECK_LEN = 32768
 SMOKE_CHECK_LEN = 2048
 SMOKE_MIN_SEQ_LEN = 256
-GIB = 2**30
-
-
-def setup(device_type: str) -> tuple[torch.device, int, int]:
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device, rank, world
-
-
-def gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def from_rank0(obj: Any) -> Any:
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def prompt(n: int, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    gen = torch.Generator(device=device).manual_seed(seed + n)
-    ids = torch.randint(0, vocab, (1, n), generator=gen, device=device)
-    dist.broadcast(ids, src=0)  # the same prompt on every rank whatever the RNG does
-    return ids
 
 
 def use_method(method: str, smoke: bool) -> None:
@@ -133,39 +94,25 @@ def use_method(method: str, smoke: bool) -> None:
     pbs_cp.register_context_parallel(pbs.PBSConfig(**config), **fields)
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def sync(device: torch.device) -> None:
-    import torch.distributed as dist
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-
-
-def ttft_run(model, ids: torch.Tensor, device: torch.device) -> tuple[float, Any]:
-    sync(device)
+def ttft_run(model, ids: torch.Tensor, ranks: Ranks) -> tuple[float, Any]:
+    ranks.barrier()
     start = time.perf_counter()
     out = pbs_cp.context_parallel_prefill(model, ids)
     out.last_logits.argmax(-1).cpu()
     return time.perf_counter() - start, out
 
 
-def time_method(model, ids: torch.Tensor, warmup: int, repeats: int, device: torch.device) -> dict[str, Any]:
+def time_method(model, ids: torch.Tensor, warmup: int, repeats: int, ranks: Ranks) -> dict[str, Any]:
     try:
         first = None
         times = []
         for i in range(warmup + repeats):
-            seconds, out = ttft_run(model, ids, device)
+            seconds, out = ttft_run(model, ids, ranks)
             first = first or out
             if i >= warmup:
                 times.append(seconds)
     except torch.OutOfMemoryError:
-        return {"error": "did not fit (out of memory)", **memory(device)}
+        return {"error": "did not fit (out of memory)", "peak_gib": ranks.peak_gib()}
     layers = first.layers
     dense = [c for c in layers if c.path == "dense"]
     densities = [c.density for c in layers if c.density is not None]
@@ -177,12 +124,8 @@ def time_method(model, ids: torch.Tensor, warmup: int, repeats: int, device: tor
         "dense_reasons": dict(collections.Counter(c.reason for c in dense)),
         "density": statistics.fmean(densities) if densities else None,
         "local_tokens": layers[0].local_len if layers else None,
-        **memory(device),
+        "peak_gib": ranks.peak_gib(),
     }
-
-
-def memory(device: torch.device) -> dict[str, Any]:
-    return {"peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
 
 
 def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,13 +150,13 @@ def noise_reference(model, ids: torch.Tensor) -> dict[str, Any]:
         lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu(), ids.is_cuda)
 
 
-def logits_check(model, ids: torch.Tensor, methods: list[str], smoke: bool, device: torch.device) -> dict[str, Any]:
+def logits_check(model, ids: torch.Tensor, methods: list[str], smoke: bool, ranks: Ranks) -> dict[str, Any]:
     """The context-parallel last logits against the same model in one process (on each rank's device),
     judged against the noise between two of PyTorch's own dense kernels (`noise_reference`)."""
     check: dict[str, Any] = {"seq_len": ids.shape[1], "methods": {}}
     check["noise_reference"] = noise_reference(model, ids)
     noise = check["noise_reference"].get("rel_diff")
-    free_memory(device)
+    ranks.free_memory()
     for method in methods:
         if method == "pbs_budget_0.2":
             check["methods"][method] = {"skipped": "budget's seeded draw depends on the call's shape: other blocks"}
@@ -227,13 +170,13 @@ def logits_check(model, ids: torch.Tensor, methods: list[str], smoke: bool, devi
         with torch.inference_mode():
             single = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu()
         pbs_hf.switch_attention(model, "sdpa")
-        free_memory(device)
+        ranks.free_memory()
         use_method(method, smoke)
         out = pbs_cp.context_parallel_prefill(model, ids)
         entry = compare_logits(single, out.last_logits[0].float().cpu(), noise)
         entry["cp_paths"] = dict(collections.Counter(c.path for c in out.layers))
         check["methods"][method] = entry
-        free_memory(device)
+        ranks.free_memory()
     return check
 
 
@@ -290,12 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.world or args.world < 2:
             raise SystemExit("context parallelism needs --world 2 or more (or torchrun)")
         return relaunch_under_torchrun(__file__, args.world, raw_argv)
-    import torch.distributed as dist
     import transformers
 
     transformers.logging.set_verbosity_error()
-    device, rank, world = setup(args.device)
-    lead = rank == 0
+    ranks = Ranks(args.device)
+    device, world, lead = ranks.device, ranks.world, ranks.rank == 0
     say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
     shape = dict(SMOKE_SHAPE if args.smoke else LLAMA_8B_SHAPE)
     shape["max_position_embeddings"] = max(shape["max_position_embeddings"], *args.lengths)
@@ -304,17 +246,17 @@ def main(argv: list[str] | None = None) -> int:
         model = build_llama(llama_config(shape), device, args.seed)
         with torch.no_grad():
             for p in model.parameters():
-                dist.broadcast(p.data, src=0)
+                ranks.broadcast_(p.data)
         pbs_hf.register()
         pbs_hf.switch_attention(model, "sdpa")
-        sync(device)
-        model_gib = gather(torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None)
+        ranks.barrier()
+        model_gib = ranks.gather(torch.cuda.memory_allocated(device) / GIB if ranks.cuda else None)
         say(f"world {world}: model built on {device} in {time.perf_counter() - began:.0f} s ({model_gib} GiB per rank)")
 
         check = None
         if args.check_len:
-            ids = prompt(args.check_len, shape["vocab_size"], device, args.seed)
-            check = logits_check(model, ids, args.methods, args.smoke, device)
+            ids = ranks.prompt(args.check_len, shape["vocab_size"], args.seed)
+            check = logits_check(model, ids, args.methods, args.smoke, ranks)
             say(f"check N={args.check_len} noise between two dense SDPA kernels: {check['noise_reference']}")
             for method, entry in check["methods"].items():
                 say(f"check N={args.check_len} {method}: {entry}")
@@ -322,25 +264,25 @@ def main(argv: list[str] | None = None) -> int:
 
         rows: list[dict[str, Any]] = []
         for seq_len in args.lengths:
-            ids = prompt(seq_len, shape["vocab_size"], device, args.seed)
+            ids = ranks.prompt(seq_len, shape["vocab_size"], args.seed)
             repeats = args.long_repeats if seq_len > LONG else args.repeats
             for method in args.methods:
                 row: dict[str, Any] = {"world": world, "seq_len": seq_len, "method": method,
                                        "warmup": args.warmup, "repeats": repeats}
-                if from_rank0(time.perf_counter() - began > args.budget_s):
+                if ranks.from_rank0(time.perf_counter() - began > args.budget_s):
                     row["error"] = "skipped: time budget spent"
                 else:
                     use_method(method, args.smoke)
-                    free_memory(device)
-                    if device.type == "cuda":
+                    ranks.free_memory()
+                    if ranks.cuda:
                         torch.cuda.reset_peak_memory_stats(device)
-                    mine = time_method(model, ids, args.warmup, repeats, device)
-                    free_memory(device)
-                    row.update(merge_ranks(gather(mine)))
+                    mine = time_method(model, ids, args.warmup, repeats, ranks)
+                    ranks.free_memory()
+                    row.update(merge_ranks(ranks.gather(mine)))
                 rows.append(row)
                 say(format_rows([row]).splitlines()[1])
             del ids
-            free_memory(device)
+            ranks.free_memory()
 
         if lead:
             payload = {
@@ -349,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 **environment(device),
                 "transformers": transformers.__version__,
                 "world": world,
-                "backend": "nccl" if device.type == "cuda" else "gloo",
+                "backend": "nccl" if ranks.cuda else "gloo",
                 "context_parallel": "pbs.integrations.context_parallel: the whole model on every rank, the prompt's "
                                     "zigzag shard per rank, every attention layer through context_parallel_attention",
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
@@ -372,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"wrote {args.json}")
         ok = True
     finally:
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+        ranks.close(ok)
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_paged.p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, save, time_ms  # noqa: E402
+from benchmarks.common import environment, save, time_ms, wall_clock_ms  # noqa: E402
 
 SHAPE = {"cuda": (32, 8, 128), "cpu": (4, 2, 32)}  # (Hq, Hkv, D); the cpu smoke run keeps it small
 CONFIGS = {"defaults": None, "pbs_paper": "pbs_paper"}
@@ -74,12 +73,6 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, lengths: list[int], page_size:
     return caches[0], caches[1], block_table.to(device), seqused_k
 
 
-def _wall_clock_ms(fn, budget_ms: float = 0.0, repeats: int | None = None) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "the triton rows run on the reference backend)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    timer, dtype = (time_ms, torch.bfloat16) if args.device == "cuda" else (_wall_clock_ms, torch.float32)
+    timer, dtype = (time_ms, torch.bfloat16) if args.device == "cuda" else (wall_clock_ms, torch.float32)
     q, k, v, cu_seq_q = packed_batch(args.lengths, args.device, dtype)
     max_len = max(args.lengths)
     heads_q, heads_kv, head_dim = SHAPE[args.device]

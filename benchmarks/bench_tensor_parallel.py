@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import logging
 import os
 import statistics
@@ -97,6 +96,7 @@ import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     LLAMA3_ROPE,
+    GIB,
     LLAMA_8B_SHAPE,
     LOGITS_RTOL,
     Ranks,
@@ -126,7 +126,6 @@ LONG = 131072  # lengths above this get --long-repeats
 CHECK_LEN = 32768  # pbs's defaults run dense below dense_fallback.min_seq_len = 32768
 SMOKE_CHECK_LEN = 512
 SMOKE_MIN_SEQ_LEN = 256  # --smoke lowers pbs's min_seq_len (32768) so that its short prompts plan
-GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,19 +209,6 @@ def use_method(model, method: str, min_seq_len: int | None = None) -> None:
         pbs_hf.switch_attention(model, "pbs")
 
 
-def prompt(n: int, vocab: int, ranks: Ranks, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=ranks.device).manual_seed(seed + n)
-    ids = torch.randint(0, vocab, (1, n), generator=gen, device=ranks.device)
-    ranks.broadcast_(ids)  # the same prompt on every rank whatever the RNG does
-    return ids
-
-
-def free_memory(ranks: Ranks) -> None:
-    gc.collect()
-    if ranks.cuda:
-        torch.cuda.empty_cache()
-
-
 # --------------------------------------------------------------------------------------------
 # Logits check
 
@@ -253,7 +239,7 @@ def time_method(model, ids: torch.Tensor, warmup: int, repeats: int, ranks: Rank
                 first = measure_ttft(model, ids, warmup=0, repeats=1)
         rest = measure_ttft(model, ids, warmup=max(warmup - 1, 0), repeats=repeats if warmup else repeats - 1)
     except torch.OutOfMemoryError:
-        return {"error": "did not fit (out of memory)", **memory(ranks)}
+        return {"error": "did not fit (out of memory)", "peak_gib": ranks.peak_gib()}
     runs = [rest] if warmup else [first, rest]
     wall = [t for r in runs for t in r.times]
     times = wall if rest.device_times is None else [t for r in runs for t in r.device_times]
@@ -271,14 +257,8 @@ def time_method(model, ids: torch.Tensor, warmup: int, repeats: int, ranks: Rank
         "dense_detail": dense[0].detail if dense else None,
         "density": statistics.fmean(densities) if densities else None,
         "tp": [calls[0].tp_rank, calls[0].tp_size] if calls else None,
-        **memory(ranks),
+        "peak_gib": ranks.peak_gib(),
     }
-
-
-def memory(ranks: Ranks) -> dict[str, Any]:
-    if not ranks.cuda:
-        return {"peak_gib": None}
-    return {"peak_gib": torch.cuda.max_memory_allocated(ranks.device) / GIB}
 
 
 def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -505,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         check: dict[str, Any] | None = None
         single: dict[str, Any] = {}
         if args.check_len:
-            ids = prompt(args.check_len, shape["vocab_size"], ranks, args.seed)
+            ids = ranks.prompt(args.check_len, shape["vocab_size"], args.seed)
             for method in args.methods:
                 use_method(model, method, min_seq_len)
                 try:
@@ -513,11 +493,11 @@ def main(argv: list[str] | None = None) -> int:
                     single[method] = {"logits": logits, "paths": paths_of(calls)}
                 except torch.OutOfMemoryError:
                     single[method] = {"error": "did not fit (out of memory)"}
-                free_memory(ranks)
+                ranks.free_memory()
             check = {"seq_len": args.check_len, "world": world, "methods": {}}
             use_method(model, "sdpa")
             check["noise_reference"] = sdpa_kernel_noise(lambda: last_logits(model, ids)[0], ranks.cuda)
-            free_memory(ranks)
+            ranks.free_memory()
             for method, s in single.items():
                 if "error" in s:
                     check["methods"][method] = {"error": s["error"]}
@@ -532,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             state_dict = model.state_dict()
             model, compacted = load_tensor_parallel(config, state_dict, world)
             del state_dict
-            free_memory(ranks)
+            ranks.free_memory()
             if ranks.cuda:
                 torch.cuda.synchronize()
             loaded_s = time.perf_counter() - start
@@ -555,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                         entry.update(compare_logits(single[method]["logits"], logits, noise), tp_paths=paths_of(calls))
                     except torch.OutOfMemoryError:
                         entry["error"] = "tensor-parallel run did not fit (out of memory)"
-                    free_memory(ranks)
+                    ranks.free_memory()
                 say(check_table(check))
         if check is not None:
             del ids
@@ -566,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows: list[dict[str, Any]] = []
         for seq_len in args.lengths:
-            ids = prompt(seq_len, shape["vocab_size"], ranks, args.seed)
+            ids = ranks.prompt(seq_len, shape["vocab_size"], args.seed)
             repeats = args.long_repeats if seq_len > LONG else args.repeats
             for method in args.methods:
                 row: dict[str, Any] = {"world": world, "seq_len": seq_len, "method": method,
@@ -575,18 +555,18 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = "skipped: time budget spent"
                 else:
                     use_method(model, method, min_seq_len)
-                    free_memory(ranks)
+                    ranks.free_memory()
                     if ranks.cuda:
                         torch.cuda.reset_peak_memory_stats(ranks.device)
                     logs.lines.clear()
                     mine = time_method(model, ids, args.warmup, repeats, ranks)
-                    free_memory(ranks)
+                    ranks.free_memory()
                     row.update(merge_ranks(ranks.gather(mine)))
                     row["log"] = list(dict.fromkeys(logs.lines))  # rank 0's pbs log lines, once each
                 rows.append(row)
                 say(format_table([row]).splitlines()[1])
             del ids
-            free_memory(ranks)
+            ranks.free_memory()
 
         if lead:
             baseline = apply_baseline(rows, args.baseline) if args.baseline else None

@@ -19,37 +19,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_varlen.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, packed_prompts, save, time_ms  # noqa: E402
+from benchmarks.common import environment, packed_prompts, save, time_ms, torch_varlen  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
-
-
-def torch_varlen(q, k, v, cu, max_len):
-    """PyTorch's dense varlen attention, or None (with the reason printed) where it does not run."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError as error:
-        print(f"torch {torch.__version__}: no torch.nn.attention.varlen ({error})")
-        return None
-    group = q.shape[1] // k.shape[1]
-    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))
-
-    def call():
-        return varlen_attn(q, k_rep, v_rep, cu, cu, max_len, max_len, window_size=(-1, 0))  # (-1, 0): causal
-
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
-        print(f"varlen_attn failed: {type(error).__name__}: {str(error).splitlines()[0]}")
-        return None
-    return call
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     cudnn_ms = time_ms(lambda: [dense_attention_sdpa(*view, scale=scale) for view in views])
     result["cudnn_per_prompt_ms"] = cudnn_ms
     print(f"cuDNN, prompt by prompt: {cudnn_ms:.2f} ms", flush=True)
-    baseline = torch_varlen(q, k, v, cu, max_len)
+    baseline = torch_varlen(q, k, v, cu, cu, max_len, max_len)
     result["torch_varlen_ms"] = time_ms(baseline) if baseline is not None else None
     if baseline is not None:
         print(f"torch varlen_attn (dense): {result['torch_varlen_ms']:.2f} ms", flush=True)

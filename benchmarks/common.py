@@ -13,6 +13,7 @@ another, and only public names from ``pbs`` (tests/test_layout_rules.py holds th
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 REPEATS = 3  # medians of time_ms
+GIB = 2**30
 
 
 def package_version(module: str) -> str | None:
@@ -116,6 +118,14 @@ def time_ms(fn: Callable[[], object], budget_ms: float = 1000.0, repeats: int | 
     return sorted(_time_once(fn, budget_ms) for _ in range(repeats))[repeats // 2]
 
 
+def wall_clock_ms(fn: Callable[[], object], budget_ms: float = 0.0, repeats: int | None = None) -> float:
+    """One call of ``fn`` by the wall clock: :func:`time_ms`'s stand-in (same signature; the budget
+    and the repeats are ignored) in a script's CPU smoke run, which checks its logic, not its speed."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
     from pbs.testing import benchmark_cuda
 
@@ -163,6 +173,31 @@ def packed_prompts(lengths: list[int], heads_q: int, heads_kv: int, head_dim: in
     cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
     views = [tuple(x[b0:b1].transpose(0, 1).unsqueeze(0) for x in (q, k, v)) for b0, b1 in zip(bounds, bounds[1:])]
     return views, (q, k, v, cu)
+
+
+def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
+                 max_q: int, max_k: int) -> Callable[[], torch.Tensor] | None:
+    """The dense baseline of PyTorch's ``torch.nn.attention.varlen.varlen_attn`` on packed ``q (T, Hq, D)``
+    and ``k, v (T, Hkv, D)`` (K/V repeated to the query heads), causal with the queries aligned to
+    the last keys: a call, run once here, or None (the reason printed) where this torch lacks it or
+    it does not run."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as error:
+        print(f"torch {torch.__version__}: no torch.nn.attention.varlen ({error})")
+        return None
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))
+
+    def call() -> torch.Tensor:
+        return varlen_attn(q, k_rep, v_rep, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0))  # (-1, 0): causal
+
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - a baseline that does not run is reported, not fatal
+        print(f"varlen_attn failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        return None
+    return call
 
 
 def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
@@ -283,6 +318,24 @@ class Ranks:
             import torch.distributed as dist
 
             dist.broadcast(tensor, src=0)
+
+    def prompt(self, n: int, vocab: int, seed: int) -> torch.Tensor:
+        """``(1, n)`` random token ids below ``vocab`` from ``seed + n``: rank 0's on every rank,
+        whatever each rank's generator does."""
+        gen = torch.Generator(device=self.device).manual_seed(seed + n)
+        ids = torch.randint(0, vocab, (1, n), generator=gen, device=self.device)
+        self.broadcast_(ids)
+        return ids
+
+    def free_memory(self) -> None:
+        """Collects garbage and hands the CUDA cache back (between rows, so a row starts clean)."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def peak_gib(self) -> float | None:
+        """This rank's peak of allocated GPU memory in GiB (None on the CPU)."""
+        return torch.cuda.max_memory_allocated(self.device) / GIB if self.cuda else None
 
     def close(self, ok: bool) -> None:
         """Leaves together after a run that went well (a rank that exits first can abort the others'
