@@ -90,11 +90,8 @@ def run(
         ``(out, lse)``.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(
-            f"plan must be a pbs.Plan from pbs.plan(), got {type(plan).__name__}; note that "
-            "attention(..., return_plan=True) returns None as the plan when it ran dense SDPA "
-            "without planning (dense_fallback)"
-        )
+        raise TypeError(f"plan must be a pbs.Plan from pbs.plan() or attention(..., return_plan=True), "
+                        f"got {type(plan).__name__}")
     _check_inputs(plan.config, q, k, v)
     layout = plan.layout
     if (q.shape[0], q.shape[1], q.shape[2], k.shape[1], k.shape[2]) != (
@@ -129,7 +126,9 @@ def attention(
         v: ``(B, Hkv, Nk, Dv)`` values.
         config: a `PBSConfig`, a dict or JSON string of one, or None for the defaults.
         scale: softmax scale, default ``D ** -0.5``.
-        return_plan: also return the `Plan` (density, mask, permutations).
+        return_plan: also return the `Plan` (density, mask, permutations). When the dense policy
+            ran dense attention instead, the plan is dense too (density 1.0) and says why:
+            ``plan.decision``, ``plan.dense_rule``, ``plan.fallback``.
         return_lse: also return the log-sum-exp: float32 ``(B, Hq, Nq)``, the natural-log
             log-sum-exp of each query's scaled scores over the keys it attends to (the selected
             blocks, causal), ``-inf`` for a query that sees no key. Partial results over
@@ -137,10 +136,9 @@ def attention(
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype; ``(out, lse)`` with ``return_lse``, ``(out, plan)``
-        with ``return_plan``, ``(out, lse, plan)`` with both. With
-        ``backend="auto"`` on CUDA, ``config.dense_fallback`` may run dense attention instead
-        (`pbs.dense.DensePolicy`): the plan is then None (decided before planning) or has
-        ``plan.fallback`` set (the planned density was too high).
+        with ``return_plan``, ``(out, lse, plan)`` with both. With ``backend="auto"`` on the
+        devices ``config.dense_fallback.devices`` names (CUDA by default), the policy may run
+        dense attention instead (`pbs.dense.DensePolicy`).
 
     Example:
         Sparse against dense attention on the synthetic workload:
@@ -160,18 +158,23 @@ def attention(
             raise ValueError(f"{asked} is not supported under torch.compile (the op returns the output only)")
         return torch.ops.pbs.attention(q, k, v, _config_json(config), _scale(q, scale))
     config = PBSConfig.coerce(config)
-    policy = DensePolicy(config)
+    policy = DensePolicy(config, return_lse=return_lse)
     # Nq > Nk is refused below, before SDPA could warn about the NaN rows it would produce.
     if (not return_lse and _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2]
             and policy.runs_dense_by_length(q, k)):
         out = _dense_then_checks(config, q, k, v, scale)
-        return (out, None) if return_plan else out
-    if return_lse:
-        policy = DensePolicy(config, return_lse=True)
-    attended = attend(q, k, v, policy, scale=scale)
-    if return_lse:
-        return (attended.out, attended.lse, attended.plan) if return_plan else (attended.out, attended.lse)
-    return (attended.out, attended.plan) if return_plan else attended.out
+        if not return_plan:
+            return out
+        attended = Attended(out, None, policy.length_reason(q, k), None, "length")
+    else:
+        attended = attend(q, k, v, policy, scale=scale)
+    if not return_plan:
+        return (attended.out, attended.lse) if return_lse else attended.out
+    plan = attended.plan
+    if attended.reason is not None:
+        with _on_device_of(q):
+            plan = policy.dense_plan(q, k, v.shape[-1], attended.reason, attended.rule)
+    return (attended.out, attended.lse, plan) if return_lse else (attended.out, plan)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: DensePolicy, *, scale: float | None = None) -> Attended:
@@ -186,7 +189,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: DensePolic
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
-        `pbs.dense.Attended`: ``(out, plan, reason)``.
+        `pbs.dense.Attended`: ``(out, plan, reason, lse, rule)``.
     """
     _check_inputs(policy.config, q, k, v)
     with _on_device_of(q):

@@ -1,11 +1,14 @@
-"""Dense attention, and `DensePolicy`: the whole sequence that decides when ``auto`` runs it
-instead of PBS, and why.
+"""Dense attention, and `DensePolicy`: the one place that decides when ``auto`` runs it instead
+of PBS, and why.
 
 Sparse attention only pays when the skipped blocks cost more than planning: at short lengths and
 at high selected densities a dense kernel wins (docs/benchmarks.md has the measured crossover).
 `pbs.config.DenseFallback` says where the lines are; `DensePolicy` applies them, in one order, for
-every entry point: `pbs.attention` and the tensor-parallel integration (which plugs in its
-all-reduce as the policy's ``reduce`` hook).
+every entry point: `pbs.attention` and `pbs.varlen_attention` (eagerly, and per sequence on the
+device with ``capturable=True``), context parallelism (whole-sequence numbers, its all-reduce as
+the ``reduce`` hook), tensor parallelism (its all-reduce as the hook) and the integrations. No
+other module compares a length or a density with ``dense_fallback`` or writes a fallback reason
+(tests/test_layout_rules.py holds that).
 """
 
 from __future__ import annotations
@@ -18,11 +21,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pbs.backends import CallSpec
-from pbs.backends.eligibility import gated_dense_reasons, probe_kernel_reasons
+from pbs.backends.probe import gated_dense_available, probe_estimate, probe_then_gated_dense
 from pbs.config import PBSConfig
 from pbs.planning import build_plan, full_plan, page_size_of, run_planned
-from pbs.reference.density_probe import probe_density
 from pbs.types import Plan, is_paged
 
 logger = logging.getLogger("pbs")
@@ -127,16 +128,20 @@ class Attended(NamedTuple):
     Attributes:
         out: ``(B, Hq, Nq, Dv)`` in ``q``'s dtype.
         plan: the plan that ran, or the plan made before dense attention ran instead (its
-            ``fallback`` set), or None when dense attention ran before planning.
+            ``fallback`` set), or None when dense attention ran before planning
+            (`DensePolicy.dense_plan` makes the plan of what ran).
         reason: why dense attention ran, or None when PBS ran.
         lse: with ``return_lse``, the float32 ``(B, Hq, Nq)`` log-sum-exp of each query's scaled
             scores over the keys it attended to (all visible keys where dense attention ran).
+        rule: the rule that decided dense (``"length"``, ``"probe"``, ``"planned_density"``), or
+            None when PBS ran.
     """
 
     out: torch.Tensor
     plan: Plan | None
     reason: str | None
     lse: torch.Tensor | None = None
+    rule: str | None = None
 
 
 Reduce = Callable[[torch.Tensor | float], float]
@@ -197,6 +202,11 @@ class DensePolicy:
         """Whether the policy may replace PBS on ``device`` (``backend="auto"`` on its devices)."""
         return self.config.backend == "auto" and device.type in self.fallback.devices
 
+    def too_short(self, len_k: int) -> bool:
+        """Rule 1's comparison alone, on any device and backend: fewer than ``min_seq_len`` keys.
+        The transformers integration asks it where SDPA is always at hand."""
+        return len_k < self.fallback.min_seq_len
+
     def runs_dense_by_length(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Rule 1, decided from shapes alone in few Python steps: it is the whole decision of every
         short call."""
@@ -207,6 +217,23 @@ class DensePolicy:
         if not self.runs_dense_by_length(q, k):
             return None
         return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {self.fallback.min_seq_len}"
+
+    def probe_runs(self, device: torch.device) -> bool:
+        """Whether rule 2 runs on ``device``: ``max_density`` set, the policy applies, and no CUDA
+        graph is being captured (the rule reads a number on the host)."""
+        return self.fallback.max_density is not None and self.applies(device) and not _capturing(device, "max_density")
+
+    def probe_reason(self, estimate: float) -> str | None:
+        """Rule 2's verdict on an estimate read on the host (``reduce`` applied): the reason when
+        it is above ``max_density``, else None."""
+        limit = self.fallback.max_density
+        if limit is None or estimate <= limit:
+            return None
+        return self._probe_text(estimate)
+
+    def _probe_text(self, estimate: float) -> str:
+        return (f"the density probe estimates {estimate:.3f}{self.scope}, above dense_fallback.max_density = "
+                f"{self.fallback.max_density}")
 
     def probe_arguments(self, scale: float) -> dict[str, Any] | None:
         """The probe's keyword arguments, or None where it does not run (``probe_blocks == 0``, or
@@ -222,15 +249,7 @@ class DensePolicy:
         None where it does not run: a float from the Triton kernel on CUDA (it reads its two
         counters), else a 0-d tensor not yet read."""
         args = self.probe_arguments(scale)
-        if args is None:
-            return None
-        if q.is_cuda and not probe_kernel_reasons(q.device, q.shape[-1]):
-            from pbs.kernels.density_probe import probe_density_triton
-
-            if is_paged(k):  # pooled in place, from the pages
-                return probe_density_triton(q, k.cache, **args, block_table=k.block_table, seq_len_k=k.length)
-            return probe_density_triton(q, k, **args)
-        return probe_density(q, k.gather() if is_paged(k) else k, **args)
+        return None if args is None else probe_estimate(q, k, args)
 
     def probe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, str | None]:
         """Rule 2: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
@@ -239,46 +258,24 @@ class DensePolicy:
         Args:
             q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
         """
-        limit = self.fallback.max_density
-        if limit is None or not self.applies(q.device) or _capturing(q.device, "max_density"):
+        if not self.probe_runs(q.device):
             return None, None
         args = self.probe_arguments(scale)
         if args is None:
             return None, None
-        if self.reduce is None and not self.return_lse and args["threshold"] < 1.0 and q.is_cuda:
-            if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], self.config.block_size, page_size=page_size_of(k))):
-                return self._probe_with_gated_dense(q, k, v, args)
-        estimate = (self.reduce or _read)(self.probe_estimate(q, k, scale))
-        if estimate > limit:
-            reason = f"the density probe estimates {estimate:.3f}{self.scope}, above dense_fallback.max_density = {limit}"
-            out, lse = self.dense(q, k, v, scale)
-            return (out if lse is None else (out, lse)), reason
-        return None, None
-
-    def _probe_with_gated_dense(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probe_args: dict[str, Any]
-    ) -> tuple[torch.Tensor | None, str | None]:
-        from pbs.kernels._common import descriptor_ready, sm_count
-        from pbs.kernels.density_probe import probe_counters_triton
-        from pbs.kernels.hopper_attn import launch_hopper_dense
-
         limit = self.fallback.max_density
-        counters = probe_counters_triton(q, k, **probe_args)
-        # The counters go to pinned memory behind the probe, and the host waits for that copy only,
-        # not for the dense kernel queued after it.
-        host_counters = torch.empty(2, dtype=torch.int32, pin_memory=True)
-        host_counters.copy_(counters[:2], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-        launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=probe_args["scale"],
-                            causal=self.config.causal, sm_count=sm_count(q.device), gate=counters,
-                            gate_limit=probe_gate_limit(limit))
-        copied.synchronize()
-        kept, visible = host_counters.tolist()
-        if not probe_says_dense(kept, visible, limit):
+        if (self.reduce is None and not self.return_lse and args["threshold"] < 1.0
+                and gated_dense_available(q, v.shape[-1], self.config.block_size, page_size_of(k))):
+            out, (kept, visible) = probe_then_gated_dense(q, k, v, args, causal=self.config.causal,
+                                                           gate_limit=probe_gate_limit(limit))
+            if not probe_says_dense(kept, visible, limit):
+                return None, None
+            return out, self._probe_text(kept / max(visible, 1))
+        reason = self.probe_reason((self.reduce or _read)(probe_estimate(q, k, args)))
+        if reason is None:
             return None, None
-        return out, f"the density probe estimates {kept / max(visible, 1):.3f}, above dense_fallback.max_density = {limit}"
+        out, lse = self.dense(q, k, v, scale)
+        return (out if lse is None else (out, lse)), reason
 
     def planned_density_reason(self, plan: Plan | tuple[Plan, ...]) -> str | None:
         """Rule 3: why dense attention should run although a plan exists, or None.
@@ -313,16 +310,64 @@ class DensePolicy:
         reason = self.length_reason(q, k)
         if reason is not None:
             out, lse = self.dense(q, k, v, scale)
-            return Attended(out, None, reason, lse)
+            return Attended(out, None, reason, lse, "length")
         dense_out, reason = self.probe(q, k, v, scale)
         if dense_out is not None:
             out, lse = dense_out if isinstance(dense_out, tuple) else (dense_out, None)
-            return Attended(out, None, reason, lse)
+            return Attended(out, None, reason, lse, "probe")
         plan, q_perm, k_perm, v_perm = build_plan(q, k, self.config, scale, v, return_lse=self.return_lse)
         reason = self.planned_density_reason(plan)
         if reason is not None:
             out, lse = self.dense(q, k, v, scale)
-            return Attended(out, dataclasses.replace(plan, fallback=reason), reason, lse)
+            return Attended(out, dataclasses.replace(plan, fallback=reason, dense_rule="planned_density"), reason, lse,
+                            "planned_density")
         result = run_planned(plan, q_perm, k_perm, v_perm, q.dtype, scale, return_lse=self.return_lse)
         out, lse = result if self.return_lse else (result, None)
         return Attended(out, plan, None, lse)
+
+    def dense_plan(self, q: torch.Tensor, k: torch.Tensor, head_dim_v: int, reason: str, rule: str) -> Plan:
+        """The plan of a call the policy sent to dense attention: every causally allowed block,
+        nothing permuted (density 1.0), with ``fallback = reason`` and ``dense_rule = rule``.
+
+        Made only when a caller asks for the plan (``return_plan=True``): the dense call itself
+        never builds it. `pbs.run` of it is dense attention on the block-sparse backend.
+
+        Args:
+            q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)`` (or a paged sequence).
+        """
+        plan = full_plan(q, k, self.config, head_dim_v, return_lse=self.return_lse)
+        return dataclasses.replace(plan, fallback=reason, dense_rule=rule)
+
+    def all_dense_by_length(self, padded_len_k: int, device: torch.device) -> bool:
+        """Rule 1 for a padded batch whose every key length is at most ``padded_len_k``: true when
+        the padded length itself is below ``min_seq_len`` (a host decision from shapes alone, the
+        same in every CUDA-graph replay)."""
+        return self.applies(device) and self.too_short(padded_len_k)
+
+    def sequence_decisions(
+        self, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
+        selected_blocks: torch.Tensor, allowed_blocks: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The three rules per sequence, on the device, with no host read (for CUDA graphs): ``(N,)``
+        bool, or None where the policy does not apply (a named backend, a device outside
+        ``dense_fallback.devices``).
+
+        Args:
+            len_k: ``(N,)`` int64 key lengths.
+            probe_counters: ``(kept, visible)`` ``(N,)`` int64 counters of the density probe, or
+                None where it does not run (`probe_arguments` is None).
+            selected_blocks, allowed_blocks: ``(N,)`` selected and causally allowed blocks of
+                each sequence, summed over its query heads (float64).
+        """
+        if not self.applies(len_k.device):
+            return None
+        fallback = self.fallback
+        dense = len_k < fallback.min_seq_len
+        if fallback.max_density is None:
+            return dense
+        if probe_counters is not None:
+            kept, visible = probe_counters
+            dense = dense | (kept * _GATE_UNIT > probe_gate_limit(fallback.max_density) * visible)
+        if fallback.max_planned_density is not None:
+            dense = dense | (selected_blocks > fallback.max_planned_density * allowed_blocks)
+        return dense

@@ -246,8 +246,12 @@ class Plan:
         backend: the attention backend chosen when planning (`pbs.list_backends`), which
             `pbs.run` uses.
         layout: geometry of the call.
-        fallback: set by `pbs.attention` when the plan was made but dense attention ran
-            instead (the reason, e.g. the density was above ``dense_fallback.max_planned_density``).
+        fallback: why dense attention ran instead of PBS (`pbs.dense.DensePolicy`), or None
+            when PBS ran. A plan returned for a dense call is dense itself: every causally
+            allowed block selected (density 1.0), nothing permuted; `pbs.run` of it is dense
+            attention on the block-sparse backend.
+        dense_rule: the `pbs.dense.DensePolicy` rule that sent the call to dense attention:
+            ``"length"``, ``"probe"`` or ``"planned_density"``; None when PBS ran.
     """
 
     key_permutation: Permutation
@@ -256,6 +260,17 @@ class Plan:
     config: ConfigView
     backend: str
     fallback: str | None = None
+    dense_rule: str | None = None
+
+    @property
+    def ran_dense(self) -> bool:
+        """Whether dense attention ran instead of PBS for the call that returned this plan."""
+        return self.fallback is not None
+
+    @property
+    def decision(self) -> str:
+        """``"pbs"``, or ``"dense (<rule>): <reason>"`` when the dense policy decided dense."""
+        return "pbs" if self.fallback is None else f"dense ({self.dense_rule}): {self.fallback}"
 
     @property
     def layout(self) -> Layout:

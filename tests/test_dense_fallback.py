@@ -28,7 +28,7 @@ def test_short_inputs_run_dense_without_planning():
     q, k, v = _qkv()
     config = {**SMALL, "dense_fallback": {"min_seq_len": 257, "devices": ["cpu"]}}
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
-    assert plan is None
+    assert plan.dense_rule == "length" and plan.density == 1.0
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
     # One key more than the limit: PBS runs (its output differs from dense). The density checks are
     # off, so that the length rule alone decides (the default selector keeps 0.94 of 8 blocks here).
@@ -77,7 +77,7 @@ def test_flat_attention_goes_dense_before_planning():
     try:
         pbs.dense.build_plan = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         out, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
-        assert plan is None and not calls  # decided by the probe: nothing planned
+        assert plan.dense_rule == "probe" and not calls  # decided by the probe: nothing planned
         assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
         # With the probe off the same input is planned, then falls back on the planned density.
         _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**policy, "probe_blocks": 0}}, return_plan=True)
@@ -169,7 +169,7 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
     q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=4096, head_dim=128,
                                    dtype=torch.bfloat16, device="cuda")
     out, plan = pbs.attention(q, k, v, {"check_finite": False}, return_plan=True)
-    assert plan is None  # 4K < the default min_seq_len
+    assert plan.dense_rule == "length" and plan.density == 1.0  # 4K < the default min_seq_len
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
     config = {"check_finite": False, "dense_fallback": {"min_seq_len": 0, "max_density": 1.0}}
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
@@ -195,7 +195,7 @@ def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_sett
     monkeypatch.setattr(hopper_attn, "launch_hopper_dense", lambda *a, **kw: dense_launches.append(1) or real_dense(*a, **kw))
     monkeypatch.setattr(pbs.dense, "dense_attention_sdpa", lambda *a, **kw: sdpa_calls.append(1) or real_sdpa(*a, **kw))
     out, plan = pbs.attention(q, k, v, return_plan=True)
-    assert plan is None and not plans  # the probe sent it to dense attention before planning
+    assert plan.dense_rule == "probe" and not plans  # the probe sent it to dense attention before planning
     assert (len(dense_launches), len(sdpa_calls)) == ((1, 0) if gated else (0, 1))
     assert torch._C._get_sdp_priority_order() == before
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
@@ -209,7 +209,7 @@ def test_gpu_defaults_send_flat_attention_to_dense_attention_and_leave_sdpa_sett
     # Half that length is dense by the length rule alone: no probe, no sync.
     half = n // 2
     _, plan = pbs.attention(q[:, :, :half], k[:, :, :half], v[:, :, :half], return_plan=True)
-    assert plan is None
+    assert plan.dense_rule == "length"
 
 
 @pytest.mark.gpu
@@ -247,7 +247,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
     k = torch.randn((1, 2, n, 128), generator=gen, device="cuda:1", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out, plan = pbs.attention(q, k, v, return_plan=True)  # flat: dense by the probe
-    assert plan is None and out.device == q.device
+    assert plan.dense_rule == "probe" and plan.mask.counts.device == q.device and out.device == q.device
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
     q, k, v = pbs.testing.make_qkv(batch=1, heads_q=8, heads_kv=2, seq_len=n, head_dim=128, dtype=torch.bfloat16,
                                    device="cuda:1")
@@ -265,7 +265,7 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 @pytest.mark.parametrize("rule, fallback, expected", [
     ("length", {"min_seq_len": 10**6}, "below dense_fallback.min_seq_len"),
     ("probe", {"min_seq_len": 0, "max_density": 0.01}, "the density probe estimates"),
-    ("planned density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01},
+    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01},
      "above dense_fallback.max_planned_density"),
 ])
 def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
@@ -277,12 +277,35 @@ def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
 
     q, k, v = _qkv()
     config = pbs.PBSConfig(**SMALL, dense_fallback={**fallback, "devices": ["cpu"]})
-    out, plan, reason, _ = attend(q, k, v, DensePolicy(config))
+    out, plan, reason, _, decided_by = attend(q, k, v, DensePolicy(config))
     assert reason is not None and expected in reason, reason
+    assert decided_by == rule
     torch.testing.assert_close(out, dense_attention_sdpa(q, k, v, scale=q.shape[-1] ** -0.5))
-    if rule == "planned density":
+    if rule == "planned_density":
         assert plan is not None and plan.fallback == reason
     else:
         assert plan is None
-    _, no_reason_plan, no_reason, _ = attend(q, k, v, DensePolicy(pbs.PBSConfig(**SMALL)))  # devices: cuda only
-    assert no_reason is None and no_reason_plan.fallback is None
+    _, no_reason_plan, no_reason, _, no_rule = attend(q, k, v, DensePolicy(pbs.PBSConfig(**SMALL)))  # cuda only
+    assert no_reason is None and no_rule is None and no_reason_plan.fallback is None
+
+
+@pytest.mark.parametrize("rule, fallback", [
+    ("length", {"min_seq_len": 10**6}),
+    ("probe", {"min_seq_len": 0, "max_density": 0.01}),
+    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01}),
+])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_return_plan_always_returns_the_plan_of_what_ran(rule, fallback, return_lse):
+    """Whichever rule sends a call to dense attention, ``return_plan=True`` returns a plan (never
+    None): dense, density 1.0, saying which rule and why; and `pbs.run` of it is dense attention."""
+    q, k, v = _qkv()
+    config = pbs.PBSConfig(**SMALL, dense_fallback={**fallback, "devices": ["cpu"]})
+    *outs, plan = pbs.attention(q, k, v, config, return_plan=True, return_lse=return_lse)
+    assert isinstance(plan, pbs.Plan)
+    assert plan.ran_dense and plan.dense_rule == rule and plan.density == 1.0
+    assert plan.decision.startswith(f"dense ({rule}): ") and plan.fallback in plan.decision
+    dense = pbs.reference.dense_attention(q, k, v)
+    torch.testing.assert_close(outs[0].float(), dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pbs.run(plan, q, k, v).float(), dense, atol=1e-5, rtol=1e-5)
+    sparse = pbs.attention(q, k, v, SMALL, return_plan=True)[1]  # devices: cuda only, so PBS runs
+    assert not sparse.ran_dense and sparse.dense_rule is None and sparse.decision == "pbs"

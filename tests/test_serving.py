@@ -170,7 +170,7 @@ def test_dense_fallback_is_decided_per_sequence(monkeypatch):
               "dense_fallback": {"devices": ["cpu"], "min_seq_len": 200, "max_density": None}}
     sequences = make_sequences([(100, 100), (300, 300), (50, 250)], seed=6)
     _, spy = check_varlen_equals_loop(sequences, config, monkeypatch)
-    assert spy.plans[0] is None and spy.plans[1] is not None and spy.plans[2] is not None
+    assert [plan.dense_rule for plan in spy.plans] == ["length", None, None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -204,6 +204,44 @@ def test_a_batch_of_empty_query_sequences_gives_an_empty_output():
     assert out.shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_keys_that_no_query_reads_are_not_checked_for_nan(capturable):
+    """The eager call skips a sequence without queries, keys and all; the capturable one agrees."""
+    sequences = make_sequences([(20, 40), (0, 30), (10, 10)], heads_q=2, heads_kv=1, seed=4)
+    sequences[1][1][0, 0, 5, 0] = float("nan")  # sequence 1 has no queries
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
+    config = {"block_size": 16, "segment_size": 16, "backend": "reference"}  # check_finite: on off CUDA
+    out = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=capturable)
+    assert torch.isfinite(out).all()
+    k[75, 0, 0] = float("nan")  # a key of sequence 2 (keys 70..79), which has queries
+    with pytest.raises(ValueError, match="k contains NaN or inf values"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=capturable)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("lengths", [[(0, 4), (0, 5)], [(3, 4), (0, 5)]], ids=["empty", "non-empty"])
+def test_varlen_refuses_inputs_that_require_grad_even_when_every_sequence_is_empty(lengths, capturable):
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences(lengths, seed=5))
+    config = {"block_size": 16, "segment_size": 16, "backend": "reference"}
+    with pytest.raises(ValueError, match="forward-only"):
+        pbs.varlen_attention(q, k.requires_grad_(), v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=capturable)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_refuses_meta_tensors_by_name(paged):
+    q = torch.empty(7, 4, 16, device="meta")
+    cu_seq_q = torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")
+    if paged:
+        cache = torch.empty(4, 16, 2, 16, device="meta")
+        arguments = dict(k=cache, v=cache, cu_seq_k=None, block_table=torch.zeros(2, 2, dtype=torch.int32, device="meta"),
+                         seqused_k=torch.tensor([5, 4], dtype=torch.int32, device="meta"))
+    else:
+        kv = torch.empty(9, 2, 16, device="meta")
+        arguments = dict(k=kv, v=kv, cu_seq_k=torch.tensor([0, 5, 9], dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="meta tensors are not supported"):
+        pbs.varlen_attention(q=q, cu_seq_q=cu_seq_q, max_q=4, max_k=5, config=REFERENCE, **arguments)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton", "hopper"])
 def test_varlen_on_the_gpu_equals_the_loop(backend, monkeypatch):
@@ -216,7 +254,7 @@ def test_varlen_on_the_gpu_equals_the_loop(backend, monkeypatch):
     sequences = [tuple(x.cuda() for x in s)
                  for s in make_sequences(lengths, heads_q=8, heads_kv=2, head_dim=64, dtype=torch.float16, seed=15)]
     _, spy = check_varlen_equals_loop(sequences, config, monkeypatch)
-    assert all(plan is not None for plan in spy.plans)
+    assert not any(plan.ran_dense for plan in spy.plans)
     if backend != "auto":
         assert {plan.backend for plan in spy.plans} == {backend}
 
@@ -467,7 +505,7 @@ def test_dense_fallback_returns_the_dense_lse():
     config = {"dense_fallback": {"devices": ["cpu"], "min_seq_len": 1000}}
     (q, k, v), = make_sequences([(30, 100)], seed=13)
     out, lse, plan = pbs.attention(q, k, v, config, return_lse=True, return_plan=True)
-    assert plan is None
+    assert plan.dense_rule == "length"
     torch.testing.assert_close(lse.double(), masked_scores_logsumexp(q, k, None), rtol=0, atol=1e-4)
 
 

@@ -118,7 +118,7 @@ def density_rule_cases(rank: int) -> dict:
     mine = (slice(None), slice(rank * hq, (rank + 1) * hq))
     mine_kv = (slice(None), slice(rank * hkv, (rank + 1) * hkv))
     base = {**SMALL, "selector": {"name": "mean_pool", "threshold": 0.9}, "backend": "auto"}
-    has_probe = "probe_blocks" in DenseFallback.model_fields and hasattr(pbs.dense, "probe_density")
+    has_probe = "probe_blocks" in DenseFallback.model_fields
 
     def ranks_view(measure) -> tuple[float, list[float]]:
         local = [measure(q[:, r * hq : (r + 1) * hq], k[:, r * hkv : (r + 1) * hkv]) for r in range(WORLD)]
@@ -132,7 +132,7 @@ def density_rule_cases(rank: int) -> dict:
     if has_probe:
         probe_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "probe_blocks": 16}}
         whole, local = ranks_view(
-            lambda q_, k_: float(pbs.dense.probe_density(q_, k_, block_size=16, num_blocks=16, threshold=0.9, scale=0.25))
+            lambda q_, k_: float(pbs.reference.density_probe.probe_density(q_, k_, block_size=16, num_blocks=16, threshold=0.9, scale=0.25))
         )
         for name, limit in {"probe_above": (whole + max(local)) / 2, "probe_below": (whole + min(local)) / 2}.items():
             configs[name] = {**probe_config, "dense_fallback": {**probe_config["dense_fallback"], "max_density": limit}}

@@ -163,7 +163,7 @@ def test_dense_by_length_launches_before_it_checks(monkeypatch):
     monkeypatch.setattr(pbs.api, "check_qkv", lambda *a, **kw: order.append("checks") or real_check(*a, **kw))
     q, k, v = _qkv()
     out, plan = pbs.attention(q, k, v, DENSE_BY_LENGTH_ON_CPU, return_plan=True)
-    assert order == ["sdpa", "checks"] and plan is None
+    assert order == ["sdpa", "checks"] and plan.dense_rule == "length"
     torch.testing.assert_close(out, pbs.reference.dense_attention(q, k, v).to(q.dtype), atol=1e-5, rtol=1e-5)
 
 

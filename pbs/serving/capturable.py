@@ -24,7 +24,7 @@ import torch
 
 from pbs.backends import CallSpec, resolve_backend
 from pbs.config import PBSConfig
-from pbs.dense import _GATE_UNIT, DensePolicy, probe_gate_limit
+from pbs.dense import DensePolicy
 from pbs.serving.ragged import RaggedGeometry, flat_slots, pad_packed, pad_paged, ragged_geometry, unpad_rows
 from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
 from pbs.types import BlockMask
@@ -55,39 +55,6 @@ def check_capturable_config(config: PBSConfig) -> None:
                          f"config.backend = {config.backend!r}")
 
 
-def dense_decisions(config: PBSConfig, geometry: RaggedGeometry, selected: torch.Tensor,
-                    counters: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """`pbs.dense.DensePolicy`'s rules per sequence, on the device: ``(N,)`` bool, or None where
-    the policy does not apply (a named backend, or a device outside ``dense_fallback.devices``).
-
-    1. length: ``len_k < min_seq_len``; 2. probe: ``kept / visible > max_density`` in the integer
-    form of the gated kernel (`pbs.dense.probe_says_dense`); 3. planned density: selected over
-    allowed blocks of all heads above ``max_planned_density``.
-    """
-    fallback = config.dense_fallback
-    if not DensePolicy(config).applies(geometry.device):
-        return None
-    dense = geometry.len_k < fallback.min_seq_len
-    if fallback.max_density is None:
-        return dense
-    if counters is not None:
-        kept, visible = counters
-        dense = dense | (kept * _GATE_UNIT > probe_gate_limit(fallback.max_density) * visible)
-    if fallback.max_planned_density is not None:
-        heads = selected.shape[1]
-        chosen = selected.sum((1, 2, 3), dtype=torch.float64)
-        allowed = geometry.allowed.sum((1, 2), dtype=torch.float64) * heads
-        dense = dense | (chosen > fallback.max_planned_density * allowed)
-    return dense
-
-
-def all_dense_by_length(config: PBSConfig, geometry: RaggedGeometry) -> bool:
-    """Whether the length rule sends every sequence to dense attention whatever its length: the
-    padded key length (at least ``max_k``) is below ``dense_fallback.min_seq_len``. A host
-    decision from shapes alone, the same in every replay."""
-    return DensePolicy(config).applies(geometry.device) and geometry.padded_len_k < config.dense_fallback.min_seq_len
-
-
 def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
                 scale: float) -> tuple[BlockMask, torch.Tensor | None]:
     """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)``, ``k (N, Hkv, Tk*B, D)``,
@@ -99,7 +66,8 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     """
     n, hq = q.shape[:2]
     layout = geometry.layout(hq, k.shape[1])
-    if all_dense_by_length(config, geometry):
+    policy = DensePolicy(config)
+    if policy.all_dense_by_length(geometry.padded_len_k, geometry.device):
         # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
         every_allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
         return _block_mask(every_allowed, geometry, layout), torch.ones(n, dtype=torch.bool, device=q.device)
@@ -108,7 +76,11 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     allowed = geometry.allowed[:, None]
     selected |= geometry.forced(config.force_sink_block)[:, None]  # in place: N * Hq * Tq * Tk bools a pass
     selected &= allowed
-    dense = dense_decisions(config, geometry, selected, probe_counters(config, geometry, *pooled, scale))
+    probe_args = policy.probe_arguments(scale)
+    counters = None if probe_args is None else probe_counters(geometry, *pooled, probe_args)
+    selected_blocks = selected.sum((1, 2, 3), dtype=torch.float64)
+    allowed_blocks = geometry.allowed.sum((1, 2), dtype=torch.float64) * hq
+    dense = policy.sequence_decisions(geometry.len_k, counters, selected_blocks, allowed_blocks)
     if dense is not None:
         selected = torch.where(dense[:, None, None, None], allowed, selected)
     return _block_mask(selected, geometry, layout), dense
@@ -164,7 +136,7 @@ def capturable_varlen_attention(
     geometry, q_pad, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
                                               block_table, seqused_k)
     if check_finite:
-        check_all_finite({"q": q, "k": k_pad, "v": v_pad})
+        check_all_finite({"q": q, "k": k_pad[geometry.len_q > 0], "v": v_pad[geometry.len_q > 0]})
     mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
     o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
     return out, write_packed(out, o_pad, lse_pad, cu_seq_q)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from pbs.config import PBSConfig
 from pbs.reference.logits import grouped_logits
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.selectors.vertical_slash import kept_lines, offset_prefix
@@ -202,20 +201,17 @@ def select(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
     raise ValueError(f"the capturable varlen path plans the selectors {SUPPORTED_SELECTORS}, got {selector.name!r}")
 
 
-def probe_counters(config: PBSConfig, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def probe_counters(geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
+                   args: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The density probe per sequence (`pbs.reference.density_probe.probe_density`): ``(kept,
-    visible)`` int64 ``(N,)`` counters over the sampled query blocks and every query head, or None
-    where the probe does not run (``probe_blocks`` 0, or a selector without a mass share).
+    visible)`` int64 ``(N,)`` counters over the sampled query blocks and every query head.
+    ``args``: `pbs.dense.DensePolicy.probe_arguments` (``num_blocks``, ``threshold``, ``scale``).
 
     Each sequence samples ``min(probe_blocks, Tq_i)`` of its own query blocks, evenly spaced with
     its last one included (`sampled_query_blocks`' integer rule), from the pooled blocks
     ``q_bar``/``k_bar`` the planners use.
     """
-    share = config.selector.mass_share()
-    samples = config.dense_fallback.probe_blocks
-    if samples == 0 or share is None:
-        return None
+    share, samples, scale = args["threshold"], args["num_blocks"], args["scale"]
     n, hq, _, d = q_bar.shape
     tk = k_bar.shape[2]
     bs, device = geometry.block_size, q_bar.device
