@@ -9,9 +9,7 @@ A permuter whose curve lies higher and further left captures the same attention 
 
 from __future__ import annotations
 
-import csv
-import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 
 from pbs.analysis.inputs import QKCapture, as_capture
 from pbs.analysis.mass import BlockMassCache, PermuterLike, permuter_label
+from pbs.analysis.result_files import write_csv, write_json
 from pbs.config import PBSConfig
 
 DEFAULT_PERMUTERS: tuple[str, ...] = ("identity", "random", "greedy", "random_query", "avg_query", "last_block")
@@ -186,25 +185,20 @@ class CoverageCurves:
         }
 
     def write_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        return write_json(self.to_dict(), path)
 
     def write_csv(self, path: str | Path) -> Path:
         """Long format: one row per (permuter, scope, target); scope ``mean`` or a head id."""
-        path = Path(path)
-        with path.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["permuter", "scope", "layer", "batch", "head", "target", "density", "coverage"])
-            for curve in self.curves:
-                for t, d, c in zip(curve.targets, curve.mean_density.tolist(), curve.mean_coverage.tolist()):
-                    writer.writerow([curve.permuter, "mean", "", "", "", f"{t:g}", f"{d:.6f}", f"{c:.6f}"])
-                for head, dens, cov in zip(curve.heads, curve.density.tolist(), curve.coverage.tolist()):
-                    for t, d, c in zip(curve.targets, dens, cov):
-                        writer.writerow(
-                            [curve.permuter, "head", head.layer, head.batch, head.head, f"{t:g}", f"{d:.6f}", f"{c:.6f}"]
-                        )
-        return path
+        return write_csv(["permuter", "scope", "layer", "batch", "head", "target", "density", "coverage"],
+                         self._csv_rows(), path)
+
+    def _csv_rows(self) -> Iterator[list[Any]]:
+        for curve in self.curves:
+            for t, d, c in zip(curve.targets, curve.mean_density.tolist(), curve.mean_coverage.tolist()):
+                yield [curve.permuter, "mean", "", "", "", f"{t:g}", f"{d:.6f}", f"{c:.6f}"]
+            for head, dens, cov in zip(curve.heads, curve.density.tolist(), curve.coverage.tolist()):
+                for t, d, c in zip(curve.targets, dens, cov):
+                    yield [curve.permuter, "head", head.layer, head.batch, head.head, f"{t:g}", f"{d:.6f}", f"{c:.6f}"]
 
     def summary(self, densities: Sequence[float] = (0.3, 0.5)) -> str:
         """A small table: head-mean coverage of every permuter at a few densities.

@@ -9,8 +9,6 @@ tolerance of one percentage point).
 
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +18,7 @@ import torch
 from pbs.analysis.coverage import HeadId
 from pbs.analysis.inputs import QKCapture, as_capture
 from pbs.analysis.mass import BlockMassCache, PermuterLike, permuter_label
+from pbs.analysis.result_files import write_csv, write_json
 from pbs.config import PBSConfig
 
 Category = Literal["helped", "unchanged", "harmed"]
@@ -128,20 +127,12 @@ class HeadStatistics:
         }
 
     def write_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        return write_json(self.to_dict(), path)
 
     def write_csv(self, path: str | Path) -> Path:
-        path = Path(path)
-        fields = list(HeadStat.__dataclass_fields__)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            for h in self.heads:
-                row = asdict(h)
-                writer.writerow({k: f"{v:.6f}" if isinstance(v, float) else v for k, v in row.items()})
-        return path
+        """One row per head, the columns `HeadStat`'s fields."""
+        rows = ([f"{v:.6f}" if isinstance(v, float) else v for v in asdict(h).values()] for h in self.heads)
+        return write_csv(list(HeadStat.__dataclass_fields__), rows, path)
 
 
 def head_statistics(
