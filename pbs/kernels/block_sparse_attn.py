@@ -286,13 +286,15 @@ def _block_sparse_attn_fwd(
                 b_v = tl.where((o_slot < seq_len_k)[:, None], b_v, tl.zeros_like(b_v))
             m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
 
-    # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    # Queries with no visible key keep l == 0 and acc == 0: their output is 0 and their LSE -inf.
+    # A NaN score leaves l NaN for good (NaN * alpha is NaN). l == 0 is false for NaN, so such a
+    # row keeps its NaN in the output and the LSE; l > 0, false for NaN too, took it for "no key".
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     b_o = (acc / l_safe[:, None]).to(b_q.dtype)
     o_desc.store([i_b, i_hq, row0, 0], b_o.reshape(1, 1, BLOCK_M, HEAD_DIM_V))
     if WRITE_LSE:
         # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
-        b_lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        b_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         p_lse = lse_ptr + i_b.to(tl.int64) * stride_lb + i_hq.to(tl.int64) * stride_lh + o_m
         tl.store(p_lse, b_lse, mask=o_m < seq_len_q)
 
@@ -336,9 +338,9 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
     if head_dim <= 64:
         return [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 2)]
     if head_dim <= 128:
-        # Measured on an H200 (docs/notes.md): 128x128 tiles with three K/V stages
-        # won at every length and density in explicit timings; 128x64, 64-row tiles and two
-        # stages were 3-15% slower, and a short tuning run picked two stages by noise.
+        # 128x128 tiles with three K/V stages won every timing on an H200 (docs/notes.md, v1 to
+        # v3); 128x64, 64-row tiles and two stages lost, and a short tuning run picked two stages
+        # by noise, so the tuner is not asked.
         return [KernelConfig(128, 128, 8, 3)]
     return [KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2)]
 

@@ -373,8 +373,11 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         else:
             mbarrier.arrive(q_empty)
 
-        # Queries with no visible key keep l == 0 and acc == 0: their output is 0, not NaN.
-        l_safe = gl.convert_layout(gl.where(l_i > 0.0, l_i, 1.0), o_rows)
+        # Queries with no visible key keep l == 0 and acc == 0: their output is 0 and their LSE
+        # -inf. A NaN score makes l NaN for good, and l == 0 is false for NaN, so NaN reaches the
+        # output and the LSE (as in the Triton kernel).
+        l_nonzero = gl.where(l_i == 0.0, 1.0, l_i)
+        l_safe = gl.convert_layout(l_nonzero, o_rows)
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
         o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
         o_d = gl.arange(0, HEAD_DIM, layout=o_cols)
@@ -383,8 +386,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
-            lse = gl.where(l_i > 0.0, (m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
+            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero)) * 0.6931471805599453)
             p_lse = ptrs[8] + i_b.to(gl.int64) * stride_lb + i_hq.to(gl.int64) * stride_lh + o_m
             gl.store(p_lse, lse, mask=o_m < seq_len_q)
         t += 1

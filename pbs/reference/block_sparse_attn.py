@@ -44,6 +44,10 @@ def block_sparse_attention_reference(
         ``(B, Hq, Nq, Dv)`` float32 in permuted query order. A query with no selected key gets 0.
         With ``return_lse``, also ``(B, Hq, Nq)`` float32 (natural log; ``-inf`` for a query with
         no selected key).
+
+    NaN in, NaN out: a query with a NaN score (from its own row of ``q`` or a key it attends to)
+    gets a NaN output row and a NaN LSE; a NaN or inf in ``v`` makes NaN the output of each query
+    that attends to its key, and of no other. ``-inf`` stays reserved for "saw no key".
     """
     layout = mask.layout
     b, hq, nq, d = q.shape
@@ -57,6 +61,13 @@ def block_sparse_attention_reference(
     # on a CPU is several times faster than gathering the selected blocks.
     selected_blocks = mask.to_dense()  # (B, Hq, Tq, Tk)
     k32, v32 = k.float(), v.float()
+    # NaN or inf in V would reach, through 0 * NaN, every row whose logits span its key, whether
+    # the row attends to it or not: such values are zeroed in the product and their rows marked.
+    finite_values = torch.isfinite(v32)
+    bad_values, v_finite = None, v32
+    if not bool(finite_values.all()):
+        bad_values = (~finite_values).float()
+        v_finite = v32.masked_fill(~finite_values, 0.0)
     kpos = key_positions.repeat_interleave(group, dim=1) if group > 1 else key_positions
     out = torch.empty(b, hq, nq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device) if return_lse else None
@@ -82,9 +93,17 @@ def block_sparse_attention_reference(
         logits = logits.masked_fill_(~keep, float("-inf"))
         if lse is not None:
             lse[:, :, r0:r1] = logits.logsumexp(-1)
-        probs = logits.softmax(-1).nan_to_num_(0.0)
+        # A row that sees no key is all -inf, whose softmax is NaN: it gets 0. A NaN score leaves
+        # its row NaN (output and LSE), as in the kernels.
+        probs = logits.softmax(-1).masked_fill_(~keep.any(-1, keepdim=True), 0.0)
         grouped = probs.view(b, hk, group, m, n_keys)
-        out[:, :, r0:r1] = torch.einsum("bhgmn,bhnd->bhgmd", grouped, v32[:, :, :n_keys]).reshape(b, hq, m, dv)
+        chunk_out = torch.einsum("bhgmn,bhnd->bhgmd", grouped, v_finite[:, :, :n_keys])
+        if bad_values is not None:
+            # A non-finite value reaches the rows that attend to its key, and no other row.
+            hits = torch.einsum("bhgmn,bhnd->bhgmd", keep.view(b, hk, group, m, n_keys).float(),
+                                bad_values[:, :, :n_keys])
+            chunk_out.masked_fill_(hits > 0, float("nan"))
+        out[:, :, r0:r1] = chunk_out.reshape(b, hq, m, dv)
     return (out, lse) if lse is not None else out
 
 

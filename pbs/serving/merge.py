@@ -21,81 +21,94 @@ def merge_attention_states(
     lse_b: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    check_lse: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges two partial attention results over disjoint key sets into the result over both.
 
     ``lse = logaddexp(lse_a, lse_b)`` and ``o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)``,
-    computed in float32 (float64 when an input is float64). A query that sees no key on one side
-    (its LSE ``-inf``) takes the other side's result whatever that side's output row holds; a
-    query that sees no key on either side gets ``o = 0`` and ``lse = -inf``, never NaN.
-
-    Two layouts, told apart by ``o_a``'s rank:
-
-    - batched, as `pbs.attention` returns: ``o (B, H, N, D)`` with ``lse (B, H, N)``;
-    - packed, as `pbs.varlen_attention` (and PyTorch's and FlashAttention's varlen functions)
-      return: ``o (T, H, D)`` with ``lse (H, T)``.
-
-    This is plain PyTorch (a few elementwise kernels); a fused Triton version is future work.
+    in float32 (float64 when an input is). A side whose LSE is ``-inf`` saw no key and adds nothing,
+    whatever its output row holds (both ``-inf``: ``o = 0``, ``lse = -inf``). NaN propagates: a
+    NaN LSE, or a NaN in the output row of a side that saw keys, gives a NaN row. More in
+    docs/serving.md ("Merging a cached prefix and a new chunk").
 
     Args:
-        o_a: the first part's output, float16, bfloat16, float32 or float64.
-        lse_a: its natural-log LSE, float32 (or float64), ``(B, H, N)`` or ``(H, T)``.
-        o_b: the second part's output: ``o_a``'s shape, dtype and device.
-        lse_b: its LSE: ``lse_a``'s shape and dtype.
-        out: where to write the merged output (``o_a``'s shape, dtype and device); it may be
-            ``o_a`` or ``o_b`` itself. None allocates it.
+        o_a: the first part's output, float16, bfloat16, float32 or float64: batched
+            ``(B, H, N, D)`` as `pbs.attention` returns, or packed ``(T, H, D)`` as
+            `pbs.varlen_attention` returns.
+        lse_a: its natural-log LSE, float32 or float64: ``(B, H, N)``, or ``(H, T)`` when packed.
+        o_b: the second part's output, with ``o_a``'s shape, dtype and device.
+        lse_b: its LSE, with ``lse_a``'s shape and dtype.
+        out: where to write the merged output (may be ``o_a`` or ``o_b``); None allocates it.
+        check_lse: refuse a ``+inf`` LSE (no finite scores give one) by a host read. None checks
+            tensors off CUDA only, where the read costs no sync; unchecked, such a row is NaN.
 
     Returns:
-        ``(o, lse)``: ``o`` in ``o_a``'s dtype and shape, ``lse`` in ``lse_a``'s dtype and shape.
+        ``(o, lse)`` with ``o_a``'s dtype and shape and ``lse_a``'s.
 
     Raises:
         TypeError: a non-tensor, or a dtype not listed above.
-        ValueError: mismatched shapes or devices, an ``o_a`` that is neither 3-D nor 4-D.
+        ValueError: mismatched shapes or devices, an ``o_a`` neither 3-D nor 4-D, a checked ``+inf``.
+        RuntimeError: ``check_lse=True`` on CUDA during a CUDA graph capture.
 
     Example:
-        A prefix and a suffix of the keys, attended separately and merged:
-
         ```python
         import torch
         import pbs
 
-        torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(3))
 
         def attend(keys, values):  # non-causal attention and its LSE
             scores = q @ keys.transpose(-1, -2) * 8**-0.5
             return scores.softmax(-1) @ values, scores.logsumexp(-1)
 
-        o_prefix, lse_prefix = attend(k[:, :, :4], v[:, :, :4])
-        o_suffix, lse_suffix = attend(k[:, :, 4:], v[:, :, 4:])
-        o, lse = pbs.merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix)
+        o, lse = pbs.merge_attention_states(*attend(k[:, :, :4], v[:, :, :4]), *attend(k[:, :, 4:], v[:, :, 4:]))
         torch.testing.assert_close(o, attend(k, v)[0])
         ```
     """
     packed = _check_states(o_a, lse_a, o_b, lse_b, out)
+    if o_a.device.type != "cuda" if check_lse is None else check_lse:
+        _refuse_positive_infinity(lse_a, lse_b)
     compute = torch.float64 if torch.float64 in (o_a.dtype, lse_a.dtype) else torch.float32
-    lse_a32, lse_b32 = lse_a.to(compute), lse_b.to(compute)
-    lse = torch.logaddexp(lse_a32, lse_b32)
-    # Where both sides are -inf, lse - lse would be NaN: subtract 0 there, so both weights are
-    # exp(-inf) = 0 and the row is 0. A side whose LSE is -inf gets weight 0, and its output row
-    # (which some kernels leave unwritten) is masked rather than multiplied, since 0 * NaN = NaN.
-    finite_total = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weight_a = torch.exp(lse_a32 - finite_total)
-    weight_b = torch.exp(lse_b32 - finite_total)
-    if packed:  # lse (H, T) against o (T, H, D)
-        weight_a, weight_b = weight_a.transpose(0, 1), weight_b.transpose(0, 1)
-        seen_a, seen_b = ~torch.isneginf(lse_a).transpose(0, 1), ~torch.isneginf(lse_b).transpose(0, 1)
-    else:
-        seen_a, seen_b = ~torch.isneginf(lse_a), ~torch.isneginf(lse_b)
-    zero = torch.zeros((), dtype=compute, device=o_a.device)
-    part_a = torch.where(seen_a.unsqueeze(-1), o_a.to(compute) * weight_a.unsqueeze(-1), zero)
-    part_b = torch.where(seen_b.unsqueeze(-1), o_b.to(compute) * weight_b.unsqueeze(-1), zero)
-    merged = part_a.add_(part_b)
+    lse = torch.logaddexp(lse_a.to(compute), lse_b.to(compute))
+    # An unchecked +inf gives a NaN LSE, not +inf, which a later merge would take for a number.
+    lse = lse.masked_fill_(torch.isposinf(lse), float("nan"))
+    merged = _weighted(o_a, lse_a, lse, packed).add_(_weighted(o_b, lse_b, lse, packed))
     if out is None:
-        out = merged.to(o_a.dtype)
-    else:
-        out.copy_(merged)
-    return out, lse.to(lse_a.dtype)
+        return merged.to(o_a.dtype), lse.to(lse_a.dtype)
+    return out.copy_(merged), lse.to(lse_a.dtype)
+
+
+def _weighted(o: torch.Tensor, lse_part: torch.Tensor, lse: torch.Tensor, packed: bool) -> torch.Tensor:
+    """One side's share of the merged output, ``o * exp(lse_part - lse)`` in ``lse``'s dtype."""
+    # Where both sides are -inf, lse - lse would be NaN: subtract 0 there, so the weight is
+    # exp(-inf) = 0. A side whose LSE is -inf adds 0, its output row (which some kernels leave
+    # unwritten) masked rather than multiplied, since 0 * NaN = NaN. A NaN LSE is not -inf: its
+    # weight is NaN, and so is the row.
+    weight = torch.exp(lse_part.to(lse.dtype) - torch.where(torch.isneginf(lse), 0.0, lse))
+    seen = ~torch.isneginf(lse_part)
+    if packed:  # lse (H, T) against o (T, H, D)
+        weight, seen = weight.transpose(0, 1), seen.transpose(0, 1)
+    zero = torch.zeros((), dtype=lse.dtype, device=o.device)
+    return torch.where(seen.unsqueeze(-1), o.to(lse.dtype) * weight.unsqueeze(-1), zero)
+
+
+def _refuse_positive_infinity(lse_a: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Raises ``ValueError`` naming the first of ``lse_a``, ``lse_b`` that holds ``+inf``, and where.
+
+    One host read for both (a sync on CUDA, which a graph capture forbids: refused there)."""
+    if lse_a.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "check_lse=True reads the LSE on the host, which a CUDA graph capture forbids; leave it None "
+            "(unchecked on CUDA: a +inf row comes out NaN) to capture merge_attention_states"
+        )
+    has_inf = torch.stack((torch.isposinf(lse_a).any(), torch.isposinf(lse_b).any())).tolist()
+    for (name, lse), bad in zip((("lse_a", lse_a), ("lse_b", lse_b)), has_inf):
+        if bad:
+            where = tuple(torch.nonzero(torch.isposinf(lse))[0].tolist())
+            raise ValueError(
+                f"{name} holds +inf (first at index {where}): a log-sum-exp of finite scores is finite, "
+                "or -inf for a query that saw no key; +inf means the scores overflowed"
+            )
 
 
 def _check_states(

@@ -30,6 +30,7 @@ def check_packed_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(f"q, k and v must share a dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}")
+    _check_forward_only_and_real(q, k, v)
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must agree in (Tk, Hkv), got k: {tuple(k.shape[:2])}, v: {tuple(v.shape[:2])}")
     if k.shape[2] != q.shape[2]:
@@ -42,6 +43,18 @@ def check_packed_qkv(q: object, k: object, v: object) -> None:
             f"the number of query heads (q.shape[1] = {heads_q}) must be a positive multiple of the number of "
             f"key/value heads (k.shape[1] = {heads_kv})"
         )
+
+
+def _check_forward_only_and_real(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The rules of `pbs.attention` that hold for the batch as a whole, checked before any sequence
+    is split off, so that an empty batch is refused like a full one and a meta tensor is named
+    before its lengths are read."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("PBS attention is forward-only and has no backward: q, k or v requires grad; call it "
+                         "under torch.no_grad() or torch.inference_mode(), or detach the inputs")
+    if q.is_meta:  # q, k and v share a device here
+        raise ValueError("meta tensors are not supported: planning reads the values of q and k, and the lengths "
+                         "are read from cu_seq_q; use real tensors on 'cpu' or 'cuda'")
 
 
 def check_paged_qkv(q: object, k_cache: object, v_cache: object) -> None:
@@ -64,9 +77,7 @@ def check_paged_qkv(q: object, k_cache: object, v_cache: object) -> None:
         raise ValueError(
             f"q, k_cache and v_cache must be on one device, got q: {q.device}, k: {k_cache.device}, v: {v_cache.device}"
         )
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        raise ValueError("PBS attention is forward-only and has no backward: q, k or v requires grad; call it "
-                         "under torch.no_grad() or torch.inference_mode()")
+    _check_forward_only_and_real(q, k_cache, v_cache)
     (pages_k, page_size, heads_k, dim_k), (pages_v, page_size_v, heads_v, dim_v) = k_cache.shape, v_cache.shape
     if page_size != page_size_v:
         raise ValueError(
