@@ -13,10 +13,11 @@ import torch
 
 import pbs
 from pbs.dense import DensePolicy
+from pbs.ragged_layout import ragged_geometry
 from pbs.serving.capturable import plan_ragged
-from pbs.serving.ragged import pad_packed, ragged_geometry
+from pbs.serving.ragged import pad_packed
 from tests.test_paged import paged_cache
-from tests.test_serving import make_sequences, pack
+from tests.test_serving import ALL_BLOCKS, make_sequences, pack
 
 SMALL = {"block_size": 16, "segment_size": 16}  # many blocks at small lengths
 CONFIGS = {
@@ -62,7 +63,7 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     # CUDA runs the eager path's line-score and threshold kernels over the padded batch with the
     # lengths on the device; here they run in the interpreter against the PyTorch operations the
     # CPU uses (the defaults: lines and mean pooling).
-    import pbs.serving.ragged_planners as planners
+    import pbs.backends.ragged_planners as planners
     from pbs.kernels.vertical_slash import line_scores
 
     config = {**CONFIGS["defaults"], **SMALL, "backend": "reference"}
@@ -206,15 +207,47 @@ def test_writes_into_out_and_returns_it():
 
 
 @pytest.mark.parametrize("config,field", [
-    ({"permuter": "last_block"}, "config.permuter"),
-    ({"permuter": "none", "selector": "antidiagonal"}, "'antidiagonal' in config.selector"),
-    ({"selector": {"name": "union", "selectors": ["mean_pool", "budget"]}}, "'budget' in config.selector"),
-    ({"backend": "flex"}, "config.backend"),
+    ({"permuter": "last_block"}, "config.permuter 'last_block' has no planner for padded batches"),
+    ({"permuter": "none", "selector": "antidiagonal"}, "config.selector 'antidiagonal' has no planner"),
+    ({"selector": {"name": "union", "selectors": ["mean_pool", "budget"]}}, "config.selector 'budget' has no planner"),
+    ({"backend": "flex"}, "config.backend 'flex' does not declare capturable; backends that do: hopper, triton, reference"),
 ])
 def test_configs_it_cannot_plan_are_clear_errors(config, field):
     q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20)]))
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+
+
+def test_what_capturable_runs_comes_from_the_registries(monkeypatch):
+    """A selector is planned once a ``ragged`` planner is registered for it, and a backend runs
+    once it declares ``capturable``: no list of names decides (issue 36)."""
+    import dataclasses
+
+    from pbs.backends import registry
+    from pbs.backends.ragged_planners import RAGGED
+
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20), (9, 40)]))
+    config = {**SMALL, "backend": "reference", "selector": "budget"}
+    with pytest.raises(ValueError, match="config.selector 'budget' has no planner for padded batches"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+    seen = []
+
+    def every_allowed_block(selector, inputs):
+        seen.append(selector.name)
+        return inputs.geometry.allowed[:, None].expand(-1, inputs.q.shape[1], -1, -1).clone()
+
+    monkeypatch.setitem(registry._PLANNERS, ("selector", "budget", RAGGED), every_allowed_block)
+    out = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+    full = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, {**config, **ALL_BLOCKS})
+    assert seen == ["budget"]
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-6)
+    # The reference backend without its capturable declaration is refused, by name and by auto.
+    monkeypatch.setitem(registry._BACKENDS, "reference", dataclasses.replace(registry._BACKENDS["reference"],
+                                                                             capturable=False))
+    with pytest.raises(ValueError, match="config.backend 'reference' does not declare capturable"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, capturable=True)
+    with pytest.raises(ValueError, match="no backend can run this call.*does not declare capturable"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, {**config, "backend": "auto"}, capturable=True)
 
 
 def test_outside_a_capture_the_lengths_are_still_checked():

@@ -152,7 +152,7 @@ def test_the_defaults_plot_draws_every_protocol_of_a_result(tmp_path):
 
 # -- the floors of the package: every import looks down -------------------------------------------
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("values", ("pbs.layout", "pbs.config_view", "pbs.types", "pbs.registry", "pbs.validation", "pbs.components", "pbs.config")),
+    ("values", ("pbs.layout", "pbs.ragged_layout", "pbs.config_view", "pbs.types", "pbs.registry", "pbs.validation", "pbs.components", "pbs.config")),
     ("eager twins and shared math", ("pbs.reference",)),
     ("kernel launchers", ("pbs.kernels",)),
     ("components", ("pbs.permuters", "pbs.selectors")),

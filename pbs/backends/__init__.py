@@ -6,12 +6,15 @@ made of selectors are composed on the GPU.
 * `pbs.backends.eligibility`: one reasons function per kernel, used by every caller;
 * `pbs.backends.builtin`: the ``hopper``, ``triton``, ``reference`` and ``flex`` backends;
 * `pbs.backends.planners` and `pbs.backends.composition`: the ``triton`` planners of the
-  permuters and selectors that have GPU kernels.
+  permuters and selectors that have GPU kernels;
+* `pbs.backends.ragged_planners`: the ``ragged`` planners of padded batches (the capturable
+  varlen path), per sequence with the lengths on the device;
+* `pbs.backends.probe`: the dense policy's density probe and gated dense kernel.
 
 It sits above the components (`pbs.permuters`, `pbs.selectors`) and the kernels, below planning.
 """
 
-from pbs.backends import builtin, composition, planners  # noqa: F401 - registration
+from pbs.backends import builtin, composition, planners, ragged_planners  # noqa: F401 - registration
 from pbs.backends.registry import (
     AttentionBackend,
     AttentionCall,

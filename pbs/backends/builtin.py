@@ -29,8 +29,12 @@ from pbs.types import is_paged
 def _kernel_arguments(call: AttentionCall) -> dict:
     """Keyword arguments every kernel takes; positions only where something moved."""
     plan = call.plan
+    if call.query_positions is not None:
+        query_positions = call.query_positions
+    else:
+        query_positions = None if plan.query_permutation.is_identity else plan.query_positions()
     return dict(
-        query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
+        query_positions=query_positions,
         key_positions=None if plan.key_permutation.is_identity else plan.key_positions(),
         scale=call.scale,
         causal=plan.layout.causal,
@@ -56,17 +60,22 @@ def _run_reference(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, to
 
     plan = call.plan
     k, v = (x.gather() if is_paged(x) else x for x in (call.k, call.v))
-    return block_sparse_attention_reference(call.q, k, v, plan.mask, plan.query_positions(),
-                                            plan.key_positions(), scale=call.scale, causal=plan.layout.causal,
-                                            return_lse=call.return_lse)
+    query_positions = plan.query_positions() if call.query_positions is None else call.query_positions
+    result = block_sparse_attention_reference(call.q, k, v, plan.mask, query_positions, plan.key_positions(),
+                                              scale=call.scale, causal=plan.layout.causal, return_lse=call.return_lse)
+    if call.out is None:
+        return result
+    out, lse = result if call.return_lse else (result, None)
+    call.out.copy_(out)
+    return (call.out, lse) if call.return_lse else call.out
 
 
 def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from pbs.kernels.block_sparse_attn import block_sparse_attention
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
-    out = block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, **_kernel_arguments(call),
-                                 **_paged_arguments(call))
+    out = block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
+                                 **_kernel_arguments(call), **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 
@@ -74,7 +83,7 @@ def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
-    out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse,
+    out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
                                         **_kernel_arguments(call), **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
@@ -90,8 +99,9 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 
 
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
-                                  returns_lse=True))
+                                  returns_lse=True, capturable=True))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
-                                  plans_with="triton", returns_lse=True))
-register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True))
+                                  plans_with="triton", returns_lse=True, capturable=True))
+register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True,
+                                  capturable=True))
 register_backend(AttentionBackend("flex", flex_reasons, _run_flex, plans_with="triton"))

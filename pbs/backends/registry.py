@@ -40,14 +40,18 @@ class CallSpec:
     page_size: int | None = None
     """Rows per page when keys and values are read from a paged cache (`pbs.types.PagedTensor`),
     None when they are contiguous tensors."""
+    capturable: bool = False
+    """The call is one launch over a padded batch inside a CUDA graph (``capturable=True``): each
+    query's position comes from `AttentionCall.query_positions` and the result goes to
+    `AttentionCall.out`, with no host read (`AttentionBackend.capturable`)."""
 
     @classmethod
     def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int, needs_lse: bool = False,
-           page_size: int | None = None) -> "CallSpec":
+           page_size: int | None = None, capturable: bool = False) -> "CallSpec":
         device = q.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse, page_size)
+        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse, page_size, capturable)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,11 @@ class AttentionCall:
     plan: "Plan"
     scale: float
     return_lse: bool = False
+    out: torch.Tensor | None = None
+    """``(B, Hq, Nq, Dv)`` to write the output into (any strides the backend takes), or None."""
+    query_positions: torch.Tensor | None = None
+    """``(B, Hq, Nq)`` original position of every query slot, in place of the plan's: a padded
+    batch's sequences each have their own causal offset (``capturable=True``)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,9 @@ class AttentionBackend:
             planning off CUDA always uses the reference.
         returns_lse: whether ``run`` can return the log-sum-exp (calls that need it go to a
             backend that can).
+        capturable: whether ``run`` takes `AttentionCall.query_positions` and `AttentionCall.out`
+            and reads no tensor on the host, so that a padded batch runs in one launch inside a
+            CUDA graph (calls with ``CallSpec.capturable`` go to a backend that does).
     """
 
     name: str
@@ -91,6 +103,7 @@ class AttentionBackend:
     auto_priority: int | None = None
     plans_with: str = "reference"
     returns_lse: bool = False
+    capturable: bool = False
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -157,6 +170,9 @@ def _reasons(backend: AttentionBackend, spec: CallSpec) -> list[str]:
     reasons = backend.not_supported_reasons(spec)
     if spec.needs_lse and not backend.returns_lse:
         reasons = [*reasons, "it does not return the log-sum-exp (return_lse=True)"]
+    if spec.capturable and not backend.capturable:
+        reasons = [*reasons, "it does not declare capturable (per-query positions and a given out, no host read: "
+                             "capturable=True)"]
     return reasons
 
 
@@ -188,6 +204,11 @@ def register_planner(kind: ComponentKind, name: str, family: str) -> Callable[[P
         return fn
 
     return decorator
+
+
+def planners_of(family: str, kind: ComponentKind) -> list[str]:
+    """Names of the ``kind`` components with a planner registered for ``family``, sorted."""
+    return sorted(n for (k, n, f) in _PLANNERS if k == kind and f == family)
 
 
 def planner_for(kind: ComponentKind, name: str, family: str) -> Planner | None:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pbs.config import DenseFallback, PBSConfig
+from pbs.dense import DensePolicy
 
 # Why a call fell back to dense attention. The keys are stable (tests and logs use them); the
 # explanations are written once per key to the log.
@@ -274,9 +275,9 @@ def choose_attention(
     pbs_config = config.config_for_layer(layer_idx)
     if pbs_config is None:
         return None, "skipped_layer"
-    # The layer's dense_fallback.min_seq_len, on every device and backend: `pbs.attention` would
-    # apply it only where dense_fallback.devices says, and the integration always has SDPA.
-    if kv_len < pbs_config.dense_fallback.min_seq_len:
+    # The length rule on every device and backend: `pbs.attention` would apply it only where
+    # dense_fallback.devices says, and the integration always has SDPA.
+    if DensePolicy(pbs_config).too_short(kv_len):
         return None, "short_sequence"
     if q_len < kv_len and q_len < config.min_query_len:
         return None, "short_chunk"

@@ -6,11 +6,12 @@ own shapes, and every decision that depends on the lengths is taken on the devic
 
 1. the sequences are written into token-major padded buffers, viewed as ``(N, H, max, D)``
    (`pbs.serving.ragged`);
-2. each is planned as it is alone (`pbs.serving.ragged_planners`), and the dense policy's three
-   rules are evaluated per sequence on the device; a sequence that decides dense gets every
-   allowed block (dense attention on the block-sparse kernel, as paged calls run it eagerly);
-3. one kernel launch attends all sequences, each query reading its own causal offset from the
-   query positions, and the rows are scattered back to the packing.
+2. each is planned as it is alone (the ``ragged`` planners, `pbs.backends.ragged_planners`), and
+   `pbs.dense.DensePolicy.sequence_decisions` evaluates the dense rules per sequence on the
+   device; a sequence that decides dense gets every allowed block (dense attention on the
+   block-sparse kernel, as paged calls run it eagerly);
+3. one launch of a backend that declares ``capturable`` attends all sequences, each query reading
+   its own causal offset from the query positions, and the rows are scattered back to the packing.
 
 What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
 them in place), every sequence is planned at the padded size unless the shapes alone send all of
@@ -22,37 +23,30 @@ from __future__ import annotations
 
 import torch
 
-from pbs.backends import CallSpec, resolve_backend
+from pbs.backends import AttentionCall, CallSpec, get_backend, list_backends, resolve_backend
+from pbs.backends.ragged_planners import RaggedInputs, block_means, probe_counters, ragged_reasons, select
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
-from pbs.serving.ragged import RaggedGeometry, flat_slots, pad_packed, pad_paged, ragged_geometry, unpad_rows
-from pbs.serving.ragged_planners import block_means, probe_counters, select, unsupported_selector
-from pbs.types import BlockMask
+from pbs.ragged_layout import RaggedGeometry, ragged_geometry
+from pbs.serving.ragged import flat_slots, pad_packed, pad_paged, unpad_rows
+from pbs.types import BlockMask, Permutation, Plan
 from pbs.validation import check_all_finite
-
-CAPTURABLE_BACKENDS = ("hopper", "triton", "reference")
-"""Backends the capturable path launches: those that take per-query positions."""
 
 
 def check_capturable_config(config: PBSConfig) -> None:
-    """Raises a ``ValueError`` naming the field of ``config`` that the capturable path does not run."""
-    if config.permuter.name != "none":
-        raise ValueError(
-            f"capturable=True plans unpermuted layouts only: config.permuter must be 'none' (the defaults), got "
-            f"{config.permuter.name!r}; a permuter's key order needs the sequence's length on the host. Call "
-            "varlen_attention without capturable for this config"
-        )
-    found = unsupported_selector(config.selector)
-    if found is not None:
-        raise ValueError(
-            f"capturable=True plans the selectors 'mean_pool', 'vertical_slash' and a 'union' of them (the "
-            f"defaults), got {found!r} in config.selector; call varlen_attention without capturable for it"
-        )
+    """Raises a ``ValueError`` naming what of ``config`` the capturable path cannot run: the reasons
+    come from what is declared (the ``ragged`` planners registered, `AttentionBackend.capturable`),
+    not from a list of names kept here."""
+    reasons = ragged_reasons(config)
     if not config.causal:
-        raise ValueError("capturable=True runs causal attention only: config.causal must be True")
-    if config.backend not in ("auto", *CAPTURABLE_BACKENDS):
-        raise ValueError(f"capturable=True runs on the backends {CAPTURABLE_BACKENDS} (or 'auto'), got "
-                         f"config.backend = {config.backend!r}")
+        reasons.append("config.causal must be True (causal attention only)")
+    if config.backend != "auto" and not get_backend(config.backend).capturable:
+        capturable = [name for name in list_backends() if get_backend(name).capturable]
+        reasons.append(f"config.backend {config.backend!r} does not declare capturable; backends that do: "
+                       f"{', '.join(capturable)} (or 'auto')")
+    if reasons:
+        raise ValueError("capturable=True cannot run this config: " + "; ".join(reasons)
+                         + ". Call varlen_attention without capturable for it")
 
 
 def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
@@ -72,7 +66,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
         every_allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
         return _block_mask(every_allowed, geometry, layout), torch.ones(n, dtype=torch.bool, device=q.device)
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
-    selected = select(config.selector, geometry, q, k, pooled, scale)
+    selected = select(config.selector, RaggedInputs(geometry, q, k, pooled, scale))
     allowed = geometry.allowed[:, None]
     selected |= geometry.forced(config.force_sink_block)[:, None]  # in place: N * Hq * Tq * Tk bools a pass
     selected &= allowed
@@ -98,30 +92,17 @@ def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the backend ``config.backend`` resolves to over the padded batch: ``(out
     (N, Hq, Tq*B, Dv), lse (N, Hq, Tq*B) or None)``."""
-    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse)
+    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse, capturable=True)
     backend = resolve_backend(config.backend, spec)
-    if backend.name not in CAPTURABLE_BACKENDS:
-        raise ValueError(f"capturable=True runs on the backends {CAPTURABLE_BACKENDS}; 'auto' chose "
-                         f"{backend.name!r} here. Name one of them in config.backend")
     n, hq = q.shape[:2]
     positions = query_positions[:, None, :].expand(n, hq, -1)
-    if backend.name == "reference":
-        from pbs.reference.block_sparse_attn import block_sparse_attention_reference
-
-        key_positions = torch.arange(k.shape[2], device=k.device).expand(n, k.shape[1], -1)
-        result = block_sparse_attention_reference(q, k, v, mask, positions, key_positions, scale=scale,
-                                                  return_lse=return_lse)
-        out, lse = result if return_lse else (result, None)
-        return out.to(q.dtype), lse
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
-    if backend.name == "hopper":
-        from pbs.kernels.hopper_attn import hopper_block_sparse_attention as kernel
-    else:
-        from pbs.kernels.block_sparse_attn import block_sparse_attention as kernel
+    nothing_moved = (Permutation.identity(n, k.shape[1], k.shape[2], k.device),
+                     Permutation.identity(n, hq, q.shape[2], q.device))
+    plan = Plan(*nothing_moved, mask=mask, config=config, backend=backend.name)
     # Token-major like the padded inputs, so that unpadding copies whole token rows.
     out = torch.empty(n, q.shape[2], hq, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-    kernel(q, k, v, mask, query_positions=positions, scale=scale, lse=lse, out=out)
-    return out, lse
+    result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions))
+    return result if return_lse else (result, None)
 
 
 def capturable_varlen_attention(

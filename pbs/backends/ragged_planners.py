@@ -1,5 +1,7 @@
-"""The default selectors and the density probe on a padded batch (`pbs.serving.ragged`), each
-sequence planned as it is planned alone, with its lengths read from the device.
+"""The ``ragged`` planner family: selectors and the density probe on a padded batch
+(`pbs.ragged_layout.RaggedGeometry`), each sequence planned as it is planned alone, with its
+lengths read from the device. `ragged_reasons` derives what the family cannot plan from what is
+registered here, so no caller keeps a list of names.
 
 These are the reference selectors' rules (``mean_pool``: `pbs.selectors.mean_pool`;
 ``vertical_slash``: `pbs.selectors.vertical_slash`; ``union``; the probe:
@@ -12,30 +14,24 @@ every mask to `pbs.plan` of the sequence alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pbs.backends.registry import planner_for, planners_of, register_planner
+from pbs.ragged_layout import RaggedGeometry
 from pbs.reference.logits import grouped_logits
 from pbs.reference.threshold_select import select_by_cumulative_threshold
 from pbs.selectors.vertical_slash import kept_lines, offset_prefix
-from pbs.serving.ragged import RaggedGeometry
 from pbs.types import BlockMask
 
-SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "union")
-"""Selectors the capturable path plans (a ``union`` of these too)."""
+RAGGED = "ragged"
+"""The planner family of padded batches (`pbs.ragged_layout.RaggedGeometry`): a planner
+``fn(selector, inputs: RaggedInputs)`` returns the ``(N, Hq, Tq, Tk)`` bool selection before the
+forced blocks, each sequence planned as it is alone."""
 
 _SCORE_ELEMENTS = 1 << 26
 """Float32 scores held at once per head chunk (256 MiB)."""
-
-
-def unsupported_selector(selector) -> str | None:
-    """The name of the first (member) selector the capturable path cannot plan, or None."""
-    if selector.name == "union":
-        for member in selector.selectors:
-            found = unsupported_selector(member)
-            if found is not None:
-                return found
-        return None
-    return None if selector.name in SUPPORTED_SELECTORS else selector.name
 
 
 def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -181,24 +177,68 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
     return selected
 
 
-def select(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor, pooled: tuple, scale: float) -> torch.Tensor:
-    """``selector``'s selection, ``(N, Hq, Tq, Tk)`` bool, a ``union`` the OR of its members'.
+@dataclass(frozen=True)
+class RaggedInputs:
+    """What a planner of the `RAGGED` family reads.
 
-    Args:
-        q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)`` padded; pooled: their block
-            means ``(q_bar, k_bar)``.
+    Attributes:
+        geometry: the padded batch's block geometry, lengths on the device.
+        q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)``, padded with zeros.
+        pooled: their block means ``(q_bar (N, Hq, Tq, D), k_bar (N, Hkv, Tk, D))`` float32.
+        scale: softmax scale.
     """
-    if selector.name == "union":
-        result = None
-        for member in selector.selectors:
-            member_selection = select(member, geometry, q, k, pooled, scale)
-            result = member_selection if result is None else result | member_selection
-        return result
-    if selector.name == "mean_pool":
-        return mean_pool(selector, geometry, *pooled, scale)
-    if selector.name == "vertical_slash":
-        return vertical_slash(selector, geometry, q, k, scale)
-    raise ValueError(f"the capturable varlen path plans the selectors {SUPPORTED_SELECTORS}, got {selector.name!r}")
+
+    geometry: RaggedGeometry
+    q: torch.Tensor
+    k: torch.Tensor
+    pooled: tuple[torch.Tensor, torch.Tensor]
+    scale: float
+
+
+@register_planner("selector", "mean_pool", RAGGED)
+def _mean_pool_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
+    return mean_pool(selector, inputs.geometry, *inputs.pooled, inputs.scale)
+
+
+@register_planner("selector", "vertical_slash", RAGGED)
+def _vertical_slash_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
+    return vertical_slash(selector, inputs.geometry, inputs.q, inputs.k, inputs.scale)
+
+
+@register_planner("selector", "union", RAGGED)
+def _union_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
+    result = None
+    for member in selector.selectors:
+        member_selection = select(member, inputs)
+        result = member_selection if result is None else result | member_selection
+    return result
+
+
+def ragged_reasons(config) -> list[str]:
+    """Why the `RAGGED` family cannot plan ``config`` (empty: it can), from what is registered:
+    a permuter that moves tokens needs a registered ragged permuter planner, and every selector
+    (each member of a selector made of selectors) a ragged selector planner."""
+    reasons = []
+    if type(config.permuter).segmented and planner_for("permuter", config.permuter.name, RAGGED) is None:
+        reasons.append(f"config.permuter {config.permuter.name!r} has no planner for padded batches (a permuter "
+                       "that moves tokens must be planned with the sequence's length on the host)")
+    pending = [config.selector]
+    while pending:
+        selector = pending.pop()
+        if planner_for("selector", selector.name, RAGGED) is None:
+            reasons.append(f"config.selector {selector.name!r} has no planner for padded batches")
+        pending.extend(getattr(selector, "selectors", ()))
+    return reasons
+
+
+def select(selector, inputs: RaggedInputs) -> torch.Tensor:
+    """``selector``'s selection of every padded sequence, ``(N, Hq, Tq, Tk)`` bool, before the forced
+    blocks, by the planner registered for it in the `RAGGED` family."""
+    planner = planner_for("selector", selector.name, RAGGED)
+    if planner is None:
+        raise ValueError(f"config.selector {selector.name!r} has no planner for padded batches; planners: "
+                         f"{', '.join(planners_of(RAGGED, 'selector'))}")
+    return planner(selector, inputs)
 
 
 def probe_counters(geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
