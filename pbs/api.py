@@ -13,7 +13,8 @@ import torch
 
 from pbs.config import PBSConfig
 from pbs.dense import Attended, DensePolicy, dense_attention_sdpa
-from pbs.planning import build_plan, permute_keys_and_values, run_planned
+from pbs.backends.permute import permute_keys_and_values
+from pbs.planning import build_plan, run_planned
 from pbs.types import Plan
 from pbs.validation import check_all_finite, check_qkv, check_scale
 

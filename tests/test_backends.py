@@ -79,7 +79,7 @@ def test_auto_skips_backends_that_cannot_run_and_explains_named_ones():
 def test_planning_family_follows_the_backend(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert planning_family(get_backend("triton"), cpu) == "reference"
-    monkeypatch.setattr(pbs.backends.registry, "_TRITON_AVAILABLE", [True])
+    monkeypatch.setattr(pbs.backends.eligibility, "_triton_installed", lambda: True)
     assert planning_family(get_backend("reference"), cuda) == "reference"
     for name in ("hopper", "triton", "flex"):
         assert planning_family(get_backend(name), cuda) == "triton"

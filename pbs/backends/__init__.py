@@ -15,6 +15,7 @@ It sits above the components (`pbs.permuters`, `pbs.selectors`) and the kernels,
 """
 
 from pbs.backends import builtin, composition, planners, ragged_planners  # noqa: F401 - registration
+from pbs.backends.eligibility import planning_family
 from pbs.backends.registry import (
     AttentionBackend,
     AttentionCall,
@@ -23,7 +24,6 @@ from pbs.backends.registry import (
     get_backend,
     list_backends,
     planner_for,
-    planning_family,
     register_backend,
     register_planner,
     resolve_backend,

@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from pbs.backends.registry import CallSpec
+from pbs.backends.registry import AttentionBackend, CallSpec, family_has_planners
 from pbs.kernels._common import interpreting
 
 MAX_HEAD_DIM = 256
@@ -174,3 +174,20 @@ def gated_dense_reasons(spec: CallSpec) -> list[str]:
     dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
     return (gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)
             + contiguous_only_reasons(spec, "the gated dense path"))
+
+
+def triton_installed() -> bool:
+    """Whether Triton can be imported (asked once; a GPU launcher that needs it asks here)."""
+    return _triton_installed()
+
+
+def planning_family(backend: AttentionBackend, device: torch.device) -> str:
+    """The planner family for ``backend`` on ``device``: ``"reference"`` off CUDA or without
+    Triton, else the backend's ``plans_with``. A family that no planner is registered for is an
+    error (a misspelt ``plans_with`` would otherwise never run)."""
+    if device.type != "cuda" or not _triton_installed():
+        return "reference"
+    family = backend.plans_with
+    if family != "reference" and not family_has_planners(family):
+        raise ValueError(f"backend {backend.name!r} plans with {family!r}, but no planner is registered for it")
+    return family

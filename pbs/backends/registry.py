@@ -6,13 +6,12 @@ with no reasons against the call; a named backend that cannot run it raises with
 calls it once and records the name in the `Plan`, and `run` obeys the plan.
 
 A *planner* is the fast implementation of a permuter or selector for one planning family
-(``"triton"``); a backend names the family that plans for it (``plans_with``). Planning off CUDA
-(or without Triton) always uses the components' reference methods.
+(``"triton"``); a backend names the family that plans for it (``plans_with``). Which family plans
+a call is an eligibility question (`pbs.backends.eligibility.planning_family`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -184,7 +183,6 @@ def backend_reasons(backend: AttentionBackend, spec: CallSpec) -> list[str]:
 ComponentKind = Literal["permuter", "selector"]
 Planner = Callable[[Any, Any], Any]
 _PLANNERS: dict[tuple[str, str, str], Planner] = {}
-_TRITON_AVAILABLE: list[bool] = []
 
 
 def register_planner(kind: ComponentKind, name: str, family: str) -> Callable[[Planner], Planner]:
@@ -206,6 +204,11 @@ def register_planner(kind: ComponentKind, name: str, family: str) -> Callable[[P
     return decorator
 
 
+def family_has_planners(family: str) -> bool:
+    """Whether any planner is registered for ``family``."""
+    return any(f == family for (_, _, f) in _PLANNERS)
+
+
 def planners_of(family: str, kind: ComponentKind) -> list[str]:
     """Names of the ``kind`` components with a planner registered for ``family``, sorted."""
     return sorted(n for (k, n, f) in _PLANNERS if k == kind and f == family)
@@ -214,19 +217,3 @@ def planners_of(family: str, kind: ComponentKind) -> list[str]:
 def planner_for(kind: ComponentKind, name: str, family: str) -> Planner | None:
     """The planner registered for ``(kind, name, family)``, or None (the reference method runs)."""
     return _PLANNERS.get((kind, name, family))
-
-
-def planning_family(backend: AttentionBackend, device: torch.device) -> str:
-    """The planner family for ``backend`` on ``device``: ``"reference"`` off CUDA or without
-    Triton, else the backend's ``plans_with``. A family that no registered backend plans with is
-    an error (a misspelt ``plans_with`` would otherwise never run)."""
-    if device.type != "cuda":
-        return "reference"
-    if not _TRITON_AVAILABLE:
-        _TRITON_AVAILABLE.append(importlib.util.find_spec("triton") is not None)
-    if not _TRITON_AVAILABLE[0]:
-        return "reference"
-    family = backend.plans_with
-    if family != "reference" and not any(f == family for (_, _, f) in _PLANNERS):
-        raise ValueError(f"backend {backend.name!r} plans with {family!r}, but no planner is registered for it")
-    return family
