@@ -47,8 +47,8 @@ def _cudnn_first(order: list[int]) -> list[int] | None:
 
     cuDNN is the fastest dense causal prefill on Hopper (docs/benchmarks.md), but
     PyTorch does not rank it first. Only the order changes: a backend the user disabled stays
-    disabled. (``torch.nn.attention.sdpa_kernel`` would do the same at ~20 us of host time per
-    call, which shows at 2K tokens, where cuDNN itself takes ~0.1 ms.)
+    disabled. (``torch.nn.attention.sdpa_kernel`` would do the same, at a host cost per call that
+    shows at short lengths.)
     """
     global _LAST_ORDER
     seen, cudnn_first = _LAST_ORDER

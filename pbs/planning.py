@@ -126,7 +126,7 @@ def run_selector(
     result = select(config.selector, sel_inputs) if select else config.selector.select(sel_inputs)
     if not (q_perm.is_cuda and type(config.selector).__module__.startswith("pbs.")):
         # A custom selector's result is checked before anything reads it; pbs's own are trusted
-        # on the GPU, where the check costs launches (0.25-0.5 ms per call on an H100).
+        # on the GPU, where the check costs several launches per call.
         check_selector_result(result, layout, q_perm.device, config.selector.name)
     if isinstance(result, BlockMask):
         return result
