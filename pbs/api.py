@@ -206,8 +206,9 @@ def _dense_then_checks(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: o
 
     The checks then run on the host while the GPU computes instead of before it starts: on an idle
     GPU they were most of what pbs added to SDPA's latency (docs/notes.md). Errors stay the same:
-    an exception from SDPA gives way to the checks' named error, and inputs that SDPA accepts but PBS refuses (inputs that need
-    grad, ``Nq > Nk``, NaN when checked, ...) still raise, the output discarded.
+    an exception from SDPA gives way to the checks' named error, and inputs that SDPA accepts but
+    PBS refuses (inputs that need grad, ``Nq > Nk``, NaN when checked, ...) still raise, the
+    output discarded.
     """
     s = _scale(q, scale)
     failure: Exception | None = None
