@@ -41,7 +41,8 @@ def _on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def plan(
-    q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None, return_lse: bool = False
+    q: torch.Tensor, k: torch.Tensor, config: ConfigLike = None, *, scale: float | None = None, return_lse: bool = False,
+    **unexpected: Any,
 ) -> Plan:
     """Computes the permutation and the block mask without running attention.
 
@@ -67,6 +68,7 @@ def plan(
         out = pbs.run(p, q, k, v)  # (1, 4, 1024, 32)
         ```
     """
+    _refuse_unexpected("plan", unexpected)
     config = PBSConfig.coerce(config)
     _check_inputs(config, q, k, k)
     with _on_device_of(q):
@@ -117,6 +119,7 @@ def attention(
     scale: float | None = None,
     return_plan: bool = False,
     return_lse: bool = False,
+    **unexpected: Any,
 ) -> torch.Tensor | tuple:
     """Permuted block-sparse attention: plan, then run.
 
@@ -153,6 +156,8 @@ def attention(
         print(float((out.float() - dense).norm() / dense.norm()))  # relative error
         ```
     """
+    if unexpected:
+        _refuse_unexpected("attention", unexpected)
     if torch.compiler.is_compiling():
         if return_plan or return_lse:
             asked = "return_plan=True" if return_plan else "return_lse=True"
@@ -195,6 +200,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: DensePolic
     _check_inputs(policy.config, q, k, v)
     with _on_device_of(q):
         return policy.attend(q, k, v, _scale(q, scale))
+
+
+# Keywords users bring from SDPA and FlashAttention, and where pbs takes what they mean.
+_KEYWORD_HINTS = {
+    "causal": "causality is a config field: PBSConfig(causal=...), True by default (unlike SDPA's is_causal)",
+    "is_causal": "causality is a config field: PBSConfig(causal=...), True by default (unlike SDPA's is_causal)",
+    "softmax_scale": "the softmax scale is scale=... (default D ** -0.5)",
+    "attn_mask": "pbs runs causal attention with its own block mask; an arbitrary attn_mask is not taken",
+    "dropout_p": "pbs is forward-only inference attention: no dropout",
+    "enable_gqa": "GQA needs no flag: k and v with fewer heads than q (Hq % Hkv == 0) are grouped without copying",
+}
+
+
+def _refuse_unexpected(function: str, unexpected: dict[str, Any]) -> None:
+    """A ``TypeError`` for keywords ``function`` does not take, with a hint where one is known."""
+    if not unexpected:
+        return
+    name = next(iter(unexpected))
+    hint = _KEYWORD_HINTS.get(name)
+    raise TypeError(f"pbs.{function}() got an unexpected keyword argument {name!r}" + (f": {hint}" if hint else ""))
 
 
 def _is_4d_tensor(x: object) -> bool:

@@ -261,3 +261,21 @@ def test_check_selector_result_names_the_problem(mutate, error, message):
     mask, layout = _mask_and_layout()
     with pytest.raises(error, match=message):
         check_selector_result(mutate(mask, layout), layout, "cpu", "mine")
+
+
+@pytest.mark.parametrize("keyword, hint", [
+    ("causal", r"PBSConfig\(causal=\.\.\.\), True by default"),
+    ("is_causal", r"PBSConfig\(causal=\.\.\.\), True by default"),
+    ("softmax_scale", r"scale=\.\.\."),
+    ("enable_gqa", r"GQA needs no flag"),
+])
+@pytest.mark.parametrize("call", ["attention", "plan"])
+def test_keywords_from_sdpa_and_flash_attention_get_a_hint(call, keyword, hint):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=rf"pbs.{call}\(\) got an unexpected keyword argument '{keyword}': .*{hint}"):
+        if call == "attention":
+            pbs.attention(q, k, v, **{keyword: True})
+        else:
+            pbs.plan(q, k, **{keyword: True})
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument 'no_such_thing'$"):
+        pbs.attention(q, k, v, no_such_thing=1)
