@@ -59,6 +59,29 @@ def test_each_sequence_gets_the_mask_it_gets_alone(name, group):
         assert torch.equal(full[i, :, :tq], alone.full_counts[0]), f"sequence {i}: full_counts"
 
 
+@pytest.mark.parametrize("kind, name", [("selector", n) for n in pbs.list_selectors()]
+                         + [("permuter", n) for n in pbs.list_permuters()])
+def test_every_registered_component_is_planned_as_alone_or_refused_with_its_reason(kind, name):
+    """The registry drives this: a component with a ``ragged`` planner gets each sequence's mask
+    of `pbs.plan` alone; one without gets the refusal `ragged_reasons` derives (issue 36)."""
+    from pbs.backends.ragged_planners import ragged_reasons
+
+    config = pbs.PBSConfig(**SMALL, backend="reference", **({"permuter": "none", "selector": name}
+                                                              if kind == "selector" else {"permuter": name}))
+    sequences = make_sequences([(40, 40), (17, 90), (0, 0)], heads_q=4, heads_kv=2)
+    reasons = ragged_reasons(config)
+    if reasons:
+        assert any(f"config.{kind} {name!r} has no planner for padded batches" in r for r in reasons), reasons
+        with pytest.raises(ValueError, match=f"config.{kind} {name!r} has no planner for padded batches"):
+            pbs.varlen_attention(*pack(sequences), config, capturable=True)
+        return
+    mask, _ = padded_plan(sequences, config)
+    for i, (q, k, _) in enumerate(sequences):
+        if q.shape[2]:
+            tq, tk = -(-q.shape[2] // 16), -(-k.shape[2] // 16)
+            assert torch.equal(mask.to_dense()[i, :, :tq, :tk], pbs.plan(q, k, config).mask.to_dense()[0])
+
+
 def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypatch):
     # CUDA runs the eager path's line-score and threshold kernels over the padded batch with the
     # lengths on the device; here they run in the interpreter against the PyTorch operations the

@@ -113,7 +113,8 @@ def capturable_varlen_attention(
     """The work of `pbs.varlen_attention` with ``capturable=True``, on checked arguments: ``out``
     filled, and the ``(Hq, Tq)`` LSE when asked. Launch shapes depend on the arguments' shapes and
     ``max_q``/``max_k`` only; no tensor is read on the host, except by ``check_finite`` (a scan
-    of the queries and of the sequences' keys and values, never inside a capture)."""
+    of the queries and of the keys and values of the sequences that have queries, as the eager
+    call reads them; never inside a capture)."""
     geometry, q_pad, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
                                               block_table, seqused_k)
     if check_finite:
