@@ -19,6 +19,7 @@ rendezvous.
 
 from __future__ import annotations
 
+import datetime
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ import torch
 from tests.helpers import run_ranks, tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# A collective that waits longer fails its worker (and so the test) instead of hanging for torch's
+# default 30 minutes.
+PG_TIMEOUT = datetime.timedelta(seconds=30)
 LENGTHS = (2048, 3000)
 TOL = 1e-4
 CONFIGS = {
@@ -50,7 +54,8 @@ def worker(workdir: Path, rank: int, world: int) -> None:
     import pbs.integrations.context_parallel as pbs_cp
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank, world_size=world,
+                            timeout=PG_TIMEOUT)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             workdir / "model", dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -18,6 +18,7 @@ meeting through a file rendezvous in a temporary directory (no ports to pick).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -30,6 +31,9 @@ import torch
 from tests.helpers import tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# A collective that waits longer fails its worker (and so the test) instead of hanging for torch's
+# default 30 minutes.
+PG_TIMEOUT = datetime.timedelta(seconds=30)
 WORLD = 2
 SEQ_LEN = 256  # 16 blocks of 16, 8 segments of 32
 TOL = 1e-4
@@ -209,7 +213,8 @@ def worker(workdir: Path, rank: int) -> None:
     logging.getLogger("pbs.integrations.transformers").addHandler(Collect())
     logging.getLogger("pbs.integrations.transformers").setLevel(logging.INFO)
 
-    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank, world_size=WORLD,
+                            timeout=PG_TIMEOUT)
     try:
         pbs_hf.register()
         kwargs = {"attn_implementation": "pbs", "dtype": torch.float32}

@@ -43,6 +43,7 @@ import torch
 from pbs.components import SequenceSummaries
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
+from pbs.distributed.agreement import agree, dim, tensor_fields
 from pbs.distributed.collectives import (
     all_gather_shards,
     assemble,
@@ -55,7 +56,7 @@ from pbs.distributed.sharding import chunk_bounds
 from pbs.distributed.summaries import block_means, key_order, line_scores, probe_estimate
 from pbs.planning import build_plan, full_plan, permute_keys_and_values, run_planned
 from pbs.types import Permutation, Plan
-from pbs.validation import check_qkv, check_scale
+from pbs.validation import check_all_finite, check_qkv, check_scale
 
 ConfigLike = PBSConfig | dict[str, Any] | str | None
 
@@ -66,8 +67,6 @@ SUPPORTED_PERMUTERS = ("none", "last_block")
 SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "budget", "union")
 """Selectors context parallelism can plan (``union`` of these). ``budget`` keeps the same number
 of blocks per query block as one process; below density 1 its seeded random choice differs."""
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class ContextParallelResult(NamedTuple):
@@ -132,33 +131,47 @@ def check_supported(config: PBSConfig) -> None:
         )
 
 
-def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
-                  segment_size: int) -> int:
-    """Checks that every rank's shard belongs to one sequence under the zigzag split; returns ``N``."""
-    dist = torch_distributed()
-    b, hq, nq, d = q.shape
-    meta = torch.tensor([b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], _DTYPES.index(q.dtype)]
-                        if q.dtype in _DTYPES else [b, hq, k.shape[1], d, v.shape[-1], nq, k.shape[2], -1],
-                        dtype=torch.int64, device=q.device)
-    rows = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(rows, meta, group=group)
-    table = [r.tolist() for r in rows]
-    names = ("B", "Hq", "Hkv", "D", "Dv")
-    shapes = {r: dict(zip(names, row[:5])) | {"dtype": str(_DTYPES[row[7]]) if row[7] >= 0 else "?"}
-              for r, row in enumerate(table)}
-    if any(row[:5] + row[7:] != table[0][:5] + table[0][7:] for row in table):
-        raise ValueError(f"q, k and v shards must have the same B, Hq, Hkv, D, Dv and dtype on every rank, got {shapes}")
-    if any(row[5] != row[6] for row in table):
-        lengths = {r: (row[5], row[6]) for r, row in enumerate(table)}
+def _agreed_call(q: object, k: object, v: object, config: ConfigLike, scale: float | None, group: Any,
+                 world: int) -> tuple[PBSConfig, float, int]:
+    """The local checks, then the ranks' agreement (`pbs.distributed.agreement.agree`): the first
+    collective of a call. Returns ``(config, scale, N)``; raises the same ValueError on every rank.
+
+    A rank whose checks fail (bad input, NaN, grad, a config context parallelism cannot plan) does
+    not raise before the exchange, so its peers do not wait for it in a later collective.
+    """
+    failure = coerced = checked_scale = None
+    try:
+        coerced = PBSConfig.coerce(config)
+        check_qkv(q, k, v, check_finite=False)
+        assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        if coerced.checks_finite(q.device):
+            check_all_finite({"q": q, "k": k, "v": v})
+        check_supported(coerced)
+        checked_scale = check_scale(scale, q.shape[-1])
+    except Exception as error:  # noqa: BLE001 - recorded, then raised on every rank by agree()
+        failure = error
+    same = {"scale": checked_scale, **tensor_fields(q=q),
+            "B": dim(q, 0), "Hq": dim(q, 1), "Hkv": dim(k, 1), "D": dim(q, -1), "Dv": dim(v, -1)}
+    table = agree("context-parallel", group=group, like=q, config=coerced, same=same,
+                  own={"Nq": dim(q, 2), "Nk": dim(k, 2)}, failure=failure)
+    assert coerced is not None and checked_scale is not None  # agree() raised otherwise
+    return coerced, checked_scale, _sequence_length([(row["Nq"], row["Nk"]) for row in table], world,
+                                                    coerced.segment_size)
+
+
+def _sequence_length(lengths: list[tuple[int, int]], world: int, segment_size: int) -> int:
+    """``N`` from every rank's ``(Nq_local, Nk_local)``, checked to be the zigzag split of one
+    self-attention prefill (the same table on every rank, so every rank raises alike)."""
+    if any(nq != nk for nq, nk in lengths):
         raise ValueError(
             "each rank's q and k shards must hold the same tokens (a causal prefill of one sequence); "
-            f"(Nq_local, Nk_local) per rank: {lengths}"
+            f"(Nq_local, Nk_local) per rank: {dict(enumerate(lengths))}"
         )
-    seq_len = sum(row[5] for row in table)
+    seq_len = sum(nq for nq, _ in lengths)
     bounds = chunk_bounds(seq_len, world, segment_size)
     expected = [(bounds[r][1] - bounds[r][0]) + (bounds[2 * world - 1 - r][1] - bounds[2 * world - 1 - r][0])
                 for r in range(world)]
-    got = [row[5] for row in table]
+    got = [nq for nq, _ in lengths]
     if got != expected:
         raise ValueError(
             f"the shards' lengths per rank {got} are not the zigzag split of the {seq_len}-token sequence over "
@@ -228,22 +241,18 @@ def context_parallel_attend(
     Returns:
         `ContextParallelResult`.
     """
-    config = PBSConfig.coerce(config)
-    check_qkv(q, k, v, check_finite=config.checks_finite(q.device))
-    check_supported(config)
     rank, world = group_rank_and_size(group)
+    config, scale, seq_len = _agreed_call(q, k, v, config, scale, group, world)
     context = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with context:
-        return _attend(q, k, v, config, group, rank, world, check_scale(scale, q.shape[-1]), return_lse, timings)
+        return _attend(q, k, v, config, group, rank, world, seq_len, scale, return_lse, timings)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig, group: Any, rank: int, world: int,
-            scale: float, return_lse: bool, timings: bool) -> ContextParallelResult:
+            seq_len: int, scale: float, return_lse: bool, timings: bool) -> ContextParallelResult:
     dist = torch_distributed()
     clock = _Clock(timings, q.device)
-    seg = config.segment_size
-    seq_len = _check_shards(q, k, v, group, rank, world, seg)
-    bounds = chunk_bounds(seq_len, world, seg)
+    bounds = chunk_bounds(seq_len, world, config.segment_size)
     chunks = (bounds[rank], bounds[2 * world - 1 - rank])
     first_len = chunks[0][1] - chunks[0][0]
     local = [(chunks[0][0], chunks[0][1], 0), (chunks[1][0], chunks[1][1], first_len)]

@@ -41,6 +41,7 @@ import torch
 
 from pbs.config import DenseFallback, PBSConfig
 from pbs.distributed import context_parallel_attend, shard_sequence
+from pbs.distributed.agreement import agree
 from pbs.integrations.dispatch import PBSIntegrationConfig
 from pbs.integrations.transformers import _coerce_config, _import_transformers, switch_attention
 
@@ -167,12 +168,30 @@ def _dense_config(config: PBSConfig, device: torch.device) -> PBSConfig:
     return config.model_copy(update={"backend": "auto", "dense_fallback": fallback})
 
 
-def _sequence_length(local_len: int, group: Any, device: torch.device) -> int:
-    import torch.distributed as dist
-
-    n = torch.tensor([local_len], dtype=torch.int64, device=device)
-    dist.all_reduce(n, group=group)
-    return int(n.item())
+def _refuse_unserved(setup: _Setup | None, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Raises for a call context parallelism does not serve (see the module docstring)."""
+    if setup is None:
+        raise RuntimeError(f"{CONTEXT_PARALLEL_NAME}: call pbs.integrations.context_parallel.register_context_parallel() first")
+    where = f"{CONTEXT_PARALLEL_NAME} (layer {getattr(module, 'layer_idx', None)})"
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            f"{where}: {query.shape[2]} queries against {key.shape[2]} keys; context parallelism runs a prefill "
+            "without a cached prefix (use_cache=False)"
+        )
+    if attention_mask is not None:
+        raise ValueError(f"{where}: got an attention mask; context parallelism serves unpadded causal prompts "
+                         "and applies causality over the original positions itself")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout {dropout} (training mode); run the model in eval mode")
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{where}: {name}={kwargs[name]} is not supported under context parallelism")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if not is_causal:
+        raise NotImplementedError(f"{where}: non-causal attention (the zigzag split serves causal prefill)")
 
 
 def pbs_context_parallel_forward(
@@ -206,32 +225,20 @@ def pbs_context_parallel_forward(
             module docstring).
     """
     setup = _setup
-    if setup is None:
-        raise RuntimeError(f"{CONTEXT_PARALLEL_NAME}: call pbs.integrations.context_parallel.register_context_parallel() first")
-    where = f"{CONTEXT_PARALLEL_NAME} (layer {getattr(module, 'layer_idx', None)})"
-    if query.shape[2] != key.shape[2]:
-        raise NotImplementedError(
-            f"{where}: {query.shape[2]} queries against {key.shape[2]} keys; context parallelism runs a prefill "
-            "without a cached prefix (use_cache=False)"
-        )
-    if attention_mask is not None:
-        raise ValueError(f"{where}: got an attention mask; context parallelism serves unpadded causal prompts "
-                         "and applies causality over the original positions itself")
-    if dropout:
-        raise ValueError(f"{where}: attention dropout {dropout} (training mode); run the model in eval mode")
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{where}: {name}={kwargs[name]} is not supported under context parallelism")
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    if not is_causal:
-        raise NotImplementedError(f"{where}: non-causal attention (the zigzag split serves causal prefill)")
-
     layer_idx = getattr(module, "layer_idx", None)
-    layer_config = setup.config.config_for_layer(layer_idx)
+    layer_config = failure = None
+    try:
+        _refuse_unserved(setup, module, query, key, attention_mask, dropout, kwargs)
+        assert setup is not None
+        layer_config = setup.config.config_for_layer(layer_idx)
+    except Exception as error:  # noqa: BLE001 - recorded, then raised on every rank by agree()
+        failure = error
+    # The ranks agree on the layer's config (so on its dense decision) before any collective.
     local_len = query.shape[2]
-    seq_len = _sequence_length(local_len, setup.group, query.device)
+    table = agree(f"{CONTEXT_PARALLEL_NAME} layer", group=None if setup is None else setup.group, like=query,
+                  config=layer_config, same={"layer": layer_idx}, own={"tokens": local_len}, failure=failure)
+    assert setup is not None
+    seq_len = sum(row["tokens"] for row in table)
     reason = None
     if layer_config is None:
         reason = "skipped_layer"

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HeadShard", "attention_on_shard", "head_shard_of", "local_heads"]
+__all__ = ["UNCHECKED_FALLBACKS", "HeadShard", "attention_on_shard", "check_ranks_agree", "head_shard_of", "local_heads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +206,66 @@ def _mean_over_ranks(shard: HeadShard, device: torch.device) -> Callable[[torch.
     return reduce
 
 
+UNCHECKED_FALLBACKS = ("decode", "compiling")
+"""Fallback reasons of the transformers attention function that skip `check_ranks_agree`: a decode
+step is decided by the input's shape, which the ranks share, and would pay a collective per layer
+and token; under ``torch.compile`` a collective and a host read would break the traced graph."""
+
+
+def check_ranks_agree(
+    shard: HeadShard, config: Any, q: Any, k: Any, v: Any, *, scale: float | None, dispatch: str = "pbs"
+) -> float | None:
+    """The tensor-parallel ranks agree on one attention call, before any collective of it.
+
+    Every rank of ``shard.group`` calls it with its heads, whichever way it runs the call:
+    `attention_on_shard` with ``dispatch="pbs"``, the transformers attention function with the
+    reason it runs SDPA instead. For ``"pbs"`` the input checks run here without raising; then
+    the ranks all-gather one record each (`pbs.distributed.agreement.agree`: the config's digest,
+    the dispatch, the scale, dtype and shapes, the checks' outcome). Ranks that agree on all of it
+    run the same collectives (the dense rules' all-reduce, ``o_proj``'s): without this, a rank
+    that raised or went to SDPA left its peers waiting, and different thresholds silently mixed
+    two configs' heads.
+
+    Args:
+        shard: this rank's `HeadShard`.
+        config: the layer's `PBSConfig` (None for a layer configured dense).
+        q, k, v: this rank's heads, ``(B, Hq_local, Nq, D)`` and ``(B, Hkv_local, Nk, D)``.
+        scale: the softmax scale asked for (``None``: ``D ** -0.5``).
+        dispatch: ``"pbs"``, or the fallback reason of a call that runs SDPA.
+
+    Returns:
+        The checked scale for ``"pbs"``, else None.
+
+    Raises:
+        ValueError: on every rank alike, naming the rank whose checks failed, or the field the
+            ranks disagree on and the ranks' values.
+    """
+    from pbs.config import PBSConfig
+    from pbs.distributed.agreement import agree, dim, tensor_fields
+    from pbs.validation import check_all_finite, check_qkv, check_scale
+
+    failure = checked = None
+    shown_scale: Any = scale
+    try:
+        if config is not None or dispatch == "pbs":
+            config = PBSConfig.coerce(config)  # the digest is of the config itself, however it was given
+        if dispatch == "pbs":
+            check_qkv(q, k, v, check_finite=False)
+            if config.checks_finite(q.device):
+                check_all_finite({"q": q, "k": k, "v": v})
+            shown_scale = checked = check_scale(scale, q.shape[-1])
+    except Exception as error:  # noqa: BLE001 - recorded, then raised on every rank by agree()
+        failure = error
+    if dispatch != "pbs" and scale is None and dim(q, -1):
+        shown_scale = dim(q, -1) ** -0.5
+    if not (shown_scale is None or isinstance(shown_scale, (int, float))):
+        shown_scale = repr(shown_scale)
+    same = {"dispatch": dispatch, "scale": shown_scale, **tensor_fields(q=q), "B": dim(q, 0), "Hq": dim(q, 1),
+            "Hkv": dim(k, 1), "Nq": dim(q, 2), "Nk": dim(k, 2), "D": dim(q, -1), "Dv": dim(v, -1)}
+    agree("tensor-parallel", group=shard.group, like=q, config=config, same=same, failure=failure)
+    return checked
+
+
 def attention_on_shard(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,7 +277,8 @@ def attention_on_shard(
 ) -> tuple[torch.Tensor, Any, str | None]:
     """`pbs.attention` on one rank's heads, deciding as one process over all heads would.
 
-    The dense policy (`pbs.dense.DensePolicy`) runs with the ranks' mean as its ``reduce`` hook.
+    With a shard of several ranks, the ranks first agree on the call (`check_ranks_agree`), then
+    the dense policy (`pbs.dense.DensePolicy`) runs with the ranks' mean as its ``reduce`` hook.
 
     Args:
         q, k, v: this rank's heads, ``(B, Hq_local, Nq, D)`` and ``(B, Hkv_local, Nk, D)``.
@@ -229,6 +290,10 @@ def attention_on_shard(
         ``(out (B, Hq_local, Nq, Dv), plan, dense_reason)``. ``dense_reason`` is set when
         ``config.dense_fallback`` ran dense attention instead; the plan is then ``None`` (decided
         before planning) or has ``fallback`` set; otherwise ``plan`` is what ran.
+
+    Raises:
+        ValueError: bad inputs (as `pbs.attention`); with several ranks, on every rank alike,
+            also when the ranks disagree (`check_ranks_agree`).
     """
     from pbs.api import attend
     from pbs.dense import DensePolicy
@@ -238,10 +303,13 @@ def attention_on_shard(
             attended = attend(q, k, v, DensePolicy(config), scale=scale)
         return attended.out, attended.plan, attended.reason
 
+    from pbs.config import PBSConfig
     from pbs.reference.seeded import head_shard
 
-    policy = DensePolicy(config, reduce=_mean_over_ranks(shard, q.device),
+    # The ranks' agreement also runs the input checks that `attend` would run.
+    checked_scale = check_ranks_agree(shard, config, q, k, v, scale=scale)
+    policy = DensePolicy(PBSConfig.coerce(config), reduce=_mean_over_ranks(shard, q.device),
                          scope=f" over the {shard.size} tensor-parallel ranks")
     with _device_guard(q), head_shard(shard.rank, shard.size):
-        attended = attend(q, k, v, policy, scale=scale)
+        attended = policy.attend(q, k, v, checked_scale)
     return attended.out, attended.plan, attended.reason

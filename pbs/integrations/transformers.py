@@ -51,7 +51,14 @@ import torch
 from pbs.config import PRESETS, PBSConfig
 from pbs.integrations.continuous_batching import CONTINUOUS_BATCHING_NAME, PackedBatch, attend_packed, unpack_call
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig, choose_attention
-from pbs.integrations.tensor_parallel import HeadShard, attention_on_shard, head_shard_of, local_heads
+from pbs.integrations.tensor_parallel import (
+    UNCHECKED_FALLBACKS,
+    HeadShard,
+    attention_on_shard,
+    check_ranks_agree,
+    head_shard_of,
+    local_heads,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -362,6 +369,8 @@ def pbs_attention_forward(
     tp = (shard.rank, shard.size) if shard is not None else (None, None)
     if pbs_config is None:
         assert reason is not None
+        if shard is not None and reason not in UNCHECKED_FALLBACKS:  # ranks agree, as attention_on_shard's do
+            check_ranks_agree(shard, config.config_for_layer(layer_idx), query, key, value, scale=scaling, dispatch=reason)
         # The detail text is built only where it is read (the first log of a reason, a trace): this
         # branch runs in every layer of every short prompt.
         _log_fallback_once(module, reason, lambda: _fallback_detail(reason, layer_idx, q_len, kv_len, config),
