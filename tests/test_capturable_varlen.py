@@ -24,6 +24,7 @@ CONFIGS = {
     "defaults": {},
     "mean_pooling": {"permuter": "none", "selector": "mean_pool"},
     "vertical_slash": {"permuter": "none", "selector": {"name": "vertical_slash", "threshold": 0.6, "last_rows": 20}},
+    "xattention": {"permuter": "none", "selector": {"name": "antidiagonal", "threshold": 0.8}},
 }
 # Prefills, chunks after a prefix (len_q < len_k), lengths on and off the block, one query, and an
 # empty sequence.
@@ -231,7 +232,7 @@ def test_writes_into_out_and_returns_it():
 
 @pytest.mark.parametrize("config,field", [
     ({"permuter": "last_block"}, "config.permuter 'last_block' has no planner for padded batches"),
-    ({"permuter": "none", "selector": "antidiagonal"}, "config.selector 'antidiagonal' has no planner"),
+    ({"permuter": "none", "selector": "oracle"}, "config.selector 'oracle' has no planner"),
     ({"selector": {"name": "union", "selectors": ["mean_pool", "budget"]}}, "config.selector 'budget' has no planner"),
     ({"backend": "flex"}, "config.backend 'flex' does not declare capturable; backends that do: hopper, triton, reference"),
 ])

@@ -186,6 +186,8 @@ class RaggedInputs:
         q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)``, padded with zeros.
         pooled: their block means ``(q_bar (N, Hq, Tq, D), k_bar (N, Hkv, Tk, D))`` float32.
         scale: softmax scale.
+        force_sink_block: the config's ``force_sink_block`` (planning adds the forced blocks after
+            the planners; a selector whose threshold counts them first reads it).
     """
 
     geometry: RaggedGeometry
@@ -193,6 +195,7 @@ class RaggedInputs:
     k: torch.Tensor
     pooled: tuple[torch.Tensor, torch.Tensor]
     scale: float
+    force_sink_block: bool = True
 
 
 @register_planner("selector", "mean_pool", RAGGED)
@@ -205,6 +208,11 @@ def _vertical_slash_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
     return vertical_slash(selector, inputs.geometry, inputs.q, inputs.k, inputs.scale)
 
 
+@register_planner("selector", "antidiagonal", RAGGED)
+def _antidiagonal_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
+    return antidiagonal(selector, inputs)
+
+
 @register_planner("selector", "union", RAGGED)
 def _union_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
     result = None
@@ -212,6 +220,52 @@ def _union_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
         member_selection = select(member, inputs)
         result = member_selection if result is None else result | member_selection
     return result
+
+
+def _strided_rows(x: torch.Tensor, stride: int, reverse: bool) -> torch.Tensor:
+    """Padded ``(N, H, T, D)`` as ``(N, H, T / stride, stride * D)`` float32, each group of
+    ``stride`` rows reversed when ``reverse`` (`pbs.selectors.antidiagonal`'s reshaping)."""
+    n, h, rows, d = x.shape
+    x = x.float().view(n, h, rows // stride, stride, d)
+    if reverse:
+        x = x.flip(3)
+    return x.reshape(n, h, rows // stride, stride * d)
+
+
+def antidiagonal(selector, inputs: RaggedInputs) -> torch.Tensor:
+    """`AntidiagonalSelector` per sequence, unsegmented (XAttention's estimator): ``(N, Hq, Tq, Tk)``
+    bool, the forced sink and diagonal blocks counted first towards the threshold.
+
+    Each sequence's strided queries see its strided keys up to their own causal offset
+    (``c * stride <= r * stride + len_k - len_q``) and below ``len_k``; its strided rows past
+    ``len_q`` score nothing. PyTorch operations with shapes fixed by the maxima, a chunk of rows at a
+    time (`pbs.selectors.antidiagonal.antidiagonal_block_scores` of the sequence alone).
+    """
+    geometry, stride = inputs.geometry, selector.stride
+    bs, tq, tk = geometry.block_size, geometry.num_query_blocks, geometry.num_key_blocks
+    per_block = bs // stride
+    q_r = _strided_rows(inputs.q, stride, reverse=True)
+    k_r = _strided_rows(inputs.k, stride, reverse=False)
+    n, hq = q_r.shape[:2]
+    device = q_r.device
+    key_start = torch.arange(tk * per_block, device=device) * stride
+    query_start = torch.arange(tq * per_block, device=device) * stride
+    key_valid = key_start[None, :] < geometry.len_k[:, None]  # (N, Tk * pb)
+    offset = geometry.query_offset[:, None, None]
+    scores = torch.empty(n, hq, tq, tk, dtype=torch.float32, device=device)
+    rows_per_chunk = max(1, _SCORE_ELEMENTS // max(1, n * hq * per_block * tk * per_block))
+    for i0 in range(0, tq, rows_per_chunk):
+        i1 = min(tq, i0 + rows_per_chunk)
+        rows = query_start[i0 * per_block:i1 * per_block]
+        visible = (key_start[None, None, :] <= rows[None, :, None] + offset) & key_valid[:, None, :]  # (N, R, K)
+        logits = grouped_logits(q_r[:, :, i0 * per_block:i1 * per_block], k_r) * (inputs.scale / stride)
+        probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
+        probs *= (rows[None, :] < geometry.len_q[:, None])[:, None, :, None]
+        blocks = probs.view(n, hq, i1 - i0, per_block, tk, per_block).sum((3, 5))
+        scores[:, :, i0:i1] = blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
+    candidates = geometry.allowed[:, None]
+    forced = geometry.forced(inputs.force_sink_block)[:, None]
+    return select_by_cumulative_threshold(scores, candidates, selector.threshold, ranked_first=forced)
 
 
 def ragged_reasons(config) -> list[str]:

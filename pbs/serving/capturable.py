@@ -66,7 +66,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
         every_allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
         return _block_mask(every_allowed, geometry, layout), torch.ones(n, dtype=torch.bool, device=q.device)
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
-    selected = select(config.selector, RaggedInputs(geometry, q, k, pooled, scale))
+    selected = select(config.selector, RaggedInputs(geometry, q, k, pooled, scale, config.force_sink_block))
     allowed = geometry.allowed[:, None]
     selected |= geometry.forced(config.force_sink_block)[:, None]  # in place: N * Hq * Tq * Tk bools a pass
     selected &= allowed
