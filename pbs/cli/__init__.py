@@ -20,7 +20,7 @@ from pbs.cli.common import UsageError, close_match_hint
 
 # In the order ``pbs --help`` lists them. (Importing ``pbs.cli.list`` binds the name ``list`` in
 # this module to it, so this module never calls the builtin ``list``.)
-SUBCOMMANDS: tuple[str, ...] = ("demo", "list", "generate", "analyze", "quality")
+SUBCOMMANDS: tuple[str, ...] = ("demo", "list", "generate", "analyze", "quality", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
