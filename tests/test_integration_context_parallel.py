@@ -73,9 +73,42 @@ def worker(workdir: Path, rank: int, world: int) -> None:
         out = pbs_cp.context_parallel_prefill(model, prompt(LENGTHS[-1]))
         results["last_only"] = {"logits": out.logits, "last": out.last_logits}
         results["attn_after"] = model.config._attn_implementation
+        results["disagreement"] = disagreement_cases(model, rank, world)
         torch.save(results, workdir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def disagreement_cases(model, rank: int, world: int) -> dict:
+    """Ranks asked different things raise the same ValueError, and the group works after it:
+    ``min_seq_len`` (one rank would go dense by length, the others plan) through a prefill, and
+    ``dropout`` on the last rank only, through the attention function."""
+    import pbs.integrations.context_parallel as pbs_cp
+    from pbs.distributed import shard_length
+
+    odd = rank == world - 1
+    layer = model.model.layers[0].self_attn
+    n_local = shard_length(LENGTHS[0], rank, world)
+    q, k = torch.randn(1, 4, n_local, 16), torch.randn(1, 2, n_local, 16)
+
+    def other_min_seq_len():
+        pbs_cp.register_context_parallel({}, min_seq_len=256 if odd else 1 << 20)
+        pbs_cp.context_parallel_prefill(model, prompt(LENGTHS[0]))
+
+    def dropout_on_one_rank():
+        pbs_cp.register_context_parallel()
+        pbs_cp.pbs_context_parallel_forward(layer, q, k, k, None, dropout=0.1 if odd else 0.0)
+
+    cases = {}
+    for name, call in {"min_seq_len": other_min_seq_len, "dropout": dropout_on_one_rank}.items():
+        try:
+            call()
+            cases[name] = None
+        except Exception as exc:  # recorded: the parent decides what is acceptable
+            cases[name] = (type(exc).__name__, str(exc))
+    pbs_cp.register_context_parallel()
+    cases["after"] = pbs_cp.context_parallel_prefill(model, prompt(LENGTHS[0])).last_logits
+    return cases
 
 
 def _gloo_available() -> bool:
@@ -168,6 +201,24 @@ def test_last_only_and_model_restored(cp_run):
         assert r["last_only"]["logits"] is None
         assert float((r["last_only"]["last"] - reference).abs().max()) < TOL
         assert r["attn_after"] == "sdpa"
+
+
+def test_ranks_that_disagree_raise_the_same_error(cp_run):
+    world, ranks, single = cp_run
+    others = "rank 0" if world == 2 else "ranks " + ", ".join(map(str, range(world - 1)))
+    expected = {
+        "min_seq_len": f"pbs_context_parallel layer ranks disagree on config.dense_fallback.min_seq_len ({others}: "
+                       f"1048576; rank {world - 1}: 256)",
+        "dropout": f"pbs_context_parallel layer rank {world - 1} of {world} failed its input checks: "
+                   "pbs_context_parallel (layer 0): attention dropout 0.1",
+    }
+    for name, text in expected.items():
+        errors = [r["disagreement"][name] for r in ranks]
+        assert errors[0] is not None and errors[0][0] == "ValueError" and text in errors[0][1], errors
+        assert all(error == errors[0] for error in errors)
+    reference = single["dense", LENGTHS[0]]["logits"][:, -1]
+    for r in ranks:  # the group works afterwards: the dense path gives one process's last logits
+        assert float((r["disagreement"]["after"] - reference).abs().max()) < TOL
 
 
 def test_refusals_without_a_group(model_dir):

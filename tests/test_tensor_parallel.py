@@ -192,6 +192,42 @@ def dtensor_cases(rank: int) -> dict:
     return cases
 
 
+def disagreement_cases(model, rank: int) -> dict:
+    """Ranks asked different things raise the same ValueError through the model's attention function.
+
+    ``config``: the ranks registered different thresholds (a whole prefill); ``dispatch``: rank 1's
+    q needs grad, so it would run SDPA where rank 0 runs PBS. After each, a prefill on agreeing
+    ranks runs (the group still works)."""
+    import pbs.integrations.transformers as pbs_hf
+
+    q, k, v = synthetic_heads()
+    mine = (q[:, 2 * rank:2 * rank + 2], k[:, rank:rank + 1], v[:, rank:rank + 1])
+    sparse = MODEL_CONFIGS["sparse"]
+
+    def prefill_with_other_thresholds():
+        pbs_hf.register({**sparse, "selector": {"name": "mean_pool", "threshold": 0.5 + 0.4 * rank}}, min_seq_len=32)
+        with torch.no_grad():
+            model(input_ids=prompt())
+
+    def one_rank_needs_grad():
+        pbs_hf.register(sparse, min_seq_len=32)
+        with torch.enable_grad():
+            pbs_hf.pbs_attention_forward(LAYER_MODULE, mine[0].clone().requires_grad_(rank == 1), *mine[1:], None)
+
+    cases = {}
+    for name, call in {"config": prefill_with_other_thresholds, "dispatch": one_rank_needs_grad}.items():
+        try:
+            call()
+            error = None
+        except Exception as exc:  # recorded: the parent decides what is acceptable
+            error = (type(exc).__name__, str(exc))
+        pbs_hf.register(sparse, min_seq_len=32)
+        with torch.no_grad():
+            after = model(input_ids=prompt()).logits
+        cases[name] = {"error": error, "after": after}
+    return cases
+
+
 LAYER_MODULE = None
 
 
@@ -231,6 +267,7 @@ def worker(workdir: Path, rank: int) -> None:
             "models": model_logits(model, MODEL_CONFIGS),
             "density_rule": density_rule_cases(rank),
             "dtensor": dtensor_cases(rank),
+            "disagreement": disagreement_cases(model, rank),
         }
         # a decode step, to see the fallback logged once on this rank
         pbs_hf.register(MODEL_CONFIGS["exact"], min_seq_len=32)
@@ -366,6 +403,19 @@ def test_fallbacks_are_logged_once_per_rank(tp_run):
         decode = [line for line in result["log"] if "'decode'" in line]
         assert len(decode) == 1, result["log"]  # once on this rank, not once per layer or token
         assert f"tensor-parallel rank {rank} of {WORLD}" in decode[0]
+
+
+def test_ranks_that_disagree_raise_the_same_error(tp_run):
+    expected = {"config": "tensor-parallel ranks disagree on config.selector.threshold (rank 0: 0.5; rank 1: 0.9)",
+                "dispatch": 'tensor-parallel ranks disagree on dispatch (rank 0: "pbs"; rank 1: "needs_grad")'}
+    for name, text in expected.items():
+        errors = [r["disagreement"][name]["error"] for r in tp_run["ranks"]]
+        assert errors[0] is not None and errors[0][0] == "ValueError" and text in errors[0][1], errors
+        assert errors[1] == errors[0]
+        # then the ranks agree again, and the prefill gives one process's logits
+        for result in tp_run["ranks"]:
+            diff = float((result["disagreement"][name]["after"] - tp_run["single"]["sparse"]["logits"]).abs().max())
+            assert diff < TOL, (name, diff)
 
 
 def save_tokenizer(path: Path) -> None:

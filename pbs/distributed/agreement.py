@@ -103,6 +103,8 @@ def agree(
         ValueError: on every rank, the same text: a rank's checks failed (naming it and its
             error), or the ranks disagree on the call, the config (naming the fields) or a
             field of ``same`` (naming the values and the ranks that hold them).
+        RuntimeError: torch.distributed is not initialised (``failure``, if given, is raised
+            as it is instead: no rank waits).
     """
     dist = torch_distributed()
     if not (dist.is_available() and dist.is_initialized()):
@@ -126,14 +128,19 @@ def agree(
     mine[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
-    records = [_decode(row) for row in rows]
+    decoded = [_decode(row) for row in torch.stack(rows).cpu()]  # one copy to the host
+    unreadable = [r for r, record in enumerate(decoded) if record is None]
+    if unreadable:
+        raise ValueError(f"{_ranks(unreadable)} sent no agreement record this version of pbs can read: the ranks "
+                         "are in different collectives, or run different versions of pbs") from failure
+    records: list[dict[str, Any]] = decoded  # type: ignore[assignment]
     problem = _first_problem(what, records)
-    if problem is None and len({r["config"] for r in records}) > 1:  # type: ignore[index]
-        configs = _exchange_configs(text, [r["config_bytes"] for r in records], group, device)  # type: ignore[index]
+    if problem is None and len({r["config"] for r in records}) > 1:
+        configs = _exchange_configs(text, [r["config_bytes"] for r in records], group, device)
         problem = f"{what} ranks disagree on " + _config_differences(configs) + _also(records) + _SAME_CALL
     if problem is not None:
         raise ValueError(problem) from failure
-    return [r["own"] for r in records]  # type: ignore[index]
+    return [r["own"] for r in records]
 
 
 def _describe(error: BaseException) -> str:
@@ -152,11 +159,13 @@ def _encode(record: dict[str, Any]) -> bytes:
     while len(data) > RECORD_BYTES and message:
         message = message[: max(0, len(message) - excess)]
         data = json.dumps({**record, "failure": message + " ..."}, separators=(",", ":")).encode()
+    if len(data) > RECORD_BYTES:
+        raise AssertionError(f"agreement record of {len(data)} bytes exceeds {RECORD_BYTES}: {data[:200]!r}")
     return data
 
 
 def _decode(row: torch.Tensor) -> dict[str, Any] | None:
-    data = bytes(row.cpu().tolist()).rstrip(b"\0")
+    data = bytes(row.tolist()).rstrip(b"\0")
     try:
         record = json.loads(data)
     except (UnicodeDecodeError, ValueError):
@@ -178,20 +187,17 @@ def _by_value(values: list[Any]) -> str:
     return "; ".join(f"{_ranks(ranks)}: {shown}" for shown, ranks in groups.items())
 
 
-def _first_problem(what: str, records: list[dict[str, Any] | None]) -> str | None:
-    unreadable = [r for r, record in enumerate(records) if record is None]
-    if unreadable:
-        return (f"{_ranks(unreadable)} sent no agreement record this version of pbs can read: the ranks are "
-                "in different collectives, or run different versions of pbs")
-    calls = [record["call"] for record in records]  # type: ignore[index]
+def _first_problem(what: str, records: list[dict[str, Any]]) -> str | None:
+    """What every rank raises, config differences aside (they need a second exchange)."""
+    calls = [record["call"] for record in records]
     if len(set(calls)) > 1:  # worded alike on every rank, whichever call it makes
         return f"the ranks disagree on the call ({_by_value(calls)}): every rank must make the same call"
-    failed = [(r, record["failure"]) for r, record in enumerate(records) if record["failure"] is not None]  # type: ignore[index]
+    failed = [(r, record["failure"]) for r, record in enumerate(records) if record["failure"] is not None]
     if failed:
         world = len(records)
         return "; ".join(f"{what} rank {r} of {world} failed its input checks: {message}" for r, message in failed)
-    differences = _same_differences(records)  # type: ignore[arg-type]
-    if differences and len({record["config"] for record in records}) == 1:  # type: ignore[index]
+    differences = _same_differences(records)
+    if differences and len({record["config"] for record in records}) == 1:
         return f"{what} ranks disagree on " + ", ".join(differences) + _SAME_CALL
     return None
 
@@ -222,7 +228,8 @@ def _exchange_configs(text: str | None, sizes: list[int], group: Any, device: to
         mine[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     rows = [torch.empty_like(mine) for _ in sizes]
     dist.all_gather(rows, mine, group=group)
-    return [json.loads(bytes(row[:size].cpu().tolist())) if size else None for row, size in zip(rows, sizes)]
+    on_host = torch.stack(rows).cpu()
+    return [json.loads(bytes(row[:size].tolist())) if size else None for row, size in zip(on_host, sizes)]
 
 
 def _differences(path: str, values: list[Any]) -> list[tuple[str, list[Any]]]:

@@ -28,6 +28,12 @@ are all-gathered (the simplest exact scheme the issue allows), the gather starte
 selection runs so that it overlaps it, and each chunk runs as a cached-prefix call on the gathered
 prefix with its own plan. No partial results need merging.
 
+Before all of this the ranks agree (`pbs.distributed.agreement`): each rank runs its input checks
+without raising, and one all-gather of a 1 KiB record per rank (the config's digest, the scale,
+dtype, shapes, shard length and the checks' outcome) is the call's first collective. A failed
+check or a disagreement raises the same ValueError on every rank, so no rank waits in a later
+collective for one that raised, and no two configs mix.
+
 The selection inputs above are computed in `pbs.distributed.summaries`, the group helpers and
 all-gathers in `pbs.distributed.collectives`; this module checks the shards, plans and attends.
 """
@@ -81,7 +87,8 @@ class ContextParallelResult(NamedTuple):
         reason: why dense attention ran (the same on every rank), or None.
         seq_len: ``N``, tokens of the whole sequence.
         chunks: the two chunks' ``(start, end)`` positions in the sequence.
-        timings: with ``timings=True``, milliseconds per phase on this rank: ``summaries``
+        timings: with ``timings=True``, milliseconds per phase on this rank, from after the
+            ranks' agreement: ``summaries``
             (selection inputs of the whole sequence: their compute and collectives), ``planning``
             (the chunks' permutation and selection), ``kv_wait`` (waiting for the K/V all-gather
             once planning is done), ``attention`` (both chunks), ``total``.
@@ -418,36 +425,24 @@ def context_parallel_attention(
     return_lse: bool = False,
     return_plans: bool = False,
 ) -> torch.Tensor | tuple:
-    """Causal PBS attention of one sequence split over the ranks of ``group`` (zigzag shards).
-
-    Call it on every rank of the group with that rank's shard (`pbs.distributed.shard_sequence`):
-    rank ``r`` holds chunks ``r`` and ``2P - 1 - r`` of ``2P`` chunks cut on segment boundaries.
-    Each rank plans its own queries, and its blocks are the rows one process would select for the
-    whole sequence (same blocks, whatever the world size); see the module docstring for what is
-    communicated. GQA is native (K/V are never repeated per query head).
+    """Causal PBS attention of one sequence split over the ranks of ``group``: call it on every
+    rank with that rank's zigzag shard (`shard_sequence`). docs/context-parallel.md says how it
+    runs, what it communicates and what equals one process.
 
     Args:
-        q: ``(B, Hq, N_local, D)``, this rank's query shard.
-        k: ``(B, Hkv, N_local, D)``, its key shard, ``Hq % Hkv == 0``.
-        v: ``(B, Hkv, N_local, Dv)``, its value shard.
-        config: a `pbs.PBSConfig`, dict or JSON string, or None for the defaults; the permuter
-            must be ``none`` or ``last_block`` and the selector ``mean_pool``,
-            ``vertical_slash``, ``budget`` or a ``union`` of them (`SUPPORTED_PERMUTERS`,
-            `SUPPORTED_SELECTORS`).
-        group: the process group the sequence is split over; None: the default group.
-        scale: softmax scale, default ``D ** -0.5``.
-        return_lse: also return the float32 ``(B, Hq, N_local)`` log-sum-exp.
-        return_plans: also return the plans of the rank's two chunks (None where dense
-            attention ran without planning).
+        q, k, v: this rank's shards, ``(B, Hq, N_local, D)``, ``(B, Hkv, N_local, D)``, ``(B, Hkv, N_local, Dv)``.
+        config, scale, return_lse: as `pbs.attention`; the config must pass `check_supported`.
+        group: the process group (None: the default one).
+        return_plans: also return the plans of the rank's two chunks (None where dense ran).
 
     Returns:
-        ``(B, Hq, N_local, Dv)`` in ``q``'s dtype, this rank's shard of the output; ``(out, lse)``,
+        ``out`` ``(B, Hq, N_local, Dv)``: this rank's shard of the output; ``(out, lse)``,
         ``(out, plans)`` or ``(out, lse, plans)`` with the flags.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: shards inconsistent across ranks or not the zigzag split, a sequence shorter
-            than ``2P`` segments, or a config that cannot be planned context-parallel yet.
+        ValueError: the same on every rank: a rank's checks failed, the ranks disagree (config,
+            scale, dtype, head shapes), or the shards are not the zigzag split of one sequence.
     """
     result = context_parallel_attend(q, k, v, config, group=group, scale=scale, return_lse=return_lse)
     if return_lse:

@@ -6,8 +6,14 @@ column-wise, so each rank's attention function receives plain tensors holding it
 KV heads (``Hq / tp`` and ``Hkv / tp``, GQA groups intact) and the row-wise ``o_proj`` sums the
 ranks' outputs. PBS plans every head on its own (the permutation of a KV head depends only on its
 own query group, selection is per query head), so running PBS on each rank's heads gives the
-single-process result, with three exceptions that this module removes:
+single-process result, with four exceptions that this module removes:
 
+* **ranks that disagree.** A rank whose checks fail raises, and a rank registered with another
+  config decides otherwise; its peers then wait in a collective it never enters, or the layer
+  mixes two configs' heads. `check_ranks_agree` makes the ranks agree first: one all-gather of a
+  1 KiB record per rank at the start of every prefill call (`attention_on_shard` and the
+  transformers function's SDPA fallbacks, decode steps aside), and the same ValueError on every
+  rank when they differ.
 * **decisions over all heads.** ``dense_fallback.max_density`` and ``max_planned_density``
   (``backend="auto"`` on CUDA) compare a density averaged over the heads (the pre-planning
   probe's, and the plan's) with a limit. Each rank sees only its heads, so ranks could decide
@@ -36,7 +42,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["UNCHECKED_FALLBACKS", "HeadShard", "attention_on_shard", "check_ranks_agree", "head_shard_of", "local_heads"]
+__all__ = [
+    "UNCHECKED_FALLBACKS",
+    "HeadShard",
+    "attention_on_shard",
+    "check_ranks_agree",
+    "head_shard_of",
+    "local_heads",
+]
 
 
 @dataclasses.dataclass(frozen=True)
