@@ -197,5 +197,49 @@ def test_agreeing_calls_afterwards_equal_one_process(ranks):
     torch.testing.assert_close(tp_out, pbs.attention(q, k, v, _mean_pool(0.9)), rtol=2e-5, atol=2e-5)
 
 
+def test_a_long_failure_message_is_cut_to_fit_the_record():
+    from pbs.distributed.agreement import RECORD_BYTES, _decode, _encode
+
+    record = {"call": "context-parallel", "config": None, "config_bytes": 0, "same": [["scale", 0.25]],
+              "own": {"Nq": 128}, "failure": "q contains NaN " + "é" * 2000}
+    data = _encode(record)
+    assert len(data) <= RECORD_BYTES
+    row = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    decoded = _decode(row)
+    assert decoded is not None and decoded["failure"].startswith("q contains NaN é") and decoded["failure"].endswith(" ...")
+    assert {key: decoded[key] for key in record if key != "failure"} == {key: record[key] for key in record if key != "failure"}
+    assert _decode(torch.full((RECORD_BYTES,), 7, dtype=torch.uint8)) is None  # not a record: named, not parsed
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_keeps_its_record_on_the_gpu(tmp_path):
+    """Under NCCL the record lives on the rank's GPU (`record_device`): an agreeing call equals one
+    process, a failed check raises the named ValueError, and the group works after it."""
+    import torch.distributed as dist
+
+    import pbs
+    import pbs.distributed as cp
+
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        pytest.skip("needs CUDA and NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                            timeout=PG_TIMEOUT)
+    try:
+        q, k, v = (x.cuda() for x in inputs(1))
+        # every block, so that no threshold can flip between the two paths' rounding
+        config = {**SMALL, "selector": {"name": "budget", "density": 1.0},
+                  "dense_fallback": {"min_seq_len": 0, "max_density": None}}
+        out = cp.context_parallel_attend(q, k, v, config).out
+        torch.testing.assert_close(out, pbs.attention(q, k, v, config), rtol=1e-2, atol=1e-2)
+        with pytest.raises(ValueError, match="context-parallel rank 0 of 1 failed its input checks: q contains NaN"):
+            cp.context_parallel_attend(_with_nan(q), k, v, {**config, "check_finite": True})
+        total = torch.ones(1, device="cuda")
+        dist.all_reduce(total)
+        assert float(total) == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     rank_main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -149,16 +149,17 @@ def _describe(error: BaseException) -> str:
 
 
 def _encode(record: dict[str, Any]) -> bytes:
-    data = json.dumps(record, separators=(",", ":")).encode()
-    if len(data) <= RECORD_BYTES or record["failure"] is None:
-        if len(data) > RECORD_BYTES:
-            raise AssertionError(f"agreement record of {len(data)} bytes exceeds {RECORD_BYTES}: {data[:200]!r}")
-        return data
-    excess = len(data) - RECORD_BYTES + 8  # the cut message ends with " ..." (escapes count twice)
-    message = record["failure"]
-    while len(data) > RECORD_BYTES and message:
-        message = message[: max(0, len(message) - excess)]
-        data = json.dumps({**record, "failure": message + " ..."}, separators=(",", ":")).encode()
+    def dumps(failure: str | None) -> bytes:
+        return json.dumps({**record, "failure": failure}, separators=(",", ":")).encode()
+
+    data = dumps(record["failure"])
+    if len(data) > RECORD_BYTES and record["failure"] is not None:
+        # The longest start of the message that fits (escaped characters take several bytes).
+        message, fits, over = record["failure"], 0, len(record["failure"])
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            fits, over = (middle, over) if len(dumps(message[:middle] + " ...")) <= RECORD_BYTES else (fits, middle)
+        data = dumps(message[:fits] + " ...")
     if len(data) > RECORD_BYTES:
         raise AssertionError(f"agreement record of {len(data)} bytes exceeds {RECORD_BYTES}: {data[:200]!r}")
     return data
