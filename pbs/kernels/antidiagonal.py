@@ -217,60 +217,39 @@ def _antidiagonal_shares_kernel(
         n_free = (first_row + query_offset + STRIDE - lo * BLOCK_SIZE) // (BLOCK_KB * BLOCK_SIZE)
         mid = tl.minimum(lo + tl.maximum(n_free, 0) * BLOCK_KB, end)
 
-    # Pass 1: softmax statistics per strided row, in the log2 domain. A finite start for the
-    # running max keeps rows that see no key free of inf - inf.
+    # The two passes of the module docstring, over the same key steps; the loops over passes and
+    # parts unroll at compile time, so each pass and part is its own loop in the compiled kernel.
+    # A pass walks the steps before `mid` without the strided causal mask, then, for XAttention's
+    # estimator, those from `mid` to `end` with it.
+    # i_pass 0: softmax statistics per strided row, in the log2 domain. A finite start for the
+    #   running max keeps rows that see no key free of inf - inf.
+    # i_pass 1: probabilities summed per (key block, query block) tile; finished shares are stored.
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for kb0 in range(lo, mid, BLOCK_KB):
-        b_s = _masked_step_logits(
-            q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
-            kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-            query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            False,
-        )
-        m_new = tl.maximum(m_i, tl.max(b_s, 0))
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
-        m_i = m_new
-    if STRIDED_CAUSAL:
-        for kb0 in range(mid, end, BLOCK_KB):
-            b_s = _masked_step_logits(
-                q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
-                kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-                query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
-                DOT_PRECISION, True,
-            )
-            m_new = tl.maximum(m_i, tl.max(b_s, 0))
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
-            m_i = m_new
-
-    # The reference divides each query block's tile sums by their total, which is the number of
-    # its strided rows that see any key (each such row's probabilities sum to one).
-    seen = (l_i > 0.0).to(tl.float32)
-    n_seen = tl.sum(tl.reshape(seen, [BLOCK_QB, PB]), 1)
-    n_seen_r = tl.reshape(tl.broadcast_to(n_seen[:, None], [BLOCK_QB, PB]), [BLOCK_R])
-    w_r = tl.where(l_i > 0.0, 1.0 / (tl.where(l_i > 0.0, l_i, 1.0) * tl.maximum(n_seen_r, 1.0)), 0.0)
-
-    # Pass 2: probabilities summed per (key block, query block) tile; finished shares are stored.
     m_out_q = (o_qb < num_q_blocks)[None, :]
-    for kb0 in range(lo, mid, BLOCK_KB):
-        b_s = _masked_step_logits(
-            q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
-            kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-            query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES, DOT_PRECISION,
-            False,
-        )
-        _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
-                           BLOCK_KB, BLOCK_QB, PB)
-    if STRIDED_CAUSAL:
-        for kb0 in range(mid, end, BLOCK_KB):
-            b_s = _masked_step_logits(
-                q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
-                kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-                query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
-                DOT_PRECISION, True,
-            )
-            _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks, m_out_q,
-                               BLOCK_KB, BLOCK_QB, PB)
+    for i_pass in tl.static_range(2):
+        if i_pass == 1:
+            # The reference divides each query block's tile sums by their total, which is the
+            # number of its strided rows that see any key (each such row's probabilities sum to one).
+            seen = (l_i > 0.0).to(tl.float32)
+            n_seen = tl.sum(tl.reshape(seen, [BLOCK_QB, PB]), 1)
+            n_seen_r = tl.reshape(tl.broadcast_to(n_seen[:, None], [BLOCK_QB, PB]), [BLOCK_R])
+            w_r = tl.where(l_i > 0.0, 1.0 / (tl.where(l_i > 0.0, l_i, 1.0) * tl.maximum(n_seen_r, 1.0)), 0.0)
+        for i_part in tl.static_range(2 if STRIDED_CAUSAL else 1):
+            for kb0 in range(lo if i_part == 0 else mid, mid if i_part == 0 else end, BLOCK_KB):
+                b_s = _masked_step_logits(
+                    q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+                    kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+                    query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
+                    DOT_PRECISION, i_part == 1,
+                )
+                if i_pass == 0:
+                    m_new = tl.maximum(m_i, tl.max(b_s, 0))
+                    l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
+                    m_i = m_new
+                else:
+                    _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks,
+                                       m_out_q, BLOCK_KB, BLOCK_QB, PB)
 
     # Key blocks outside the walked range are not allowed for any query block here.
     zeros = tl.zeros([BLOCK_KB, BLOCK_QB], dtype=tl.float32)
@@ -310,9 +289,8 @@ GPU_TILE = (128, 128, 8, 3)
 """``(strided rows, strided keys, warps, stages)`` per program on the GPU (``gpu_tile`` of
 `antidiagonal_block_shares` picks another; benchmarks/sweep_antidiagonal.py times the variants).
 
-128 x 128 with 8 warps and 3 stages won the H200 sweep (benchmarks/results/kernel/antidiagonal_sweep_h200.json):
-81.6 ms at 128K against 118.6 ms for 64 x 128 with 4 warps; every K row a program loads serves twice
-the query rows, which halves the L2 traffic."""
+128 x 128 with 8 warps and 3 stages won the tile sweep (docs/benchmarks.md gives the times): every
+K row a program loads serves twice the query rows of a 64 x 128 tile, which halves the L2 traffic."""
 
 
 def _blocks_per_program(per_block_pow2: int, rows: int, cols: int) -> tuple[int, int]:
