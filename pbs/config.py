@@ -92,8 +92,8 @@ class PBSConfig(BaseModel):
     The default components are those of the preset ``vertical_slash_pooled``: no permutation, and
     the union of ``vertical_slash`` (threshold 0.75) and ``mean_pool`` (threshold 0.9). It is the
     default for quality: on a real model it keeps dense loss and long-range copying where the
-    paper's ``last_block`` + ``mean_pool`` loses the copy by 1.2-1.6 nats at about the same
-    density (docs/quality.md). The paper's method is ``PBSConfig.from_preset("pbs_paper")``.
+    paper's ``last_block`` + ``mean_pool`` loses the copy at about the same density
+    (docs/quality.md gives the figures). The paper's method is ``PBSConfig.from_preset("pbs_paper")``.
 
     Components are given by name (``"last_block"``), by dict (``{"name": "mean_pool",
     "threshold": 0.95}``) or as config instances; ``list_permuters()`` / ``list_selectors()`` name

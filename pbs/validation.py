@@ -32,10 +32,10 @@ def check_qkv(q: object, k: object, v: object, check_finite: bool = True) -> Non
 def _passes_all_checks(q: object, k: object, v: object) -> bool:
     """The checks of `check_qkv` as one predicate, in as few Python steps as possible.
 
-    It runs before every call, also before the dense fallback at 2K tokens, where cuDNN itself
-    needs ~35 us of host time and the step-by-step checks that name each problem took another
-    ~8 us on an H100 host. A call that fails here goes on to `_raise_first_problem`, which says
-    why; tests/test_validation.py checks that the two agree.
+    It runs before every call, also before the dense fallback on short prompts, where host time
+    is much of the call, so the step-by-step checks that name each problem run only for a call
+    that fails here (`_raise_first_problem`, which says why); tests/test_validation.py checks
+    that the two agree.
     """
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return False
