@@ -44,110 +44,51 @@ def varlen_attention(
     """Causal PBS attention over a batch of sequences packed along the token axis.
 
     Sequence ``i`` holds queries ``q[cu_seq_q[i]:cu_seq_q[i+1]]`` and keys and values
-    ``k, v[cu_seq_k[i]:cu_seq_k[i+1]]``. Its queries are the last ``len_q`` of its ``len_k``
-    positions (bottom-right causal alignment: ``len_q == len_k`` for a prefill, ``len_q < len_k``
-    for a chunk after a cached prefix whose keys lead its key range). Each sequence is planned on
-    its own and gets exactly what ``pbs.attention`` gives on that sequence alone, so the dense
-    fallback is decided per sequence; other sequences in the batch change nothing.
-
-    By default every sequence is one `pbs.attention` call on zero-copy strided views of the packed
-    tensors (no K/V copy, GQA native), written into ``out``. The lengths are read on the host once
-    (one device-to-host copy of both ``cu_seq`` tensors), so such a call cannot be captured in a
-    CUDA graph.
-
-    **CUDA graphs** (``capturable=True``). No tensor is read on the host: the sequences are padded
-    to ``max_q``/``max_k`` on the device, planned together with each sequence's lengths read from
-    the device, and attended in one launch (`pbs.serving.capturable`), so a graph captured at
-    given ``Tq``, ``Tk``, ``N``, ``max_q`` and ``max_k`` replays correctly with any lengths within
-    them. Each sequence gets the selection it gets alone, and the dense policy's rules are decided
-    per sequence on the device; a sequence that decides dense runs every allowed block on the
-    block-sparse kernel (not SDPA). It plans unpermuted configs with the ``mean_pool``,
-    ``vertical_slash`` and ``union`` selectors (the defaults among them), on the ``hopper``,
-    ``triton`` or ``reference`` backend; others raise a ``ValueError``. Outside a capture the
-    lengths are still read and checked as above (the warm-up call before a capture validates its
-    arguments); inside one only shapes, dtypes and devices are, and lengths above ``max_q`` or
-    ``max_k``, or page indices out of range, are the caller's to rule out (as in FlashAttention).
-
-    **Paged KV cache.** With ``block_table``, ``k`` and ``v`` are the caches
-    ``(num_pages, page_size, Hkv, D)`` and ``(num_pages, page_size, Hkv, Dv)``, and sequence ``i``'s
-    keys are the first ``seqused_k[i]`` rows of its pages ``block_table[i, 0], block_table[i, 1],
-    ...`` in that order (key ``t`` is row ``t % page_size`` of page
-    ``block_table[i, t // page_size]``). ``cu_seq_k`` must then be None: the key lengths are
-    ``seqused_k`` alone. Each sequence runs what `pbs.attention` runs on its keys gathered into one
-    tensor (the same masks and, on the same backend, the same output), but the Triton kernels
-    read the pages in place: the attention kernels, the default selectors' planners (line scores,
-    block means) and the density probe. The backend is one that reads pages (``hopper`` for page
-    sizes of 16 and up, ``triton`` for any, ``reference`` anywhere, which gathers
-    them); ``auto`` picks it. Dense fallback runs every allowed block on that backend instead of
-    SDPA. A permuter that reorders keys (``pbs_paper``'s
-    ``last_block``) makes a permuted copy of K/V in any case; for paged inputs that copy is made
-    from the sequence's pages gathered first. The cache's rows outside the sequences are never
-    read for their values (their NaNs cannot leak) and are not checked for NaN.
+    ``k, v[cu_seq_k[i]:cu_seq_k[i+1]]``, its queries the last ``len_q`` of its ``len_k`` positions
+    (bottom-right causal). Each sequence gets what `pbs.attention` gives it alone, dense fallback
+    included. The lengths are read on the host once; ``capturable=True`` reads nothing there (CUDA
+    graphs); ``block_table`` reads K/V from a paged cache. docs/serving.md details each path.
 
     Args:
-        q: ``(Tq, Hq, D)`` queries of all sequences, packed.
-        k: ``(Tk, Hkv, D)`` keys, packed, ``Hq % Hkv == 0``; with ``block_table`` the key cache
-            ``(num_pages, page_size, Hkv, D)``.
-        v: ``(Tk, Hkv, Dv)`` values, packed; with ``block_table`` the value cache
-            ``(num_pages, page_size, Hkv, Dv)``.
-        cu_seq_q: ``(N + 1,)`` int32 on ``q``'s device: cumulative query lengths, starting at 0,
-            non-decreasing, ending at ``Tq``. A sequence of 0 queries is skipped.
-        cu_seq_k: ``(N + 1,)`` int32 on ``q``'s device: cumulative key lengths, ending at ``Tk``;
-            each sequence needs ``len_k >= len_q``. None with ``block_table``.
-        max_q: the longest query sequence (an upper bound is accepted).
-        max_k: the longest key sequence (an upper bound is accepted).
-        config: a `PBSConfig`, a dict or JSON string of one, or None for the defaults; the same
-            for every sequence.
-        return_lse: also return the natural-log log-sum-exp of the scaled scores each query
-            attended to (for `pbs.merge_attention_states`).
-        out: ``(Tq, Hq, Dv)`` in ``q``'s dtype and device to write the output into; None
-            allocates it.
+        q: ``(Tq, Hq, D)`` queries, packed.
+        k, v: ``(Tk, Hkv, D)`` keys and ``(Tk, Hkv, Dv)`` values, packed, ``Hq % Hkv == 0``; with
+            ``block_table`` the caches ``(num_pages, page_size, Hkv, D)`` and ``(..., Hkv, Dv)``.
+        cu_seq_q, cu_seq_k: ``(N + 1,)`` int32 on ``q``'s device: cumulative query and key lengths,
+            from 0 up to ``Tq`` and ``Tk``, each ``len_k >= len_q``; ``cu_seq_k`` None with ``block_table``.
+        max_q, max_k: the longest query and key sequence (an upper bound is accepted).
+        config: a `PBSConfig`, a dict or JSON string of one, or None (the defaults), for every sequence.
+        return_lse: also return the natural-log log-sum-exp (for `pbs.merge_attention_states`).
+        out: ``(Tq, Hq, Dv)`` in ``q``'s dtype and device to write into; None allocates it.
         scale: softmax scale, default ``D ** -0.5``.
-        block_table: ``(N, max_pages)`` int32 on ``q``'s device: the pages of each sequence in
-            order; only the first ``ceil(seqused_k[i] / page_size)`` entries of row ``i`` are
-            read, and each must lie in ``0 .. num_pages - 1``. ``page_size`` must be a power of
-            two (16, 64 and 128 are the common ones; 1 to 2**k all work).
-        seqused_k: ``(N,)`` int32 on ``q``'s device, with ``block_table`` only: the keys of each
-            sequence, ``len_q <= seqused_k[i] <= max_pages * page_size``.
-        capturable: take the path without host reads, for CUDA-graph capture (see above).
+        block_table: ``(N, max_pages)`` int32: key ``t`` of sequence ``i`` is row ``t % page_size`` of
+            page ``block_table[i, t // page_size]``; ``page_size`` is a power of two.
+        seqused_k: ``(N,)`` int32, with ``block_table`` only: the keys of each sequence.
+        capturable: take the path without host reads, for CUDA-graph capture.
 
     Returns:
-        ``(Tq, Hq, Dv)`` in ``q``'s dtype, and with ``return_lse`` the LSE ``(Hq, Tq)`` float32
+        ``(Tq, Hq, Dv)`` in ``q``'s dtype; with ``return_lse`` also the LSE ``(Hq, Tq)`` float32
         (``-inf`` for a query that sees no key, whose output row is 0).
 
     Raises:
-        TypeError: non-tensor inputs, dtypes other than float16/bfloat16/float32 for ``q, k, v``
-            or int32 for ``cu_seq_q, cu_seq_k``, a non-integer ``max_q``/``max_k``.
-        ValueError: wrong ranks or head counts, ``cu_seq`` tensors on another device, of different
-            lengths, not starting at 0, decreasing, or not ending at ``Tq``/``Tk``, a sequence
-            with more queries than keys, ``max_q``/``max_k`` below the longest sequence, a bad
-            ``out``; and whatever `pbs.attention` refuses in a sequence. With ``block_table``:
-            ``cu_seq_k`` given, ``seqused_k`` missing (or given without ``block_table``), caches
-            of another rank, page size, head count or dtype than each other, a page size that is
-            not a power of two, ``block_table``/``seqused_k`` of the wrong shape or device, a
-            page index out of range, ``seqused_k[i]`` negative or above what the sequence's
-            pages hold. (The dtype of ``block_table``/``seqused_k`` is a TypeError.)
+        TypeError: non-tensors; dtypes other than float16/bfloat16/float32 for ``q, k, v`` or int32
+            for ``cu_seq_q, cu_seq_k, block_table, seqused_k``; a non-integer ``max_q``/``max_k``.
+        ValueError: ranks, heads, devices, caches or ``out`` that do not fit; ``cu_seq`` not from 0 to
+            ``Tq``/``Tk`` or decreasing; more queries than keys; ``max_q``/``max_k`` below a length; ``cu_seq_k``
+            with ``block_table`` or ``seqused_k`` without it; a page index or ``seqused_k`` out of range; a
+            config that ``capturable=True`` cannot run; whatever `pbs.attention` refuses in a sequence.
         RuntimeError: called during CUDA graph capture without ``capturable=True``.
 
     Example:
-        Two sequences, a prompt of 96 tokens and a chunk of 32 queries after a prefix of 64 cached
-        keys, each equal to `pbs.attention` on it alone:
-
         ```python
         import torch
         import pbs
-
         q, k, v = pbs.testing.make_qkv(seq_len=96, heads_q=4, heads_kv=2, head_dim=32)
         packed = lambda x, n: x[0, :, -n:].transpose(0, 1)  # (B, H, N, D) -> last n as (n, H, D)
-        q_packed = torch.cat([packed(q, 96), packed(q, 32)])  # (128, 4, 32)
-        k_packed = torch.cat([packed(k, 96), packed(k, 96)])  # (192, 2, 32)
-        v_packed = torch.cat([packed(v, 96), packed(v, 96)])
-        cu_seq_q = torch.tensor([0, 96, 128], dtype=torch.int32)
-        cu_seq_k = torch.tensor([0, 96, 192], dtype=torch.int32)
-        config = {"backend": "reference"}
-        out = pbs.varlen_attention(q_packed, k_packed, v_packed, cu_seq_q, cu_seq_k, 96, 96, config)
-        chunk = pbs.attention(q[:, :, -32:], k, v, config)  # (1, 4, 32, 32)
-        torch.testing.assert_close(out[96:], chunk[0].transpose(0, 1))
+        q_packed = torch.cat([packed(q, 96), packed(q, 32)])  # a prompt; a chunk after 64 cached keys
+        k_packed, v_packed = (torch.cat([packed(x, 96), packed(x, 96)]) for x in (k, v))  # (192, 2, 32)
+        cu_seq_q, cu_seq_k = (torch.tensor(b, dtype=torch.int32) for b in ([0, 96, 128], [0, 96, 192]))
+        out = pbs.varlen_attention(q_packed, k_packed, v_packed, cu_seq_q, cu_seq_k, max_q=96, max_k=96)
+        torch.testing.assert_close(out[96:], pbs.attention(q[:, :, -32:], k, v)[0].transpose(0, 1))
         ```
     """
     paged = block_table is not None
