@@ -8,7 +8,8 @@ docs/context-parallel.md has the launch command, what is communicated and the me
 Import it explicitly (``import pbs.distributed``): ``import pbs`` does not load torch.distributed.
 
 Modules: ``sharding`` (the zigzag split), ``context_parallel`` (the call: checks, planning,
-attention), ``summaries`` (the whole sequence's selection inputs computed across ranks),
+attention), ``agreement`` (the ranks agree on the call before any other collective, or all raise
+the same error), ``summaries`` (the whole sequence's selection inputs computed across ranks),
 ``collectives`` (the process group and the all-gathers of uneven shards).
 """
 
