@@ -299,3 +299,71 @@ def test_the_shipped_smollm2_answers_a_chat_with_pbs_on_every_layer():
         assert status == 130 and lines[-1] == "pbs serve: interrupted", "\n".join(lines[-20:])
     finally:
         server.kill()
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_concurrent_completions_at_full_density_equal_sdpas(tiny_dir):
+    # The CUDA route: continuous batching with CUDA graphs and the block-table decode path off, PBS's
+    # Triton kernels (float32 runs them with tf32x3 products) against transformers' SDPA.
+    on_cuda = {**FULL_DENSITY, "dense_fallback": {"devices": []}}
+    on_cuda.pop("backend")
+    started = {
+        "pbs": ServerProcess([str(tiny_dir), "--config", json.dumps({"pbs": on_cuda, "min_query_len": 2}),
+                              "--min-seq-len", "1", "--trace", "--device", "cuda", "--dtype", "float32", *BATCHING]),
+        "sdpa": ServerProcess([str(tiny_dir), "--attention", "sdpa", "--device", "cuda", "--dtype", "float32",
+                               *BATCHING]),
+    }
+    try:
+        for server in started.values():
+            server.wait_listening()
+        answers = {name: _complete_concurrently(server, str(tiny_dir)) for name, server in started.items()}
+        assert [completion for _, _, completion in answers["pbs"]] == [MAX_TOKENS] * len(PROMPT_LENGTHS)
+        assert answers["pbs"] == answers["sdpa"]
+        dispatch = started["pbs"].get("/pbs/dispatch")
+        assert set(dispatch["dense_calls"]) == {"decode"}, dispatch
+        assert dispatch["pbs_query_tokens"] >= 2 * sum(PROMPT_LENGTHS) - 20, dispatch
+        assert dispatch["mean_density"] == 1.0
+        for server in started.values():
+            status, lines = server.stop(signal.SIGINT)
+            assert status == 130, "\n".join(lines[-20:])
+    finally:
+        for server in started.values():
+            server.kill()
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+def test_the_benchmarks_percentiles_are_numpys():
+    import numpy as np
+
+    from benchmarks.bench_serve_ttft import percentile
+
+    values = torch.rand(7, generator=torch.Generator().manual_seed(0)).tolist()
+    for q in (0, 50, 95, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_its_steps_on_the_cpu(tmp_path):
+    # bench_serve_ttft.py --smoke: the GPU run's steps (save the model folder, start pbs serve, warm up,
+    # four concurrent streaming requests, stop it, write the JSON) on a tiny model, one row.
+    out = tmp_path / "serve_ttft.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_serve_ttft.py", "--smoke", "--rows", "pbs_budget_0.2",
+         "--model-dir", str(tmp_path / "model"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "bench_serve_ttft" and payload["git_revision"]
+    assert payload["requests"] == [48, 80, 112, 144] and payload["transformers"] == transformers.__version__
+    (row,) = payload["rows"]
+    assert row["attention"] == "pbs_budget_0.2" and "--min-seq-len" in row["flags"]
+    assert row["prompt_tokens"] == sum(payload["requests"]) and row["completion_tokens"] == 4 * payload["max_tokens"]
+    assert len(row["ttft_ms"]) == 4 and 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] <= max(row["ttft_ms"])
+    assert row["prefill_tokens_per_s"] > 0 and row["output_tokens_per_s"] > 0

@@ -39,6 +39,7 @@ __all__ = [
     "BatchingOptions",
     "ServedModel",
     "Server",
+    "batching_config",
     "build_server",
     "dispatch_summary",
     "load_model",
@@ -109,13 +110,18 @@ def load_model(served: ServedModel, *, attention: Attention, device: str, dtype:
     return model, tokenizer
 
 
-def batching_config(options: BatchingOptions, attention: Attention) -> Any:
+def batching_config(options: BatchingOptions) -> Any:
     """transformers' ``ContinuousBatchingConfig`` for ``options``.
 
-    CUDA graphs are off for both attentions: the PBS route reads each step's request lengths on the
-    host, which a graph cannot replay, and the SDPA baseline runs under the same settings. transformers
-    may otherwise swap SDPA for FlashAttention in continuous batching (``auto_switch_to_flash``): that
-    is off too, so the baseline is the SDPA it is named after.
+    Both attentions run under the same settings, with three of transformers' defaults turned off:
+
+    * CUDA graphs: the PBS route reads each step's request lengths on the host, which a graph
+      cannot replay;
+    * the decode path over a block table (``max_blocks_per_request=0``): transformers may take it for
+      any implementation whose name contains "flash", the PBS route's among them, and it calls
+      FlashAttention's kernel instead of the attention function;
+    * swapping SDPA for FlashAttention (``auto_switch_to_flash``), so the baseline is the SDPA it is
+      named after.
     """
     import transformers
 
@@ -127,9 +133,9 @@ def batching_config(options: BatchingOptions, attention: Attention) -> Any:
         "num_blocks": options.num_blocks,
         page_field: options.page_size,
         "use_cuda_graph": False,
+        "max_blocks_per_request": 0,
         "auto_switch_to_flash": False,
     }
-    del attention  # both attentions run under the same settings (see above)
     return transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if v is not None and k in fields})
 
 
@@ -200,7 +206,7 @@ def build_server(
         integration = None
     model, tokenizer = load_model(served, attention=attention, device=device, dtype=dtype)
     manager = _pinned_model_manager(served, model, tokenizer)
-    state = GenerationState(continuous_batching=True, cb_config=batching_config(batching, attention))
+    state = GenerationState(continuous_batching=True, cb_config=batching_config(batching))
 
     def shutdown() -> None:
         state.shutdown()  # stops the batching thread, which would otherwise keep the process alive
