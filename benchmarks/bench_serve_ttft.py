@@ -13,9 +13,10 @@ the speed to read.
 Rows (every one with the same continuous-batching settings: ``--max-batch-tokens`` new tokens a
 step, a KV cache sized for all requests at once, CUDA graphs off):
     sdpa            ``pbs serve --attention sdpa``: transformers' SDPA in continuous batching
-    pbs_default     ``pbs serve`` with the PBS defaults (dense below 32768 keys)
-    pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation, ``budget`` selector),
-                    also dense below 32768 keys
+    pbs_budget_0.2  PBS at a forced density of 0.2 (``last_block`` permutation, ``budget`` selector);
+                    dense below 32768 keys, so a chunk of a long prompt runs PBS once the keys
+                    before it and its own reach 32768
+    pbs_default     ``pbs serve`` with the PBS defaults (dense below 32768 keys as well)
 
 A request's TTFT is the time from sending it to its first streamed token; the scheduler prefills
 the requests in chunks of ``--max-batch-tokens`` tokens, mostly one after another, so the later
@@ -52,25 +53,19 @@ import torch
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_serve_ttft.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, ROOT, environment, save  # noqa: E402
+from benchmarks.common import LLAMA_8B_SIZES, RESULTS, ROOT, environment, save  # noqa: E402
 
-MODEL_SHAPE = dict(
-    num_hidden_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-)
+MODEL_SHAPE = LLAMA_8B_SIZES
 SMOKE_SHAPE = dict(
     num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
     vocab_size=512,
 )
-# The pbs serve flags of each row (besides the model, the device and the batching settings).
+# The pbs serve flags of each row (besides the model, the device and the batching settings), in the
+# order they run: the defaults last, as a random model's attention is nearly flat and they run near dense.
 ROWS: dict[str, list[str]] = {
     "sdpa": ["--attention", "sdpa"],
-    "pbs_default": [],
     "pbs_budget_0.2": ["--config", json.dumps({"permuter": "last_block", "selector": {"name": "budget", "density": 0.2}})],
+    "pbs_default": [],
 }
 START_TIMEOUT_S = 600
 

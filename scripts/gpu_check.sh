@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|capturable] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|capturable|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -10,13 +10,17 @@
 # of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
-# bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path).
-# The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis from wheels in
+# bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
+# serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
+# requests of 16K-64K tokens on a Llama-3.1-8B-shaped model, SDPA and PBS), with fastapi, uvicorn and
+# openai installed from .device-wheels as well.
+# The GPU machine has no network: it installs pydantic, pytest-benchmark and hypothesis (and for serve,
+# fastapi, uvicorn and openai) from wheels in
 # .device-wheels (git-ignored), downloaded beforehand on a machine with network access for the GPU
 # machine's Python (3.12 there) and carried with the working tree:
 #   python3 -m pip download -d .device-wheels --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#     pydantic pytest-benchmark hypothesis
+#     pydantic pytest-benchmark hypothesis fastapi uvicorn openai
 # Logs and the result JSON go to $OUT (default .gpu-out).
 # Every result JSON records its command line and git revision (benchmarks/common.py); where the
 # copy on the device machine has no .git, pass the revision in: PBS_GIT_REVISION=<git rev-parse HEAD>.
@@ -57,6 +61,14 @@ if [[ $mode == capturable ]]; then
     -m gpu -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_capturable.log" | tail -n 30
   status=${PIPESTATUS[0]}
   timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_capturable.py --json "$OUT/capturable.json" "$@" 2>&1 | tee "$OUT/capturable.log"
+fi
+if [[ $mode == serve ]]; then
+  python3 -m pip install -q --no-index --find-links .device-wheels fastapi uvicorn openai 2>&1 | grep -v WARNING
+  timeout ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_serve.py -m gpu -q -p no:cacheprovider -rf \
+    2>&1 | tee "$OUT/gpu_tests_serve.log" | tail -n 30
+  status=${PIPESTATUS[0]}
+  timeout ${BENCH_TIMEOUT:-450} python3 benchmarks/bench_serve_ttft.py --budget-s 360 --out "$OUT/serve_ttft.json" "$@" \
+    2>&1 | tee "$OUT/serve_ttft.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
