@@ -22,13 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from pbs.backends.probe import gated_dense_available, probe_estimate, probe_then_gated_dense
-from pbs.config import PBSConfig
+from pbs.config import DenseFallback, PBSConfig
 from pbs.planning import build_plan, full_plan, page_size_of, run_planned
 from pbs.types import Plan, is_paged
 
 logger = logging.getLogger("pbs")
 
 _LOGGED: set[str] = set()
+
+_ABOVE_ANY_LENGTH = 1 << 62
 
 
 def _log_once(message: str) -> None:
@@ -201,6 +203,15 @@ class DensePolicy:
     def applies(self, device: torch.device) -> bool:
         """Whether the policy may replace PBS on ``device`` (``backend="auto"`` on its devices)."""
         return self.config.backend == "auto" and device.type in self.fallback.devices
+
+    @staticmethod
+    def always_dense(config: PBSConfig, device: torch.device) -> PBSConfig:
+        """``config`` with a policy that sends every call on ``device`` to dense attention (the
+        length rule above any length, the density rules off): for a caller that has decided dense
+        already with this policy (`too_short`) and runs a path that must still attend."""
+        fallback = DenseFallback(min_seq_len=_ABOVE_ANY_LENGTH, devices=(device.type,), max_density=None,
+                                 max_planned_density=None, probe_blocks=0)
+        return config.model_copy(update={"backend": "auto", "dense_fallback": fallback})
 
     def too_short(self, len_k: int) -> bool:
         """Rule 1's comparison alone, on any device and backend: fewer than ``min_seq_len`` keys.

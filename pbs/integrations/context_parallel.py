@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 import torch
 
-from pbs.config import DenseFallback, PBSConfig
+from pbs.config import PBSConfig
+from pbs.dense import DensePolicy
 from pbs.distributed import context_parallel_attend, shard_sequence
 from pbs.distributed.agreement import agree
 from pbs.integrations.dispatch import PBSIntegrationConfig
@@ -56,8 +57,6 @@ __all__ = [
 ]
 
 CONTEXT_PARALLEL_NAME = "pbs_context_parallel"
-# A dense layer's dense_fallback.min_seq_len: above any sequence, so the length rule fires.
-_ALWAYS_DENSE = 1 << 62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +160,6 @@ def registered_context_parallel() -> tuple[PBSIntegrationConfig, Any] | None:
     return None if _setup is None else (_setup.config, _setup.group)
 
 
-def _dense_config(config: PBSConfig, device: torch.device) -> PBSConfig:
-    """``config`` with a length rule that always fires on ``device``: context parallelism's dense path."""
-    fallback = DenseFallback(min_seq_len=_ALWAYS_DENSE, devices=(device.type,), max_density=None,
-                             max_planned_density=None, probe_blocks=0)
-    return config.model_copy(update={"backend": "auto", "dense_fallback": fallback})
-
-
 def _refuse_unserved(setup: _Setup | None, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float, kwargs: dict[str, Any]) -> None:
     """Raises for a call context parallelism does not serve (see the module docstring)."""
@@ -242,9 +234,10 @@ def pbs_context_parallel_forward(
     reason = None
     if layer_config is None:
         reason = "skipped_layer"
-    elif seq_len < layer_config.dense_fallback.min_seq_len:
+    elif DensePolicy(layer_config).too_short(seq_len):
         reason = "short_sequence"
-    run_config = layer_config if reason is None else _dense_config(layer_config or setup.config.pbs, query.device)
+    run_config = layer_config if reason is None else DensePolicy.always_dense(layer_config or setup.config.pbs,
+                                                                               query.device)
     result = context_parallel_attend(query, key, value, run_config, group=setup.group, scale=scaling)
     if _active_calls:
         density = None
@@ -284,27 +277,43 @@ def context_parallel_prefill(
         ``logits`` ``(B, N_local, V)``; ``positions``; ``seq_len``; ``layers``.
 
     Raises:
-        RuntimeError: `register_context_parallel` has not run, torch.distributed is not
-            initialised, or no attention layer of the model called the context-parallel function.
-        ValueError: ``input_ids`` is not 2-D or too short for the group.
+        RuntimeError: torch.distributed is not initialised, or no attention layer of the model
+            called the context-parallel function.
+        ValueError: on every rank alike (the ranks first agree, `pbs.distributed.agreement`):
+            a rank has not registered, its ``input_ids`` are not 2-D or too short for the group,
+            or the ranks' prompts, registered configs or ``keep`` differ.
     """
     import torch.distributed as dist
 
-    if _setup is None:
-        raise RuntimeError("call pbs.integrations.context_parallel.register_context_parallel() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel_prefill needs an initialised torch.distributed process group")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
-    if keep not in ("last", "all"):
-        raise ValueError(f"keep must be 'last' or 'all', got {keep!r}")
     setup = _setup
-    group = setup.group
+    group = None if setup is None else setup.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    batch, seq_len = input_ids.shape
-    positions = shard_sequence(torch.arange(seq_len, device=input_ids.device), rank, world, dim=0,
-                               segment_size=setup.segment_size)
-    local_ids = shard_sequence(input_ids, rank, world, dim=1, segment_size=setup.segment_size)
+    failure = checksum = None
+    try:
+        if setup is None:
+            raise RuntimeError("call pbs.integrations.context_parallel.register_context_parallel() first")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
+        if keep not in ("last", "all"):
+            raise ValueError(f"keep must be 'last' or 'all', got {keep!r}")
+        batch, seq_len = input_ids.shape
+        positions = shard_sequence(torch.arange(seq_len, device=input_ids.device), rank, world, dim=0,
+                                   segment_size=setup.segment_size)
+        local_ids = shard_sequence(input_ids, rank, world, dim=1, segment_size=setup.segment_size)
+        # Position-weighted, so that the same tokens in another order differ too (int64 wraps
+        # alike on every rank).
+        checksum = int((input_ids.long() * torch.arange(1, seq_len + 1, device=input_ids.device)).sum())
+    except Exception as error:  # noqa: BLE001 - recorded, then raised on every rank by agree()
+        failure = error
+    # The ranks agree on the prompt and the registration before the model runs: a rank that raised
+    # here, or holds another prompt, would otherwise meet the others' first layer out of step.
+    agree(f"{CONTEXT_PARALLEL_NAME} prefill", group=group, like=input_ids,
+          config=None if setup is None else setup.config, failure=failure,
+          same={"input_ids shape": list(getattr(input_ids, "shape", ())), "input_ids checksum": checksum,
+                "keep": keep})
+    assert setup is not None
     kwargs: dict[str, Any] = {"use_cache": False}
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     if keep == "last" and takes_keep:
