@@ -50,17 +50,10 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_ttft.py
 
 import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
-from benchmarks.common import RESULTS, environment, save  # noqa: E402
+from benchmarks.common import LLAMA_8B_SIZES, RESULTS, environment, save  # noqa: E402
 from pbs.integrations.ttft import measure_ttft, prefill_first_token  # noqa: E402
 
-MODEL_SHAPE = dict(
-    num_hidden_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-)
+MODEL_SHAPE = LLAMA_8B_SIZES
 # PBS rows: the config each registers for every layer.
 PBS_ROWS: dict[str, dict[str, Any]] = {
     "pbs_budget_0.2": {"permuter": "last_block", "selector": {"name": "budget", "density": 0.2}},

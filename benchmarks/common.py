@@ -209,16 +209,20 @@ def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# A Llama-3.1-8B-shaped model with random weights (bench_tensor_parallel.py, bench_cp_ttft.py)
+# A Llama-3.1-8B-shaped model with random weights (bench_tensor_parallel.py, bench_cp_ttft.py;
+# bench_ttft.py and bench_serve_ttft.py take its sizes alone, with LlamaConfig's other defaults)
 
-LLAMA_8B_SHAPE = dict(
+LLAMA_8B_SIZES = dict(
     num_hidden_layers=32,
     hidden_size=4096,
     num_attention_heads=32,
     num_key_value_heads=8,
-    head_dim=128,
     intermediate_size=14336,
     vocab_size=128256,
+)
+LLAMA_8B_SHAPE = dict(
+    LLAMA_8B_SIZES,
+    head_dim=128,
     max_position_embeddings=262144,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
