@@ -73,8 +73,8 @@ def counts_for(n: int) -> tuple[int, int, int]:
     """(event iterations, event repeats, wall calls): fewer at long lengths to bound the run.
 
     A wall batch starts right after a host sync, when the host is slow for a while (on the H100
-    machines a call's host time was 5-10x its time in a loop); 200 calls at 2K-8K (20-200 ms) keep
-    that start from weighing on the per-call time, as it would not in a long layer loop.
+    machines a call's host time there was several times its time in a loop); 200 calls at 2K-8K
+    keep that start from weighing on the per-call time, as it would not in a long layer loop.
     """
     if n >= 262144:
         return 3, 1, 3
