@@ -81,8 +81,9 @@ def worker(workdir: Path, rank: int, world: int) -> None:
 
 def disagreement_cases(model, rank: int, world: int) -> dict:
     """Ranks asked different things raise the same ValueError, and the group works after it:
-    ``min_seq_len`` (one rank would go dense by length, the others plan) through a prefill, and
-    ``dropout`` on the last rank only, through the attention function."""
+    ``min_seq_len`` (one rank would go dense by length, the others plan) through a prefill and
+    through the attention function, ``dropout`` on the last rank only, and through a prefill one
+    token changed, or a prompt too short for the group, on the last rank."""
     import pbs.integrations.context_parallel as pbs_cp
     from pbs.distributed import shard_length
 
@@ -95,12 +96,27 @@ def disagreement_cases(model, rank: int, world: int) -> dict:
         pbs_cp.register_context_parallel({}, min_seq_len=256 if odd else 1 << 20)
         pbs_cp.context_parallel_prefill(model, prompt(LENGTHS[0]))
 
+    def other_min_seq_len_in_a_layer():
+        pbs_cp.register_context_parallel({}, min_seq_len=256 if odd else 1 << 20)
+        pbs_cp.pbs_context_parallel_forward(layer, q, k, k, None)
+
     def dropout_on_one_rank():
         pbs_cp.register_context_parallel()
         pbs_cp.pbs_context_parallel_forward(layer, q, k, k, None, dropout=0.1 if odd else 0.0)
 
+    def another_prompt():
+        ids = prompt(LENGTHS[0])
+        if odd:
+            ids[0, 5] += 1
+        pbs_cp.context_parallel_prefill(model, ids)
+
+    def too_short_on_one_rank():
+        pbs_cp.context_parallel_prefill(model, prompt(256 if odd else LENGTHS[0]))
+
     cases = {}
-    for name, call in {"min_seq_len": other_min_seq_len, "dropout": dropout_on_one_rank}.items():
+    for name, call in {"min_seq_len": other_min_seq_len, "layer_min_seq_len": other_min_seq_len_in_a_layer,
+                       "dropout": dropout_on_one_rank, "prompt": another_prompt,
+                       "too_short": too_short_on_one_rank}.items():
         try:
             call()
             cases[name] = None
@@ -207,10 +223,15 @@ def test_ranks_that_disagree_raise_the_same_error(cp_run):
     world, ranks, single = cp_run
     others = "rank 0" if world == 2 else "ranks " + ", ".join(map(str, range(world - 1)))
     expected = {
-        "min_seq_len": f"pbs_context_parallel layer ranks disagree on config.dense_fallback.min_seq_len ({others}: "
-                       f"1048576; rank {world - 1}: 256)",
+        "min_seq_len": f"pbs_context_parallel prefill ranks disagree on config.min_seq_len ({others}: 1048576; "
+                       f"rank {world - 1}: 256)",
+        "layer_min_seq_len": f"pbs_context_parallel layer ranks disagree on config.dense_fallback.min_seq_len "
+                             f"({others}: 1048576; rank {world - 1}: 256)",
         "dropout": f"pbs_context_parallel layer rank {world - 1} of {world} failed its input checks: "
                    "pbs_context_parallel (layer 0): attention dropout 0.1",
+        "prompt": "pbs_context_parallel prefill ranks disagree on input_ids checksum (",
+        "too_short": f"pbs_context_parallel prefill rank {world - 1} of {world} failed its input checks: a sequence of "
+                     f"256 tokens is too short to split over {world} ranks",
     }
     for name, text in expected.items():
         errors = [r["disagreement"][name] for r in ranks]
