@@ -92,6 +92,16 @@ def test_the_plugin_is_enabled_by_the_environment_or_the_engine_config_and_they_
         resolve_config({"pbs": "pbs_paper"}, {"PBS_VLLM_CONFIG": "mean_pooling"})
 
 
+def test_without_an_engine_config_the_environment_decides_unless_told_it_is_unknown():
+    from pbs.integrations.vllm.core import enabled_for
+
+    class Engine:
+        additional_config = {"pbs": "pbs_paper"}
+
+    assert enabled_for(Engine()) and not enabled_for(None)
+    assert enabled_for(None, unknown=True)
+
+
 def test_the_split_sends_long_prefills_to_pbs_and_the_rest_to_the_stock_kernel():
     config = PBSIntegrationConfig(min_seq_len=1000, min_query_len=16)
     # (q_len, seq_len): a long prompt; a decode token; a short prompt; a long chunk after a cached
@@ -154,6 +164,26 @@ def test_attend_rows_runs_pbs_over_a_strided_paged_cache_for_its_rows_only():
     assert torch.all(output[80] == 7.0)
 
 
+@needs_vllm
+def test_register_puts_pbs_in_cpu_attn_which_hands_out_vllms_impl_until_enabled(monkeypatch):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from pbs.integrations.vllm import register
+    from pbs.integrations.vllm.cpu import PbsCPUAttentionBackend, PbsCPUAttentionImpl
+
+    register()
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    assert backend is PbsCPUAttentionBackend
+    monkeypatch.delenv("PBS_VLLM_CONFIG", raising=False)
+    assert backend.get_impl_cls() is CPUAttentionBackendImpl
+    monkeypatch.setenv("PBS_VLLM_CONFIG", "pbs_paper")
+    assert backend.get_impl_cls() is PbsCPUAttentionImpl
+    monkeypatch.setenv("PBS_VLLM_CONFIG", "no_such_preset")
+    with pytest.raises(ValueError, match=r"\$PBS_VLLM_CONFIG: not a pbs config"):
+        backend.get_impl_cls()
+
+
 # -- the CPU adapter's cache reader, against vLLM's own cache writer -------------------------------
 
 
@@ -205,7 +235,7 @@ def _run_job(job: dict, env: dict[str, str], timeout: float = 900) -> dict:
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and results, f"engine job failed ({done.returncode}):\n{done.stderr[-6000:]}"
     result = json.loads(results[-1][len("RESULT "):])
-    result["log"] = done.stderr
+    result["log"] = done.stdout + done.stderr  # vLLM logs to stdout
     return result
 
 
@@ -246,6 +276,141 @@ def test_full_density_generates_the_tokens_of_stock_vllm(engine, stock_run, full
     logged = re.findall(r"pbs ran on a request: (\d+) new tokens after (\d+) cached \((\d+) keys\); density ([\d.]+)",
                         full_density_run["log"])
     assert logged and all(float(d) == 1.0 for *_, d in logged)
+
+
+@needs_engine
+def test_the_openai_server_runs_the_plugin_for_concurrent_completions(stock_run, tmp_path):
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin at full density; three
+    completions sent at once over HTTP; their texts are stock vLLM's (offline, same prompts), and
+    the server's log says pbs ran on each prompt."""
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PBS_VLLM_CONFIG": json.dumps(FULL_DENSITY)}
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192",
+               "--dtype", "bfloat16", "--seed", "0", "--max-num-batched-tokens", "512"]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        started = time.perf_counter()
+        while True:
+            assert server.poll() is None, f"the server exited:\n{log_path.read_text()[-6000:]}"
+            assert time.perf_counter() - started < 600, "the server did not answer /health in 600 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+
+        def complete(prompt: list[int]) -> dict:
+            body = {"model": str(MODEL_DIR), "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as answer:
+                return json.loads(answer.read())
+
+        prompts = _prompts(PROMPT_LENGTHS)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    texts = [answer["choices"][0]["text"] for answer in answers]
+    assert all(answer["choices"][0]["finish_reason"] == "length" for answer in answers)
+    assert texts == stock_run["engines"][1]["texts"][0]
+    logged = re.findall(r"pbs ran on a request: \d+ new tokens after \d+ cached \((\d+) keys\)", log_path.read_text())
+    assert len(logged) == len(PROMPT_LENGTHS)
+
+
+DEFAULTS_LAYERS = ["model.layers.0.self_attn.attn", "model.layers.15.self_attn.attn", "model.layers.29.self_attn.attn"]
+
+
+@needs_engine
+def test_with_the_defaults_a_layer_is_within_pbss_own_error_of_stock_vllm():
+    """With pbs's default selection (min_seq_len lowered to 1024: the defaults' 32768 is past this
+    model's 8192 positions), enabled through ``--additional-config``, three layers' outputs on a
+    4000-token prompt: the plugin's rows equal `pbs.attention` on the layer's own q, k, v (so the
+    cache was read right), pbs ran sparse, and the plugin's distance to vLLM's own kernel on the
+    same inputs is within pbs's distance to dense float32 attention plus the kernel's own."""
+    result = _run_job({"kind": "layers", "config": {"min_seq_len": 1024}, "length": 4000, "layers": DEFAULTS_LAYERS}, {})
+    assert sorted(result["layers"]) == sorted(DEFAULTS_LAYERS)
+    for name, errors in result["layers"].items():
+        assert errors["plugin_vs_pbs"] <= 1e-6, name
+        assert 0 < errors["density"] < 0.9, name
+        assert errors["plugin_vs_stock"] <= errors["pbs_vs_dense"] + 2 * errors["stock_vs_dense"] + 1e-3, (name, errors)
+    assert "pbs ran on a request: 4000 new tokens after 0 cached (4000 keys); density" in result["log"]
+
+
+def _layers_job(job: dict) -> dict:
+    """The ``layers`` job: one prompt through an engine enabled by ``--additional-config``; in the
+    layers named, the output rows of the plugin against `pbs.attention`, vLLM's own kernel and
+    float32 dense attention, all on the layer's own inputs."""
+    from vllm import LLM, SamplingParams
+
+    from pbs.integrations.vllm import cpu
+
+    found: dict[str, dict] = {}
+    plugin_forward = cpu.PbsCPUAttentionImpl.forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = plugin_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        rows = getattr(attn_metadata, "pbs", None)
+        if rows is not None and layer.layer_name in job["layers"] and layer.layer_name not in found:
+            found[layer.layer_name] = _layer_errors(self, layer, query, key, value, kv_cache, rows, output)
+        return result
+
+    cpu.PbsCPUAttentionImpl.forward = forward
+    llm = LLM(model=str(MODEL_DIR), dtype="bfloat16", enforce_eager=True, max_model_len=8192, seed=0,
+              distributed_executor_backend="uni", enable_prefix_caching=False,
+              additional_config={"pbs": job["config"]})
+    llm.generate([{"prompt_token_ids": _prompts([job["length"]])[0]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    return {"layers": found}
+
+
+def _layer_errors(impl, layer, query, key, value, kv_cache, rows, output) -> dict:
+    """Relative errors (Frobenius, against dense attention's norm) of one layer's only request."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+
+    from vllm import _custom_ops as ops
+
+    (q_len, seq_len), = rows.lengths
+    assert q_len == seq_len, "a whole prompt: the layer's key and value are all of its keys"
+    tokens = rows.tokens
+    q, k, v = (x[tokens] for x in (query, key, value))
+    plugin = output[tokens].float()
+    as_batch = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 - (T, H, D) -> (1, H, T, D)
+    reference, plan = pbs.attention(as_batch(q), as_batch(k), as_batch(v), rows.config.pbs, scale=impl.scale,
+                                    return_plan=True)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        *(as_batch(x).float() for x in (q, k, v)), is_causal=True, scale=impl.scale, enable_gqa=True)
+    starts = torch.tensor([0, q_len], dtype=torch.int32)
+    lengths = torch.tensor([seq_len], dtype=torch.int32)
+    scheduling = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size,
+        seq_lens=lengths, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
+        isa=layer.isa, enable_kv_split=False)
+    metadata = CPUAttentionMetadata(
+        num_actual_tokens=q_len, max_query_len=q_len, query_start_loc=starts, max_seq_len=seq_len, seq_lens=lengths,
+        block_table=rows.block_table, slot_mapping=torch.zeros(0, dtype=torch.long), scheduler_metadata=scheduling)
+    stock = torch.empty_like(q)
+    CPUAttentionBackendImpl.forward(impl, layer, q.contiguous(), k, v, kv_cache, metadata, stock)
+    dense_rows = dense[0].transpose(0, 1)
+    norm = float(dense_rows.norm())
+    error = lambda a, b: float((a.float() - b.float()).norm()) / norm  # noqa: E731
+    return {
+        "plugin_vs_pbs": error(plugin, reference[0].transpose(0, 1)),
+        "plugin_vs_stock": error(plugin, stock),
+        "pbs_vs_dense": error(reference[0].transpose(0, 1), dense_rows),
+        "stock_vs_dense": error(stock, dense_rows),
+        "density": float(plan.density),
+    }
 
 
 def _engine_job(job: dict) -> dict:
@@ -300,7 +465,7 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
 
 def main(argv: list[str]) -> None:
     job = json.loads(argv[0])
-    result = {"generate": _engine_job}[job["kind"]](job)
+    result = {"generate": _engine_job, "layers": _layers_job}[job["kind"]](job)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -97,6 +97,15 @@ def resolve_config(additional_config: Mapping[str, Any] | None, environ: Mapping
     return configs[0] if configs else None
 
 
+def enabled_for(engine_config: Any, *, unknown: bool = False) -> bool:
+    """Whether the plugin is enabled for the engine whose ``VllmConfig`` is ``engine_config``
+    (`resolve_config` of its ``additional_config``); with ``engine_config`` None (no engine config
+    is current), the environment decides, or ``unknown`` when that says no."""
+    if engine_config is None:
+        return unknown or resolve_config(None) is not None
+    return resolve_config(engine_config.additional_config) is not None
+
+
 def _preset_names() -> list[str]:
     from pbs.config import PRESETS
 

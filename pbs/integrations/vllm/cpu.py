@@ -42,6 +42,7 @@ from pbs.integrations.vllm.core import (
     RequestLog,
     append_trace,
     attend_rows,
+    enabled_for,
     pbs_rows,
     resolve_config,
     split_batch,
@@ -63,11 +64,10 @@ __all__ = [
 ]
 
 
-def _enabled_here() -> bool:
-    """Whether the engine being built enables the plugin (its config, or the environment alone
-    when no engine config is current)."""
-    current = get_current_vllm_config_or_none()
-    return resolve_config(None if current is None else current.additional_config) is not None
+def _enabled_here(unknown: bool = False) -> bool:
+    """Whether the engine being built enables the plugin; ``unknown`` when no engine config is
+    current (the builder then decides from the config it is given)."""
+    return enabled_for(get_current_vllm_config_or_none(), unknown=unknown)
 
 
 class PbsCPUAttentionBackend(CPUAttentionBackend):
@@ -80,7 +80,7 @@ class PbsCPUAttentionBackend(CPUAttentionBackend):
 
     @staticmethod
     def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
-        return PbsCPUAttentionMetadataBuilder
+        return PbsCPUAttentionMetadataBuilder if _enabled_here(unknown=True) else CPUAttentionMetadataBuilder
 
 
 @dataclasses.dataclass
