@@ -44,9 +44,6 @@ from pbs.cli.common import (
     require_packages,
 )
 
-SIGTERM_STATUS = 128 + signal.SIGTERM
-
-
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
@@ -178,8 +175,10 @@ def listen(host: str, port: int) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             raise UsageError(f"argument --port: {host}:{port} is in use (is another server running?); "
                              "give another --port") from None
+        if exc.errno == errno.EACCES:
+            raise UsageError(f"argument --port: cannot listen on {host}:{port}: {exc.strerror} (ports below 1024 "
+                             "need privileges); give another --port") from None
         raise UsageError(f"argument --host: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.set_inheritable(True)
     return sock
 
 
@@ -206,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     if args.attention == "pbs":
         check_backends(integration_layer_configs(integration), "--config", args.device, dtype)
     sock = listen(args.host, args.port)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    # Exit statuses as a shell reports a process ended by the signal: 128 + its number.
     try:
         return _serve(args, served, integration, dtype, sock)
     except KeyboardInterrupt:
@@ -214,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
     except _Terminated:
         print("pbs serve: terminated", file=sys.stderr, flush=True)
-        return SIGTERM_STATUS
+        return 128 + signal.SIGTERM
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         sock.close()
 
 
@@ -223,6 +224,7 @@ def _serve(args: argparse.Namespace, served: Any, integration: Any, dtype: torch
     import contextlib
     import logging
 
+    import transformers
     import uvicorn
 
     import pbs.integrations.transformers as pbs_hf
@@ -231,8 +233,6 @@ def _serve(args: argparse.Namespace, served: Any, integration: Any, dtype: torch
     logging.basicConfig(format="%(message)s")
     logging.getLogger("pbs").setLevel(logging.INFO if args.verbose else logging.WARNING)
     # transformers' handlers log every request at WARNING ("[Request received] ..."): only with --verbose.
-    import transformers
-
     transformers.utils.logging.set_verbosity(logging.INFO if args.verbose else logging.ERROR)
     label = served.name if served.gguf_file is None else f"{served.name} ({served.gguf_file})"
     print(f"pbs serve: loading {label} on {args.device} ...", file=sys.stderr, flush=True)
@@ -266,4 +266,4 @@ def _attention_line(server: Any) -> str:
     integration = server.integration
     limit = integration.min_seq_len if integration.min_seq_len is not None else \
         integration.pbs.dense_fallback.min_seq_len
-    return f"pbs (prompts of {limit} tokens or more; config {integration.pbs.model_dump_json()})"
+    return f"pbs (min_seq_len {limit}: shorter prompts run dense; config {integration.pbs.model_dump_json()})"

@@ -22,9 +22,10 @@ imports without them. (Nor does it use ``from __future__ import annotations``: F
 routes' annotations, ``Request`` among them, which are local names of `build_server`.)
 """
 
+import contextlib
 import dataclasses
-import logging
 import statistics
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -52,8 +53,6 @@ SERVER_PACKAGES: tuple[str, ...] = ("fastapi", "uvicorn", "openai")
 MIN_TRANSFORMERS = "5.17"
 
 Attention = Literal["pbs", "sdpa"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +148,8 @@ class Server:
         attention: ``"pbs"`` or ``"sdpa"``.
         integration: the PBS config in effect (``None`` for ``"sdpa"``).
         model: the loaded model.
-        trace: when the server records dispatch decisions (``trace=True``), the list
-            `pbs.integrations.transformers.trace_dispatch` fills; else ``None``.
+        trace: the list of `pbs.integrations.transformers.Dispatch` records given to `build_server`
+            (filled while the server runs), or ``None``.
     """
 
     app: Any
@@ -192,7 +191,12 @@ def build_server(
 
     Returns:
         A `Server`.
+
+    Raises:
+        ValueError: an ``attention`` other than ``"pbs"`` and ``"sdpa"``.
     """
+    if attention not in ("pbs", "sdpa"):
+        raise ValueError(f"attention must be 'pbs' or 'sdpa', got {attention!r}")
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
@@ -211,9 +215,6 @@ def build_server(
     def shutdown() -> None:
         state.shutdown()  # stops the batching thread, which would otherwise keep the process alive
         manager.shutdown()
-
-    import contextlib
-    import uuid
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
