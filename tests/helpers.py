@@ -166,6 +166,25 @@ def tiny_model_config(kind: str = "llama", **overrides):
     return transformers.LlamaConfig(**fields) if kind == "llama" else transformers.Qwen2Config(**fields)
 
 
+def save_tiny_model_and_tokenizer(path: Path, kind: str = "llama") -> None:
+    """Saves a random `tiny_model_config` model (seed 0) and a word-level tokenizer of its 128 words
+    (``[PAD] [EOS] [BOS] [UNK] w0 ... w123``) into ``path``: a model directory that ``pbs generate``
+    and ``from_pretrained`` load with no download."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[PAD]", "[EOS]", "[BOS]", "[UNK]"] + [f"w{i}" for i in range(124)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]", unk_token="[UNK]"
+    )
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config(kind), attn_implementation="sdpa")
+    model.float().eval().save_pretrained(path)
+
+
 def run_ranks(script: str, workdir: Path, world: int, timeout: float) -> list[dict]:
     """Runs ``script`` as ``python script WORKDIR RANK WORLD`` in ``world`` processes (the multi-process
     tests' workers, meeting through a file rendezvous in ``workdir``) and returns what each rank saved

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,16 +170,24 @@ def _one_error_line(err: str, command: str) -> str:
     return lines[0]
 
 
-class _Reached(Exception):
-    """Raised by a spy where the command would go on to load a model."""
+class _Reached(BaseException):
+    """Raised by a spy where the command would go on to load a model (a BaseException, so that the
+    CLI's model-loading guard, which turns an Exception into one error line, lets it through)."""
+
+
+def _checkpoint_without_weights(path: Path) -> Path:
+    """A model directory with a ``config.json`` (what the CLI reads before loading) and nothing else."""
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    return path
 
 
 @pytest.fixture
 def generate_argv(tmp_path):
-    """``pbs generate`` on an (empty) model directory and a prompt file, on the CPU."""
-    (tmp_path / "model").mkdir()
+    """``pbs generate`` on a model directory (a config, no weights) and a prompt file, on the CPU."""
+    model = _checkpoint_without_weights(tmp_path / "model")
     (tmp_path / "prompt.txt").write_text("hello")
-    return ["generate", str(tmp_path / "model"), "--prompt-file", str(tmp_path / "prompt.txt"), "--device", "cpu"]
+    return ["generate", str(model), "--prompt-file", str(tmp_path / "prompt.txt"), "--device", "cpu"]
 
 
 @pytest.fixture
@@ -299,8 +308,11 @@ def quality_loads(monkeypatch):
 
 @pytest.fixture
 def quality_argv(tmp_path):
-    """``pbs quality`` on an (empty) checkpoint directory, on the CPU, without pictures."""
-    return ["quality", "--model-dir", str(tmp_path), "--device", "cpu", "--no-pictures", "--quiet"]
+    """``pbs quality`` on a checkpoint directory (a config, no weights), on the CPU, without pictures,
+    into a new folder."""
+    model = _checkpoint_without_weights(tmp_path / "model")
+    return ["quality", "--model-dir", str(model), "--device", "cpu", "--no-pictures", "--quiet",
+            "--out", str(tmp_path / "report")]
 
 
 def _quality_methods(argv):
@@ -488,3 +500,198 @@ def test_the_pbs_script_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("pbs quality: error: invalid --method: not valid JSON: ")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --- a model that does not load: one line, before any long work (issue 37) -----------------------
+
+NOT_A_MODEL = {
+    # what is in the directory -> the line's end, for pbs generate DIR and pbs quality --model-dir DIR
+    "empty-directory": ({}, None, "holds no config.json, so it is not a transformers model directory"),
+    "gguf-beside": ({"m.gguf": b"GGUF"}, None, "for a GGUF file in it (m.gguf), give --gguf-file NAME"),
+    "broken-config": ({"config.json": b'{"model_type":'}, None, "cannot load a model from "),
+    "not-gguf": ({"m.gguf": b"hello"}, "m.gguf", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+    # found only by the load itself: the config reads, the tokenizer and the weights are missing
+    "no-weights": ({"config.json": b'{"model_type": "llama"}'}, None, "cannot load a model from "),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "quality"])
+@pytest.mark.parametrize("case", sorted(NOT_A_MODEL))
+def test_a_model_that_does_not_load_fails_in_one_line(case, command, tmp_path, capsys):
+    files, gguf_file, expected = NOT_A_MODEL[case]
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, content in files.items():
+        (model / name).write_bytes(content)
+    (tmp_path / "p.txt").write_text("hello")
+    gguf = ["--gguf-file", gguf_file] if gguf_file else []
+    if command == "generate":
+        argv = ["generate", str(model), "--prompt-file", str(tmp_path / "p.txt"), "--json", str(tmp_path / "r.json")]
+    else:
+        argv = ["quality", "--model-dir", str(model), "--out", str(tmp_path / "report"), "--no-pictures"]
+    assert main([*argv, *gguf, "--device", "cpu", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, command) and captured.out == ""
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "report").exists()
+
+
+@pytest.mark.slow
+def test_generate_tensor_parallel_ranks_report_one_line(tmp_path):
+    """``--tp 2`` under torchrun: the ranks fail to load (the launcher's checks pass: the config
+    reads), and the command prints one line, where each rank printed a traceback and torchrun a
+    report. Two fresh processes import torch and transformers: 10-40 s on a 2-core CPU."""
+    model = _checkpoint_without_weights(tmp_path / "model")
+    (tmp_path / "p.txt").write_text("hello")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "pbs", "generate", str(model), "--prompt-file", str(tmp_path / "p.txt"), "--tp", "2",
+         "--quiet"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = _one_error_line(result.stderr, "generate")
+    assert line.startswith(f"pbs generate: error: cannot load a model from {str(model)!r}: ")
+    assert result.stdout == ""
+
+
+def test_the_launcher_prints_the_first_ranks_error(tmp_path, capsys):
+    import types
+
+    from pbs.cli.generate import _failed_ranks
+
+    report = tmp_path / "ranks.jsonl"
+    report.write_text('{"rank": 0, "status": 130, "line": "pbs generate: interrupted"}\n'
+                      '{"rank": 3, "status": 2, "line": "pbs generate: error: three"}\n'
+                      '{"rank": 1, "status": 2, "line": "pbs generate: error: one"}\n')
+    assert _failed_ranks(report, None) == 2
+    assert capsys.readouterr().err == "pbs generate: error: one\n"
+    # a rank that failed without a line (a crash: its traceback is above)
+    crash = types.SimpleNamespace(failures={1: types.SimpleNamespace(exitcode=-9), 0: types.SimpleNamespace(exitcode=1)})
+    assert _failed_ranks(tmp_path / "none.jsonl", crash) == 1
+    assert capsys.readouterr().err == ("pbs generate: error: tensor-parallel rank 0 exited with status 1; its output "
+                                       "is above\n")
+
+
+# --- the prompt file: non-empty UTF-8 text, checked before the model loads ------------------------
+
+PROMPT_MISTAKES = {
+    "empty": (b"", "'{path}' is empty; give a file with the prompt's text"),
+    "whitespace": (b" \n\t\n", "'{path}' holds only whitespace; give a file with the prompt's text"),
+    "not-utf8": (b"caf\xe9 au lait", "'{path}' is not UTF-8 text (byte 0xe9 at offset 3); save it as UTF-8"),
+    "directory": (None, "'{path}' is a directory; give a text file"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "analyze"])
+@pytest.mark.parametrize("mistake", sorted(PROMPT_MISTAKES))
+def test_prompt_file_mistakes_fail_in_one_line_before_loading(mistake, command, generate_loads, tmp_path, capsys):
+    content, expected = PROMPT_MISTAKES[mistake]
+    prompt = tmp_path / "prompt"
+    prompt.mkdir() if content is None else prompt.write_bytes(content)
+    model = _checkpoint_without_weights(tmp_path / "model")
+    argv = [command, *([str(model)] if command == "generate" else ["--model", str(model)]),
+            "--prompt-file", str(prompt), "--device", "cpu"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert line == f"pbs {command}: error: argument --prompt-file: " + expected.format(path=prompt)
+    assert generate_loads["load"] == 0 and "min-seq-len" not in line
+
+
+def test_a_utf8_prompt_with_a_byte_order_mark_reads_without_it(tmp_path):
+    from pbs.cli.common import read_text_file
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("\ufeffcafé".encode())
+    assert read_text_file(path, "--prompt-file") == "café"
+
+
+# --- output paths: checked before the run, never after it ------------------------------------------
+
+
+def test_quality_out_that_is_a_file_fails_before_loading(quality_argv, quality_loads, tmp_path, capsys):
+    # Before: the whole evaluation ran, then mkdir raised FileExistsError and the results were lost.
+    (tmp_path / "results").write_text("")
+    assert main([*quality_argv, "--out", str(tmp_path / "results")]) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert line.endswith("results' is a file; give a folder (it is created if missing)") and quality_loads == []
+    assert main([*quality_argv, "--out", str(tmp_path / "results" / "sub")]) == 2
+    assert "cannot create " in _one_error_line(capsys.readouterr().err, "quality") and quality_loads == []
+
+
+def test_quality_keeps_an_earlier_report_unless_forced(quality_argv, quality_loads, tmp_path, capsys):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "quality.md").write_text("an earlier run")
+    assert main(quality_argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert line == (f"pbs quality: error: argument --out: {str(out / 'quality.md')!r} already exists (an earlier "
+                    "run's results); give another --out or --name, or --force to overwrite it")
+    assert quality_loads == []
+    with pytest.raises(_Reached):
+        main([*quality_argv, "--name", "other"])
+    with pytest.raises(_Reached):
+        main([*quality_argv, "--force"])
+
+
+def test_an_output_folder_that_is_not_writable_fails_before_running(quality_argv, quality_loads, tmp_path, capsys,
+                                                                    monkeypatch):
+    import os as os_module
+
+    # Tests may run as root, for whom every folder is writable: the check asks os.access, answered here.
+    monkeypatch.setattr(os_module, "access", lambda path, mode: str(tmp_path) not in str(path))
+    assert main(quality_argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "quality")
+    assert line == (f"pbs quality: error: argument --out: cannot create {str(tmp_path / 'report')!r}: "
+                    f"{str(tmp_path)!r} is not writable")
+    assert main(["demo", "--seq-len", "1024", "--json", str(tmp_path / "rows.json")]) == 2
+    assert _one_error_line(capsys.readouterr().err, "demo").endswith("the folder of "
+                                                                     f"{str(tmp_path / 'rows.json')!r} is not writable")
+    assert quality_loads == []
+
+
+# --- Ctrl-C: one line and exit status 130, in every command ------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["demo", "list", "generate", "analyze", "quality", "serve"])
+def test_ctrl_c_ends_every_command_in_one_line(command, monkeypatch, capsys):
+    import importlib
+
+    import pbs.cli
+
+    if command not in pbs.cli.SUBCOMMANDS:
+        pytest.skip(f"no pbs {command} in this checkout")
+    module = importlib.import_module(f"pbs.cli.{command}")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "run", interrupted)
+    argv = {"generate": ["generate", "--prompt-file", "p.txt"]}.get(command, [command])
+    try:
+        status = main(argv)
+    except KeyboardInterrupt:  # would also stop this test session
+        pytest.fail("the KeyboardInterrupt left pbs.cli.main")
+    assert status == 130
+    captured = capsys.readouterr()
+    assert captured.err == f"pbs {command}: interrupted\n"
+
+
+def test_ctrl_c_in_a_running_demo(tmp_path):
+    """The real thing: SIGINT while ``pbs demo`` computes its rows (before: a KeyboardInterrupt traceback)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "pbs", "demo", "--seq-len", "16384", "--device", "cpu"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # "[1/8] dense ...": the rows have started
+        assert first.startswith("[1/"), first
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "pbs demo: interrupted"

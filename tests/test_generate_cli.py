@@ -20,28 +20,13 @@ from pbs.analysis import quality_models as qmodels  # noqa: E402
 from pbs.cli import main  # noqa: E402
 from pbs.integrations.dispatch import PBSIntegrationConfig  # noqa: E402
 from pbs.integrations.ttft import PrefillProgress  # noqa: E402
-from tests.helpers import tiny_model_config  # noqa: E402
-
-
-def _save_tiny_model_and_tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[PAD]", "[EOS]", "[BOS]", "[UNK]"] + [f"w{i}" for i in range(124)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]", unk_token="[UNK]"
-    )
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = tiny_model_config("llama")
-    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").save_pretrained(path)
+from tests.helpers import save_tiny_model_and_tokenizer  # noqa: E402
 
 
 @pytest.fixture
 def tiny_dir(tmp_path):
     path = tmp_path / "tiny"
-    _save_tiny_model_and_tokenizer(path)
+    save_tiny_model_and_tokenizer(path)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
     return path, prompt
@@ -78,7 +63,7 @@ def test_a_model_by_name_loads_its_gguf_file(spy_load, tmp_path, monkeypatch):
 
 
 def test_a_gguf_file_in_a_directory(spy_load, tmp_path):
-    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # the magic bytes: the rest is read when the model loads
     (tmp_path / "p.txt").write_text("hello")
     with pytest.raises(_Reached):
         main(["generate", str(tmp_path), "--gguf-file", "m.gguf", "--prompt-file", str(tmp_path / "p.txt"),
@@ -87,9 +72,18 @@ def test_a_gguf_file_in_a_directory(spy_load, tmp_path):
     assert directory == tmp_path and gguf_file == "m.gguf" and label.endswith("/m.gguf")
 
 
+def test_without_a_model_it_loads_the_default_smollm2(spy_load, tmp_path, monkeypatch):
+    # --help calls smollm2-135m the default; before, no model said "give a local model directory".
+    monkeypatch.setattr(qmodels, "named_model_location", lambda name: (tmp_path, f"{name}.gguf"))
+    (tmp_path / "p.txt").write_text("hello")
+    with pytest.raises(_Reached):
+        main(["generate", "--prompt-file", str(tmp_path / "p.txt"), "--device", "cpu", "--quiet"])
+    assert spy_load == [((tmp_path, "smollm2-135m.gguf"), "smollm2-135m (smollm2-135m.gguf)")]
+    assert generate.DEFAULT_MODEL == "smollm2-135m"
+
+
 @pytest.mark.parametrize("argv, expected", [
-    ([], "give a local model directory (pbs generate DIR), a GGUF file in one (DIR --gguf-file NAME) or a model "
-         "by name (--model gemma3-270m|smollm2-135m)"),
+    (["--gguf-file", "x.gguf"], "argument --gguf-file: give the model directory that holds it"),
     (["{dir}", "--model", "smollm2-135m"], "not both"),
     (["{dir}", "--gguf-file", "missing.gguf"], "argument --gguf-file: no file 'missing.gguf' in"),
     (["--model", "smollm2-135m", "--gguf-file", "x.gguf"], "--model smollm2-135m names its own GGUF file"),

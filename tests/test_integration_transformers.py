@@ -22,7 +22,7 @@ import pbs  # noqa: E402
 import pbs.integrations.transformers as pbs_hf  # noqa: E402
 from pbs.cli import main  # noqa: E402
 from pbs.integrations.dispatch import FALLBACK_REASONS, PBSIntegrationConfig  # noqa: E402
-from tests.helpers import tiny_model_config  # noqa: E402
+from tests.helpers import save_tiny_model_and_tokenizer, tiny_model_config  # noqa: E402
 
 # Every block, through the paper's permutation (named: exactness must hold through permuted K/V).
 EXACT = {"permuter": "last_block", "selector": {"name": "budget", "density": 1.0}, "block_size": 16, "segment_size": 32,
@@ -386,22 +386,9 @@ def test_import_pbs_does_not_import_transformers():
     assert "pip install 'pbs-attn[hf]'" in out
 
 
-def _save_tiny_model_and_tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[PAD]", "[EOS]", "[BOS]", "[UNK]"] + [f"w{i}" for i in range(124)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]", unk_token="[UNK]"
-    )
-    fast.save_pretrained(path)
-    tiny_model("llama").save_pretrained(path)
-
-
 def test_pbs_generate_cli(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
-    _save_tiny_model_and_tokenizer(model_dir)
+    save_tiny_model_and_tokenizer(model_dir)
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
     result = tmp_path / "result.json"
@@ -422,7 +409,7 @@ def test_pbs_generate_cli(tmp_path, capsys):
 
 def test_pbs_generate_shows_no_speedup_when_pbs_did_not_run(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
-    _save_tiny_model_and_tokenizer(model_dir)
+    save_tiny_model_and_tokenizer(model_dir)
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
     result = tmp_path / "result.json"
@@ -441,7 +428,7 @@ def test_pbs_generate_shows_no_speedup_when_pbs_did_not_run(tmp_path, capsys):
 
 def test_pbs_generate_verbose_lists_every_layer(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
-    _save_tiny_model_and_tokenizer(model_dir)
+    save_tiny_model_and_tokenizer(model_dir)
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(" ".join(f"w{(7 * i) % 124}" for i in range(90)))
     args = ["generate", str(model_dir), "--prompt-file", str(prompt_file), "--max-new-tokens", "2", "--quiet"]

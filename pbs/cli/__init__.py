@@ -8,6 +8,9 @@ imports what its command needs when the command runs, so ``pbs --help`` and ``im
 
 A user mistake ends in one line on stderr and exit status 2, never a traceback: argparse's own
 errors come with the subcommand's usage, those found later (`pbs.cli.common.UsageError`) alone.
+Ctrl-C ends any command with one line, ``pbs <command>: interrupted``, and exit status 130 (the
+shell's 128 + SIGINT). A process that ``pbs generate --tp`` started under torchrun reports either
+to the launching process instead (`pbs.cli.generate.report_to_launcher`), which prints the one line.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ SUBCOMMANDS: tuple[str, ...] = ("demo", "list", "generate", "analyze", "quality"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import pbs
+
     parser = argparse.ArgumentParser(prog="pbs", description="Permuted Block-Sparse Attention")
+    parser.add_argument("--version", action="version", version=f"pbs-attn {pbs.__version__}",
+                        help="print the installed version of pbs-attn (this package's install name) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
@@ -42,8 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args))
     except UsageError as exc:
-        print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return _report(args, f"{args._parser.prog}: error: {exc}", 2)
+    except KeyboardInterrupt:
+        return _report(args, f"{args._parser.prog}: interrupted", INTERRUPTED)
+
+
+INTERRUPTED = 130
+"""The exit status after Ctrl-C: 128 + SIGINT, as a shell reports a process that SIGINT ended."""
+
+
+def _report(args: argparse.Namespace, line: str, status: int) -> int:
+    """Prints ``line`` on stderr (a torchrun rank of ``pbs generate --tp`` hands it to its launcher
+    instead) and returns ``status``."""
+    from pbs.cli.generate import report_to_launcher
+
+    if not report_to_launcher(line, status):
+        print(line, file=sys.stderr, flush=True)
+    return status
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:

@@ -10,8 +10,10 @@ from pbs.cli.common import (
     OptionalPackage,
     UsageError,
     check_device,
+    check_model_files,
     config_error_message,
     positive_int,
+    read_text_file,
     require_packages,
     unit_interval,
 )
@@ -172,14 +174,14 @@ def _load_inputs(args: argparse.Namespace) -> Any:
     if args.model:
         if not args.prompt_file:
             raise UsageError("--model needs --prompt-file (the text to run through the model)")
-        prompt_path = Path(args.prompt_file)
-        if not prompt_path.is_file():
-            raise UsageError(f"argument --prompt-file: no such file: {str(prompt_path)!r}")
+        prompt = read_text_file(args.prompt_file, "--prompt-file")
+        if Path(args.model).expanduser().is_dir():
+            check_model_files(Path(args.model).expanduser(), None, "--model")
         from pbs.analysis.hf_capture import capture_qk_from_pretrained
 
         try:
             return capture_qk_from_pretrained(
-                args.model, prompt=prompt_path.read_text(), seq_len=args.seq_len, layers=args.layers, device=args.device
+                args.model, prompt=prompt, seq_len=args.seq_len, layers=args.layers, device=args.device
             )
         except FileNotFoundError as exc:
             raise UsageError(f"argument --model: {_strip_argument_name(exc)}") from exc

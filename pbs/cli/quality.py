@@ -17,11 +17,14 @@ from pbs.cli.common import (
     UsageError,
     check_backends,
     check_device,
+    check_model_files,
+    check_output_folder,
     close_match_hint,
     config_error_message,
     config_option,
     default_device,
     integration_layer_configs,
+    loading_model,
     positive_int,
     quiet_loading_bars,
     read_config_option,
@@ -67,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "per-layer attention error and coverage, and density. Writes <name>.json, <name>.md and PNG pictures "
             "into --out. With no options it runs the quick plan: the defaults and the paper's method (pbs_paper) "
             "against dense on one held-out document (4096 tokens) and one copy probe (1000 + 2000 + 1000 tokens), "
-            "per-layer error at 3 layers: a few minutes on a 2-core CPU. --full runs the full sweep (26 methods, "
+            "per-layer error at 3 layers: 3.5-13.5 minutes on a 2-core CPU, depending on its load. --full runs the "
+            "full sweep (26 methods, "
             "both text sets, 4K and 8K documents, 3 copy probes, every layer probed): 15-35 hours on such a CPU. "
             "Each option given overrides its plan's value."
         ),
@@ -128,6 +132,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT}/)")
     output.add_argument("--name", default="quality", help="file name stem (default quality)")
+    output.add_argument("--force", action="store_true",
+                        help="overwrite an earlier report of the same --name in --out (without it, one there stops "
+                             "the command before the model loads)")
     output.add_argument("--no-pictures", action="store_true", help="skip the PNG pictures (no matplotlib needed)")
     output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from pbs.analysis.quality import run_quality
     from pbs.analysis.quality_models import load_model
     from pbs.analysis.quality_probes import DenseFallbackError, full_attention_layers
-    from pbs.analysis.quality_report import write_report
+    from pbs.analysis.quality_report import report_file_names, write_report
     from pbs.analysis.quality_texts import TextLibrary, build_samples
 
     # Every argument is checked here, before the model loads.
@@ -169,16 +176,17 @@ def run(args: argparse.Namespace) -> int:
                      + (", reads GGUF files with gguf" if reads_gguf else "")
                      + (", draws its pictures with matplotlib unless --no-pictures" if not args.no_pictures else ""))
     model_dir, gguf_file = _model_location(args)
+    # Before the model loads and the evaluation runs (minutes to hours), not when the report is written.
+    check_output_folder(args.out, "--out", report_file_names(args.name, pictures=not args.no_pictures),
+                        force=args.force)
 
     progress = not args.quiet
     if progress:
         print(f"pbs quality: {plan.describe([m.label for m in methods])}", file=sys.stderr)
         print(f"pbs quality: loading the model on {device} ...", file=sys.stderr)
-    try:
-        with quiet_loading_bars():
-            loaded = load_model(model_dir, gguf_file, device=device)
-    except FileNotFoundError as exc:
-        raise UsageError(str(exc)) from None
+    where = repr(str(model_dir / gguf_file) if gguf_file is not None else str(model_dir))
+    with quiet_loading_bars(), loading_model(where):
+        loaded = load_model(model_dir, gguf_file, device=device)
     context = loaded.info.get("context") or 0
     longest = max([*plan.lengths, *(plan.passage_tokens * 2 + f for f in plan.fillers)], default=0)
     if context and longest > context:
@@ -302,9 +310,10 @@ def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def _model_location(args: argparse.Namespace) -> tuple[Any, str | None]:
-    """``(model_dir, gguf_file)`` for `load_model`, checked to exist (``model_dir`` None: the
-    default model; ``gguf_file`` None: a transformers checkpoint)."""
+def _model_location(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """``(model_dir, gguf_file)`` for `load_model`, checked to exist and, where that costs nothing,
+    to be a model (``gguf_file`` None: a transformers checkpoint); with neither ``--model`` nor
+    ``--model-dir``, the default model's."""
     from pbs.analysis.quality_models import named_model_location
 
     if args.model:
@@ -312,13 +321,23 @@ def _model_location(args: argparse.Namespace) -> tuple[Any, str | None]:
             return named_model_location(args.model)
         except FileNotFoundError as exc:
             raise UsageError(f"argument --model: {exc}") from None
-    if args.model_dir is None:  # the default model: load_model says how to install it if it is missing
-        return None, args.gguf_file
-    model_dir, gguf_file = Path(args.model_dir).expanduser(), args.gguf_file
-    if not model_dir.is_dir():
-        raise UsageError(f"argument --model-dir: no such directory: {args.model_dir!r}")
+    if args.model_dir is None:
+        from pbs.analysis.quality_models import MISSING_DEFAULT_MODEL, default_model_location
+
+        location = default_model_location()
+        if location is None:
+            raise UsageError(MISSING_DEFAULT_MODEL)
+        if args.gguf_file is None:
+            return location
+        model_dir = location[0]  # --gguf-file alone names another file beside the default one
+    else:
+        model_dir = Path(args.model_dir).expanduser()
+        if not model_dir.is_dir():
+            raise UsageError(f"argument --model-dir: no such directory: {args.model_dir!r}")
+    gguf_file = args.gguf_file
     if gguf_file is not None and not (model_dir / gguf_file).is_file():
         raise UsageError(f"argument --gguf-file: no file {gguf_file!r} in {str(model_dir)!r}")
+    check_model_files(model_dir, gguf_file, "--model-dir")
     return model_dir, gguf_file
 
 
