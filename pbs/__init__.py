@@ -33,7 +33,36 @@ from pbs.layout import Layout
 from pbs.serving import merge_attention_states, varlen_attention
 from pbs.types import BlockMask, Permutation, Plan
 
-__version__ = "0.1.0"
+
+
+def _installed_version() -> str:
+    """The version pip installed of ``pbs-attn`` (this package's install name); ``0+unknown`` for a
+    source tree that pip did not install."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("pbs-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+
+
+def list_presets() -> list[str]:
+    """Names of the named configs that `PBSConfig.from_preset` takes (``pbs list`` prints them too).
+
+    ```python
+    import pbs
+
+    assert "pbs_paper" in pbs.list_presets()
+    config = pbs.PBSConfig.from_preset(pbs.list_presets()[0])
+    ```
+    """
+    from pbs.config import PRESETS
+
+    return list(PRESETS)
+
 
 __all__ = [
     "BlockMask",
@@ -51,6 +80,7 @@ __all__ = [
     "attention",
     "list_backends",
     "list_permuters",
+    "list_presets",
     "list_selectors",
     "merge_attention_states",
     "plan",

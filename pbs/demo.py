@@ -325,33 +325,64 @@ def _match_density(
     return best, plans[best]
 
 
-def format_table(rows: list[DemoRow], *, timings: bool = True) -> str:
-    """A plain-text table of demo rows (``timings=False`` leaves out the time columns)."""
-    header = f"{'method':34s} {'tau':>6s} {'density':>8s} {'coverage':>9s} {'rel.err':>9s}"
+def format_table(rows: list[DemoRow], *, timings: bool = True, label_width: int | None = None) -> str:
+    """A plain-text table of demo rows (``timings=False`` leaves out the time columns).
+
+    ``label_width``: the method column's width (default: the longest label here, at least 34), so
+    that tables printed one under another can share it."""
+    width = label_width or max([METHOD_COLUMN, *(len(r.method) for r in rows)])
+    header = f"{'method':{width}s} {'tau':>6s} {'density':>8s} {'coverage':>9s} {'rel.err':>9s}"
     if timings:
         header += f" {'plan ms':>9s} {'total ms':>9s}"
     lines = [header, "-" * len(header)]
     for r in rows:
         tau = "-" if r.threshold is None else f"{r.threshold:.3f}"
-        line = f"{r.method:34s} {tau:>6s} {r.density:8.3f} {r.coverage:9.3f} {r.rel_error:9.2e}"
+        line = f"{r.method:{width}s} {tau:>6s} {r.density:8.3f} {r.coverage:9.3f} {r.rel_error:9.2e}"
         if timings:
             line += f" {_ms(r.plan_ms):>9s} {_ms(r.total_ms):>9s}"
         lines.append(line)
     return "\n".join(lines)
 
 
+METHOD_COLUMN = 34
+"""The narrowest method column: the default rows' labels fit it; a longer label widens it."""
+
+
+def short_sequence_note(seq_len: int, block_size: int, segment_size: int) -> str | None:
+    """Why every row is dense (density 1.000) on a sequence of ``seq_len`` tokens, or ``None`` when
+    the methods can differ: the blocks of a query's own segment are always computed, and a
+    sequence of at most one segment has no other blocks."""
+    if seq_len > segment_size:
+        return None
+    if seq_len <= block_size:
+        why = (f"N={seq_len} fits in one block of {block_size} tokens, so there is one query block and one key "
+               "block, which every method computes")
+    else:
+        why = (f"N={seq_len} fits in one segment of {segment_size} tokens, and every block of a query's own "
+               "segment is always computed")
+    return (f"note: {why}: every row below has density 1.000. Give --seq-len over {segment_size} (e.g. 4096) to "
+            "see the methods differ.")
+
+
 def format_result(result: DemoResult) -> str:
-    """Both views of a `DemoResult` as text."""
-    text = "at equal threshold:\n" + format_table(result.rows)
+    """Both views of a `DemoResult` as text, after a note where the sequence is too short for any
+    method to skip a block (`short_sequence_note`)."""
+    rows = [*result.rows, *result.equal_density, *([result.defaults] if result.defaults is not None else [])]
+    width = max([METHOD_COLUMN, *(len(r.method) for r in rows)])
+    settings = result.settings
+    note = None
+    if {"seq_len", "block_size", "segment_size"} <= settings.keys():
+        note = short_sequence_note(settings["seq_len"], settings["block_size"], settings["segment_size"])
+    text = (f"{note}\n\n" if note else "") + "at equal threshold:\n" + format_table(result.rows, label_width=width)
     if result.equal_density:
         text += (
             "\n\nat equal density (the unpermuted selector's tau searched to match each PBS row's density):\n"
-            + format_table(result.equal_density, timings=False)
+            + format_table(result.equal_density, timings=False, label_width=width)
         )
     if result.defaults is not None:
         text += (
             "\n\nthe library's defaults (what pbs.attention(q, k, v) selects here when it plans; tau: its union has"
-            " none):\n" + format_table([result.defaults])
+            " none):\n" + format_table([result.defaults], label_width=width)
         )
     return text
 

@@ -289,6 +289,18 @@ class Plan:
         """Original position of every permuted query slot: ``(B, Hq, Nq)`` int64."""
         return self.query_permutation.indices + self.layout.query_offset
 
+    def __repr__(self) -> str:
+        """One line: the call's shape, the components, block size, density, backend, and the dense
+        policy's decision where the plan records one (the tensors are left out: a plan holds
+        ``(B, H, N)`` permutations and ``(B, Hq, Tq, Tk)`` block indices)."""
+        layout, config = self.layout, self.config
+        shape = (f"B={layout.batch}, Hq={layout.heads_q}, Hkv={layout.heads_kv}, Nq={layout.seq_len_q}, "
+                 f"Nk={layout.seq_len_k}")
+        components = f"permuter={config.permuter.name!r}, selector={config.selector.name!r}"
+        decision = getattr(self, "decision", None)
+        return (f"Plan({shape}, {components}, block_size={layout.block_size}, density={self.density:.3f}, "
+                f"backend={self.backend!r}" + (f", decision={decision!r}" if decision is not None else "") + ")")
+
 
 @dataclass(frozen=True, eq=False)
 class PagedTensor:

@@ -92,7 +92,7 @@ def measure_ttft(
     progress: PrefillProgress | None = None,
     label: str = "prefill",
 ) -> TTFT:
-    """Times :func:`prefill_first_token` (prefill forward plus the greedy first token).
+    """Times `prefill_first_token` (prefill forward plus the greedy first token).
 
     Args:
         model: a causal LM (``forward(input_ids, use_cache=True)`` returning ``.logits``).
