@@ -77,13 +77,14 @@ START_TIMEOUT_S = 600
 def save_model(directory: Path, shape: dict[str, int], device: str) -> None:
     """A Llama of ``shape`` with random weights, saved with a word-level tokenizer of its vocabulary.
 
-    Reuses ``directory`` when it holds a model of this shape already (``shape.json``).
+    Reuses ``directory`` when it holds a model of this shape already (the file ``saved``, written last,
+    names the shape).
     """
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    marker = directory / "shape.json"
-    if marker.is_file() and json.loads(marker.read_text()) == shape:
+    marker, saved = directory / "saved", " ".join(f"{key}={value}" for key, value in sorted(shape.items()))
+    if marker.is_file() and marker.read_text() == saved:
         return
     directory.mkdir(parents=True, exist_ok=True)
     words = {f"w{i}": i for i in range(shape["vocab_size"])}
@@ -104,7 +105,7 @@ def save_model(directory: Path, shape: dict[str, int], device: str) -> None:
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    marker.write_text(json.dumps(shape))
+    marker.write_text(saved)
 
 
 def prompt_text(n_tokens: int, vocab: int, seed: int) -> str:

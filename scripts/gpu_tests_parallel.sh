@@ -10,9 +10,11 @@ OUT=${OUT:-.gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --find-links "${WHEELS:-.device-wheels}" pydantic pytest-benchmark hypothesis 2>&1 | grep -v WARNING
+# pbs serve's GPU test needs these too (skipped without them); apart, so that their absence stops nothing else.
+python3 -m pip install -q --no-index --find-links "${WHEELS:-.device-wheels}" fastapi uvicorn openai 2>&1 | grep -v WARNING
 groups=(
   "tests/test_kernel_gpu_selection.py"
-  "tests/test_block_sparse_attn.py tests/test_vertical_slash.py"
+  "tests/test_block_sparse_attn.py tests/test_vertical_slash.py tests/test_serve.py"
   "tests/test_hopper_attn.py tests/test_compile_and_graphs.py tests/test_kernel_flex.py"
   "tests/test_paged.py tests/test_serving.py tests/test_capturable_varlen.py tests/test_dense_fallback.py tests/test_density_probe.py tests/test_lse.py tests/test_nan_semantics.py tests/test_quality.py tests/test_testing_helpers.py tests/test_kernel_antidiagonal.py tests/test_backends.py tests/test_rank_agreement.py"
 )
