@@ -11,7 +11,7 @@ the models pbs quality knows by name, from its PyPI wheel (--model smollm2-135m)
 the server listens; clients name it as given here (or leave "model" out).
 
 PBS runs only on prompts of at least dense_fallback.min_seq_len tokens (default 32768): give
---min-seq-len to lower it. Ctrl-C stops the server (exit status 130).
+--min-seq-len to lower it. Ctrl-C stops the server (exit status 130), and so does SIGTERM (143).
 
 Needs transformers, fastapi, uvicorn and openai: python -m pip install -e ".[serve]".
 """
@@ -206,12 +206,10 @@ def run(args: argparse.Namespace) -> int:
         check_backends(integration_layer_configs(integration), "--config", args.device, dtype)
     sock = listen(args.host, args.port)
     previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    # Exit statuses as a shell reports a process ended by the signal: 128 + its number.
+    # Ctrl-C (KeyboardInterrupt, also once uvicorn has stopped on it) ends in pbs.cli.main, as for every
+    # command: "pbs serve: interrupted", status 130. SIGTERM ends here alike, with 128 + its number.
     try:
         return _serve(args, served, integration, dtype, sock)
-    except KeyboardInterrupt:
-        print("pbs serve: interrupted", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
     except _Terminated:
         print("pbs serve: terminated", file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
