@@ -250,6 +250,14 @@ class SelectorConfig(ComponentConfig):
     knob_is_mass_share: ClassVar[bool] = True
     """Whether `knob` is a share of each row's attention mass to keep (``threshold``,
     ``coverage``) rather than a density of its own (``budget``'s ``density``)."""
+    sequence_summaries: ClassVar[frozenset[str] | None] = None
+    """The `SequenceSummaries` fields the selector reads when it plans a chunk of a sequence split
+    over ranks (context parallelism): ``frozenset()`` when it reads none, None when it cannot
+    plan a chunk from whole-sequence summaries (context parallelism then refuses it)."""
+
+    def summaries_needed(self) -> frozenset[str] | None:
+        """`sequence_summaries` of this selector (a selector made of members: of all of them)."""
+        return self.sequence_summaries
 
     def knob_value(self) -> float | None:
         """The value of `knob`, or None when there is none."""

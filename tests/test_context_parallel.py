@@ -258,10 +258,46 @@ def test_errors_name_the_problem(cp_run):
     world, ranks = cp_run
     for result in ranks:
         errors = result["errors"]
-        assert "selector 'antidiagonal'" in errors["unsupported"] and "mean_pool" in errors["unsupported"]
+        assert "selector 'antidiagonal' does not declare the whole-sequence summaries" in errors["unsupported"]
         assert "zigzag split" in errors["not_zigzag"] and "shard_sequence" in errors["not_zigzag"]
         assert errors["heads"].startswith("context-parallel ranks disagree on Hq (")
         assert f"too short to split over {world} ranks" in errors["too_short"]
+
+
+def _components(config: dict) -> set[tuple[str, str]]:
+    import pbs
+
+    parsed = pbs.PBSConfig(**config)
+    pending, found = [parsed.selector], {("permuter", parsed.permuter.name)}
+    while pending:
+        selector = pending.pop()
+        found.add(("selector", selector.name))
+        pending.extend(getattr(selector, "selectors", ()))
+    return found
+
+
+def _registered() -> list[tuple[str, str]]:
+    import pbs
+
+    return [("selector", n) for n in pbs.list_selectors()] + [("permuter", n) for n in pbs.list_permuters()]
+
+
+@pytest.mark.parametrize("kind, name", _registered())
+def test_every_registered_component_runs_over_ranks_or_is_refused_by_its_declaration(kind, name):
+    """The registry drives this (issue 36): a component context parallelism takes (from its
+    declaration: a selector's ``sequence_summaries``, a permuter's planner in the
+    ``CONTEXT_PARALLEL`` family) must be one the spawned ranks hold to one process (`CASES`);
+    the others get a refusal that names them."""
+    import pbs
+    from pbs.distributed import unsupported_reasons
+
+    config = {"permuter": "none", "selector": name} if kind == "selector" else {"permuter": name}
+    reasons = unsupported_reasons(pbs.PBSConfig(**config))
+    if reasons:
+        assert any(f"{kind} {name!r}" in reason for reason in reasons), reasons
+    else:
+        covered = set().union(*(_components(case) for case in CASES.values()))
+        assert (kind, name) in covered, f"{kind} {name!r} is taken by context parallelism but no CASES entry runs it"
 
 
 def test_shard_helpers_round_trip_and_balance():

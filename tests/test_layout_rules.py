@@ -300,3 +300,68 @@ def test_the_parallel_gpu_script_runs_every_file_with_gpu_tests():
     assert with_gpu_tests, "no GPU tests found"
     assert with_gpu_tests <= grouped, f"not in any group: {sorted(with_gpu_tests - grouped)}"
     assert grouped <= {f"tests/{path.name}" for path in (root / "tests").glob("test_*.py")}
+
+
+# -- one policy, one dispatch layer (issue 36) --------------------------------------------------------
+DENSE_RULE_FIELDS = {"min_seq_len", "max_density", "max_planned_density"}
+
+
+def _decisions_on_dense_rule_fields(path: Path) -> list[str]:
+    """Comparisons that read a ``dense_fallback`` rule's field, and reason strings (f-strings)
+    that say a call went dense because of one: what only `pbs.dense.DensePolicy` may do."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and not all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            names = {s.attr for s in sides if isinstance(s, ast.Attribute)} & DENSE_RULE_FIELDS
+            if names:
+                found.append(f"line {node.lineno}: compares {', '.join(sorted(names))}")
+        elif isinstance(node, ast.JoinedStr):
+            text = "".join(v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+            if any(f"dense_fallback.{field}" in text for field in DENSE_RULE_FIELDS) and (
+                    "above" in text or "below" in text):
+                found.append(f"line {node.lineno}: writes a dense-fallback reason")
+    return found
+
+
+def test_only_the_dense_policy_decides_dense_or_writes_its_reasons():
+    """No path keeps a private copy of a dense-fallback rule: they call `pbs.dense.DensePolicy`
+    (``too_short``, ``probe_reason``, ``sequence_decisions``...). The config validates its own
+    fields, and the integrations only pass ``min_seq_len`` on."""
+    allowed = {"pbs.dense", "pbs.config", "pbs.integrations.dispatch"}
+    offenders = {module: found for module, path in MODULES.items()
+                 if module not in allowed and (found := _decisions_on_dense_rule_fields(path))}
+    assert not offenders, offenders
+
+
+def test_the_dense_rule_finder_finds_a_copied_rule(tmp_path):
+    copied = tmp_path / "copied.py"
+    copied.write_text('def f(n, config):\n    if n < config.dense_fallback.min_seq_len:\n'
+                      '        return f"Nk = {n} is below dense_fallback.min_seq_len"\n')
+    assert len(_decisions_on_dense_rule_fields(copied)) == 2
+
+
+def test_only_the_dispatch_layer_launches_kernels():
+    """Attention, planning and probe kernels are launched from `pbs.backends` (and the launchers
+    call each other): no path above it imports `pbs.kernels` to launch around the registry."""
+    offenders = {module: sorted(name for name in _pbs_imports(path) if name.startswith("pbs.kernels"))
+                 for module, path in MODULES.items()
+                 if not module.startswith(("pbs.kernels", "pbs.backends"))}
+    offenders = {module: names for module, names in offenders.items() if names}
+    assert not offenders, offenders
+
+
+def test_no_path_keeps_a_private_list_of_component_names():
+    """What a path runs is a capability (a registered planner, a declared flag), not a tuple of
+    selector or permuter names kept in the path (``SUPPORTED_SELECTORS``, ``CAPTURABLE_BACKENDS``)."""
+    import pbs
+
+    names = set(pbs.list_selectors()) | set(pbs.list_permuters()) | set(pbs.list_backends())
+    offenders = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+                items = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+                if len(items) >= 2 and all(isinstance(i, str) and i in names for i in items):
+                    offenders.append(f"{module} line {node.lineno}: {items}")
+    assert not offenders, offenders

@@ -14,8 +14,7 @@ the same error), ``summaries`` (the whole sequence's selection inputs computed a
 """
 
 from pbs.distributed.context_parallel import (
-    SUPPORTED_PERMUTERS,
-    SUPPORTED_SELECTORS,
+    CONTEXT_PARALLEL,
     ContextParallelResult,
     check_supported,
     context_parallel_attend,
@@ -25,8 +24,7 @@ from pbs.distributed.context_parallel import (
 from pbs.distributed.sharding import chunk_bounds, rank_chunks, shard_length, shard_sequence, unshard_sequence
 
 __all__ = [
-    "SUPPORTED_PERMUTERS",
-    "SUPPORTED_SELECTORS",
+    "CONTEXT_PARALLEL",
     "ContextParallelResult",
     "check_supported",
     "chunk_bounds",

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pbs.backends.registry import planner_for, planners_of, register_planner
 from pbs.components import SequenceSummaries
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
@@ -66,13 +67,12 @@ from pbs.validation import check_all_finite, check_qkv, check_scale
 
 ConfigLike = PBSConfig | dict[str, Any] | str | None
 
-SUPPORTED_PERMUTERS = ("none", "last_block")
-"""Permuters context parallelism can plan: ``none`` (the defaults) and ``last_block`` (the
-``pbs_paper`` preset), whose scores need the sequence's last query block against every key."""
+CONTEXT_PARALLEL = "context_parallel"
+"""The planner family of whole-sequence key orders: a permuter that moves keys is planned over
+ranks when a function ``fn(q, k, local, seq_len, config, scale, group, src)`` is registered for
+it here (`pbs.distributed.summaries.key_order` for ``last_block``)."""
 
-SUPPORTED_SELECTORS = ("mean_pool", "vertical_slash", "budget", "union")
-"""Selectors context parallelism can plan (``union`` of these). ``budget`` keeps the same number
-of blocks per query block as one process; below density 1 its seeded random choice differs."""
+register_planner("permuter", "last_block", CONTEXT_PARALLEL)(key_order)
 
 
 class ContextParallelResult(NamedTuple):
@@ -104,22 +104,33 @@ class ContextParallelResult(NamedTuple):
 
 
 def _selector_leaves(selector: Any) -> list[Any]:
-    if selector.name == "union":
-        return [leaf for member in selector.selectors for leaf in _selector_leaves(member)]
+    members = getattr(selector, "selectors", None)
+    if members:
+        return [leaf for member in members for leaf in _selector_leaves(member)]
     return [selector]
 
 
+def _line_selectors(leaves: list[Any]) -> list[Any]:
+    """The selectors that read the whole sequence's line scores (they score its last rows)."""
+    return [leaf for leaf in leaves if "line_scores" in (leaf.summaries_needed() or ())]
+
+
 def unsupported_reasons(config: PBSConfig) -> list[str]:
-    """Why ``config`` cannot be planned context-parallel yet; empty when it can."""
+    """Why ``config`` cannot be planned context-parallel yet; empty when it can. The reasons come
+    from what the components declare: a permuter that moves keys needs a planner registered in the
+    `CONTEXT_PARALLEL` family, a selector its ``sequence_summaries``."""
     reasons = []
-    if config.permuter.name not in SUPPORTED_PERMUTERS:
-        reasons.append(f"permuter {config.permuter.name!r} (supported: {', '.join(SUPPORTED_PERMUTERS)})")
+    permuter = config.permuter
+    if type(permuter).segmented and planner_for("permuter", permuter.name, CONTEXT_PARALLEL) is None:
+        ordered = ", ".join(planners_of(CONTEXT_PARALLEL, "permuter"))
+        reasons.append(f"permuter {permuter.name!r} has no whole-sequence key order over ranks (registered: "
+                       f"{ordered}, and 'none')")
     leaves = _selector_leaves(config.selector)
-    bad = sorted({leaf.name for leaf in leaves if leaf.name not in SUPPORTED_SELECTORS})
+    bad = sorted({leaf.name for leaf in leaves if leaf.summaries_needed() is None})
     if bad:
-        reasons.append(f"selector {', '.join(map(repr, bad))} (supported: {', '.join(SUPPORTED_SELECTORS)}, "
-                       "and union of them)")
-    rows = {leaf.last_rows for leaf in leaves if leaf.name == "vertical_slash"}
+        reasons.append(f"selector {', '.join(map(repr, bad))} does not declare the whole-sequence summaries it reads "
+                       "(SelectorConfig.sequence_summaries)")
+    rows = {leaf.last_rows for leaf in _line_selectors(leaves)}
     if len(rows) > 1:
         reasons.append(f"vertical_slash members with different last_rows {sorted(rows)} (one set of lines is scored)")
     if not config.causal:
@@ -266,7 +277,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     lengths = [(bounds[r][1] - bounds[r][0]) + (bounds[2 * world - 1 - r][1] - bounds[2 * world - 1 - r][0])
                for r in range(world)]
     leaves = _selector_leaves(config.selector)
-    lines = next((leaf for leaf in leaves if leaf.name == "vertical_slash"), None)
+    lines = next(iter(_line_selectors(leaves)), None)
     if lines is not None and min(lines.last_rows, seq_len) > bounds[-1][1] - bounds[-1][0]:
         raise ValueError(
             f"vertical_slash.last_rows = {lines.last_rows} is longer than the sequence's last chunk "
@@ -292,10 +303,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     policy = DensePolicy(config, reduce=over_ranks, scope=f" over the {world} context-parallel ranks",
                          return_lse=return_lse)
     reason = policy.length_reason(q, _shape_only(k, seq_len))
-    fallback = policy.fallback
-    probe_args = policy.probe_arguments(scale) if reason is None and policy.applies(q.device) else None
-    if fallback.max_density is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        probe_args = None
+    probe_args = policy.probe_arguments(scale) if reason is None and policy.probe_runs(q.device) else None
     bs = config.block_size
     src = global_rank(group, 0)  # rank 0 holds the last chunk, and so the sequence's last queries
     block_counts = [sum(-(-(bounds[c][1]) // bs) - bounds[c][0] // bs for c in (r, 2 * world - 1 - r))
@@ -309,20 +317,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
         gathered, _ = all_gather_shards(means, block_counts, group)
         return assemble(gathered, bounds, bs, -(-seq_len // bs))
 
-    permuted = config.permuter.name != "none"
-    pools = reason is None and any(leaf.name == "mean_pool" for leaf in leaves)
+    permuted = type(config.permuter).segmented
+    pools = reason is None and "key_block_means" in (config.selector.summaries_needed() or ())
     original_means = None
     if probe_args is not None:
         original_means = pooled_keys(None)
-        estimate = probe_estimate(q, local, original_means, seq_len, probe_args, group)
-        if estimate > fallback.max_density:
-            reason = (f"the density probe estimates {estimate:.3f}{policy.scope}, above "
-                      f"dense_fallback.max_density = {fallback.max_density}")
+        reason = policy.probe_reason(probe_estimate(q, local, original_means, seq_len, probe_args, group))
     summaries = SequenceSummaries()
     if reason is None:
         key_perm = order = None
         if permuted:
-            order = key_order(q, k, local, seq_len, config, scale, group, src)
+            order = planner_for("permuter", config.permuter.name, CONTEXT_PARALLEL)(
+                q, k, local, seq_len, config, scale, group, src)
             gathered, _ = all_gather_shards(order[..., None], lengths, group)
             key_perm = Permutation.from_indices(assemble(gathered, bounds, 1, seq_len)[..., 0])
         key_means = None

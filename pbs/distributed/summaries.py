@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from pbs.backends.pooling import block_means
 from pbs.components import PermutationInputs
 from pbs.config import PBSConfig
 from pbs.distributed.collectives import torch_distributed
 from pbs.layout import Layout
 from pbs.permuters._segments import scoring_queries, sort_within_segments
-from pbs.reference.block_means import block_means as block_means_eager
 from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
 from pbs.reference.logits import grouped_logits
 from pbs.types import Permutation
@@ -28,25 +28,6 @@ from pbs.types import Permutation
 # Line-score rows held at once (float32 elements): bounded on the CPU, larger on the GPU.
 _LINE_CHUNK = 1 << 24
 _LINE_CHUNK_CUDA = 1 << 27
-
-
-def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None) -> torch.Tensor:
-    """Pooled key blocks of ``x`` (through the permutation ``indices`` when given): the same pooling
-    as the planners of this device, the Triton kernel on CUDA and the eager twin elsewhere.
-
-    ``x``: ``(B, H, n, D)``; ``indices``: ``(B, H, n)`` or None; returns ``(B, H, ceil(n / block_size),
-    D)`` float32.
-    """
-    if x.is_cuda:
-        try:
-            from pbs.kernels.block_means import block_means as block_means_kernel
-        except ImportError:
-            pass
-        else:
-            return block_means_kernel(x, block_size, indices)
-    if indices is not None:
-        x = Permutation(indices, indices).apply(x)  # only the indices are read
-    return block_means_eager(x.contiguous(), block_size)
 
 
 def _softmax_over_ranks(

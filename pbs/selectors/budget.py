@@ -30,6 +30,7 @@ class BudgetSelector(SelectorConfig):
 
     name: Literal["budget"] = "budget"
     knob: ClassVar[str | None] = "density"
+    sequence_summaries: ClassVar[frozenset[str] | None] = frozenset()
     knob_is_mass_share: ClassVar[bool] = False
     density: float = Field(0.3, gt=0.0, le=1.0)
     seed: Seed = 0

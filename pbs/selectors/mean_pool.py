@@ -60,6 +60,7 @@ class MeanPoolSelector(SelectorConfig):
 
     name: Literal["mean_pool"] = "mean_pool"
     knob: ClassVar[str | None] = "threshold"
+    sequence_summaries: ClassVar[frozenset[str] | None] = frozenset({"key_block_means"})
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor:

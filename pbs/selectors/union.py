@@ -51,6 +51,10 @@ class UnionSelector(SelectorConfig):
         shares = [share for share in (m.mass_share() for m in self.selectors) if share is not None]
         return max(shares) if shares else None
 
+    def summaries_needed(self) -> frozenset[str] | None:
+        needed = [member.summaries_needed() for member in self.selectors]
+        return None if any(n is None for n in needed) else frozenset().union(*needed)
+
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         selected = None
         for member in self.selectors:

@@ -221,6 +221,7 @@ class VerticalSlashSelector(SelectorConfig):
 
     name: Literal["vertical_slash"] = "vertical_slash"
     knob: ClassVar[str | None] = "threshold"
+    sequence_summaries: ClassVar[frozenset[str] | None] = frozenset({"line_scores"})
     threshold: float = Field(0.9, gt=0.0, le=1.0)
     vertical_threshold: float | None = Field(None, gt=0.0, le=1.0)
     last_rows: int = Field(64, ge=1)
