@@ -114,6 +114,7 @@ def test_help_says_how_to_run_pbs_below_32k(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--model NAME" in text and "--gguf-file NAME" in text
+    assert "(default smollm2-135m when no directory is given)" in text  # and so it is: see above
     assert "PBS runs only on prompts of at least dense_fallback.min_seq_len tokens (default 32768)" in text
     assert "so PBS does not run on a shorter prompt unless this is given, e.g. --min-seq-len 1" in text
 
