@@ -82,8 +82,13 @@ def test_full_density_generate_batch_gives_sdpas_tokens_and_runs_prefills_throug
 
     def spy(q, k, v, cu_seq_q, cu_seq_k, *args, **kwargs):
         varlen_calls.append((cu_seq_q.tolist(), cu_seq_k.tolist()))
+        # The boundaries unpack_call read once are handed on: varlen checks them, reads nothing.
+        assert [list(b) for b in kwargs["host_bounds"]] == list(varlen_calls[-1])
         return pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, *args, **kwargs)
 
+    device_reads = []
+    real_read = pbs.serving.varlen.read_bounds
+    monkeypatch.setattr(pbs.serving.varlen, "read_bounds", lambda *a: device_reads.append(1) or real_read(*a))
     monkeypatch.setattr(cb, "varlen_attention", spy)
     with pbs_hf.trace_dispatch() as calls:
         got = generate_batch(model, pbs_hf.CONTINUOUS_BATCHING_NAME)
@@ -100,6 +105,7 @@ def test_full_density_generate_batch_gives_sdpas_tokens_and_runs_prefills_throug
     assert any(c.q_len < c.kv_len for c in prefill), "no chunk after a cached prefix: the step sizes changed"
     assert any(c.request and c.request > 0 for c in prefill), "no step packed several prefills"
     assert varlen_calls, "PBS requests must run through pbs.varlen_attention"
+    assert not device_reads, "varlen_attention read the boundaries again (a second sync per layer)"
 
 
 def test_sparse_config_generates_and_follows_the_layer_rules(model, caplog):

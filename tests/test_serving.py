@@ -522,3 +522,28 @@ def test_merging_a_cached_prefix_and_a_causal_chunk_equals_attention_over_both()
     full, full_lse = pbs.attention(q, k, v, dense, return_lse=True)
     torch.testing.assert_close(o, full, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-5)
+
+
+def test_host_bounds_replace_the_device_read_and_are_checked(monkeypatch):
+    """A caller that holds the boundaries on the host (a plan made once per forward) passes them:
+    the result is the same, nothing is read on the device, and wrong values are named."""
+    sequences = make_sequences([(40, 40), (0, 9), (10, 30)], seed=21)
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
+    bounds = (cu_seq_q.tolist(), cu_seq_k.tolist())
+    expected = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE)
+    monkeypatch.setattr(pbs.serving.varlen, "read_bounds", lambda *a: pytest.fail("read on the device"))
+    out = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE, host_bounds=bounds)
+    assert torch.equal(out, expected)
+    bad = {
+        "must start at 0": ([1, 40, 40, 50], bounds[1]),
+        "must end at the packed length": (bounds[0], [0, 40, 49, 78]),
+        "must hold the 4 values": (bounds[0][:3], bounds[1]),
+        "sequence 2 has len_q = 10 queries and len_k = 0 keys": (bounds[0], [0, 40, 79, 79]),
+        "must be a pair": bounds[0],
+    }
+    for message, value in bad.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE, host_bounds=value)
+    with pytest.raises(ValueError, match="host_bounds is taken for packed k and v without capturable"):
+        pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE, host_bounds=bounds,
+                             capturable=True)

@@ -71,12 +71,16 @@ class PackedBatch:
         bounds_q: the ``N + 1`` query boundaries (``cu_seq_lens_q`` read on the host). The last may
             fall short of the query tensor's length: transformers pads steps it captures or compiles.
         bounds_k: the ``N + 1`` key boundaries (``cu_seq_lens_k``), likewise.
+        cu_seq: ``(2, N + 1)`` int32 on the device, both boundaries as transformers passed them
+            (None: made from the host boundaries when needed), so that a run of requests slices
+            them on the device instead of copying host lists over (a sync each).
     """
 
     key: torch.Tensor
     value: torch.Tensor
     bounds_q: list[int]
     bounds_k: list[int]
+    cu_seq: torch.Tensor | None = None
 
     def lengths(self) -> list[tuple[int, int]]:
         """``(q_len, kv_len)`` of every request, in batch order."""
@@ -149,11 +153,12 @@ def unpack_call(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
             f"{entries} and {cu_seq_k.shape[0]}"
         )
     # The one host read of the call (a sync on CUDA): both boundary tensors in one copy.
-    both = torch.cat((cu_seq_q.reshape(-1).long(), cu_seq_k.reshape(-1).long())).tolist()
-    bounds_q, bounds_k = both[:entries], both[entries:]
+    cu_seq = torch.stack((cu_seq_q.reshape(-1).to(torch.int32), cu_seq_k.reshape(-1).to(torch.int32)))
+    both = cu_seq.tolist()
+    bounds_q, bounds_k = both
     if bounds_k[-1] > key.shape[2]:
         raise ValueError(f"cu_seq_lens_k ends at {bounds_k[-1]}, past the {key.shape[2]} packed keys")
-    return PackedBatch(key, value, bounds_q, bounds_k)
+    return PackedBatch(key, value, bounds_q, bounds_k, cu_seq)
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,11 +277,15 @@ def _pbs_requests(
     # The boundaries of this run, rebased to its first token (the packed views below start there).
     run_q = [b - q_start for b in bq[first : last + 2]]
     run_k = [b - k_start for b in bk[first : last + 2]]
-    cu_seq = torch.tensor([run_q, run_k], dtype=torch.int32, device=query.device)
+    if batch.cu_seq is not None and batch.cu_seq.device == query.device:
+        # Sliced and rebased on the device: the boundaries were read once already (unpack_call).
+        cu_seq = batch.cu_seq[:, first : last + 2] - batch.cu_seq[:, first : first + 1]
+    else:
+        cu_seq = torch.tensor([run_q, run_k], dtype=torch.int32, device=query.device)
     varlen_attention(
         _packed(query)[q_start:q_end], _packed(batch.key)[k_start:k_end], _packed(batch.value)[k_start:k_end],
         cu_seq[0], cu_seq[1], max(b - a for a, b in zip(run_q, run_q[1:])), max(b - a for a, b in zip(run_k, run_k[1:])),
-        config, scale=scale, out=out[q_start:q_end],
+        config, scale=scale, out=out[q_start:q_end], host_bounds=(run_q, run_k),
     )
 
 

@@ -15,6 +15,7 @@ from pbs.serving.varlen_checks import (
     check_cu_seqs,
     check_max_length,
     check_paged_arguments,
+    check_host_bounds,
     check_packed_qkv,
     check_paged_qkv,
     output_buffer,
@@ -40,6 +41,7 @@ def varlen_attention(
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     capturable: bool = False,
+    host_bounds: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal PBS attention over a batch of sequences packed along the token axis.
 
@@ -61,21 +63,20 @@ def varlen_attention(
         out: ``(Tq, Hq, Dv)`` in ``q``'s dtype and device to write into; None allocates it.
         scale: softmax scale, default ``D ** -0.5``.
         block_table: ``(N, max_pages)`` int32: key ``t`` of sequence ``i`` is row ``t % page_size`` of
-            page ``block_table[i, t // page_size]``; ``page_size`` is a power of two.
-        seqused_k: ``(N,)`` int32, with ``block_table`` only: the keys of each sequence.
+            page ``block_table[i, t // page_size]``; ``seqused_k``: ``(N,)`` int32, its keys.
         capturable: take the path without host reads, for CUDA-graph capture.
+        host_bounds: ``(bounds_q, bounds_k)``, ``cu_seq_q``/``cu_seq_k``'s values already on the host.
 
     Returns:
         ``(Tq, Hq, Dv)`` in ``q``'s dtype; with ``return_lse`` also the LSE ``(Hq, Tq)`` float32
         (``-inf`` for a query that sees no key, whose output row is 0).
 
     Raises:
-        TypeError: non-tensors; dtypes other than float16/bfloat16/float32 for ``q, k, v`` or int32
-            for ``cu_seq_q, cu_seq_k, block_table, seqused_k``; a non-integer ``max_q``/``max_k``.
-        ValueError: ranks, heads, devices, caches or ``out`` that do not fit; ``cu_seq`` not from 0 to
-            ``Tq``/``Tk`` or decreasing; more queries than keys; ``max_q``/``max_k`` below a length; ``cu_seq_k``
-            with ``block_table`` or ``seqused_k`` without it; a page index or ``seqused_k`` out of range; a
-            config that ``capturable=True`` cannot run; whatever `pbs.attention` refuses in a sequence.
+        TypeError: non-tensors; dtypes other than float16/bfloat16/float32 (``q, k, v``) or int32 (the
+            index tensors); a non-integer ``max_q``/``max_k``.
+        ValueError: shapes, devices, caches or ``out`` that do not fit; bad ``cu_seq``/``host_bounds``;
+            ``max_q``/``max_k`` below a length; a page index out of range; a config ``capturable=True``
+            cannot run; whatever `pbs.attention` refuses in a sequence.
         RuntimeError: called during CUDA graph capture without ``capturable=True``.
 
     Example:
@@ -92,6 +93,9 @@ def varlen_attention(
         ```
     """
     paged = block_table is not None
+    if host_bounds is not None and (paged or capturable):
+        raise ValueError("host_bounds is taken for packed k and v without capturable: a paged call reads its "
+                         "page indices on the device, a capturable one reads nothing on the host")
     if not paged and seqused_k is not None:
         raise ValueError(
             "seqused_k is read only with a paged cache (block_table=...); for packed k and v the key "
@@ -115,6 +119,9 @@ def varlen_attention(
         bounds_k = [0]
         for length in lengths_k:  # cumulative, for the max_k check: the pages hold no packed order
             bounds_k.append(bounds_k[-1] + length)
+    elif host_bounds is not None:
+        check_cu_seqs(cu_seq_q, cu_seq_k, q)
+        bounds_q, bounds_k = check_host_bounds(host_bounds, cu_seq_q, q, k)
     else:
         bounds_q, bounds_k = read_bounds(cu_seq_q, cu_seq_k, q, k)
     check_max_length("max_q", max_q, bounds_q, "query")

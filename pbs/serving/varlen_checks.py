@@ -249,13 +249,46 @@ def read_bounds(
     for (name, values), total, tensor_name in zip(bounds.items(), (q.shape[0], k.shape[0]), ("Tq", "Tk")):
         _check_bounds(name, values, total, tensor_name)
     bounds_q, bounds_k = bounds["cu_seq_q"], bounds["cu_seq_k"]
-    for i in range(entries - 1):
+    _check_query_counts(bounds_q, bounds_k)
+    return bounds_q, bounds_k
+
+
+def check_host_bounds(host_bounds: object, cu_seq_q: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                      ) -> tuple[list[int], list[int]]:
+    """``host_bounds = (bounds_q, bounds_k)``, the values of ``cu_seq_q`` and ``cu_seq_k`` a caller
+    already holds on the host, checked as `read_bounds` checks what it reads (no device read).
+
+    Returns:
+        ``(bounds_q, bounds_k)`` as lists of ints.
+    """
+    if not (isinstance(host_bounds, (tuple, list)) and len(host_bounds) == 2):
+        raise TypeError("host_bounds must be a pair (bounds_q, bounds_k): the N + 1 values of cu_seq_q and of "
+                        f"cu_seq_k on the host, got {type(host_bounds).__name__}")
+    bounds = []
+    for name, values in zip(("host_bounds[0]", "host_bounds[1]"), host_bounds):
+        try:
+            bounds.append([int(b) for b in values])
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a sequence of ints (cumulative lengths), got {values!r}") from None
+    bounds_q, bounds_k = bounds
+    entries = cu_seq_q.shape[0]
+    if len(bounds_q) != entries or len(bounds_k) != entries:
+        raise ValueError(f"host_bounds must hold the {entries} values of cu_seq_q and of cu_seq_k, got "
+                         f"{len(bounds_q)} and {len(bounds_k)}")
+    for (name, values), total, tensor_name in zip((("cu_seq_q", bounds_q), ("cu_seq_k", bounds_k)),
+                                                  (q.shape[0], k.shape[0]), ("Tq", "Tk")):
+        _check_bounds(name, values, total, tensor_name)
+    _check_query_counts(bounds_q, bounds_k)
+    return bounds_q, bounds_k
+
+
+def _check_query_counts(bounds_q: list[int], bounds_k: list[int]) -> None:
+    for i in range(len(bounds_q) - 1):
         len_q, len_k = bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]
         if len_q > len_k:
             why = "it has queries but no keys" if len_k == 0 else (
                 "queries are the last len_q of a sequence's len_k positions, so len_q <= len_k")
             raise ValueError(f"sequence {i} has len_q = {len_q} queries and len_k = {len_k} keys: {why}")
-    return bounds_q, bounds_k
 
 
 def check_max_length(name: str, value: object, bounds: list[int], kind: str) -> None:
