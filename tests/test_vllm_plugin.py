@@ -272,7 +272,8 @@ def test_full_density_generates_the_tokens_of_stock_vllm(engine, stock_run, full
     cached = [(q, k) for q, k in pbs_requests if q < k]
     assert any(k - q >= 1024 for q, k in cached), "pbs ran on requests after a cached context (prefix hits)"
     if engine == 1:
-        assert max(q for q, _ in pbs_requests) <= 512 and any(q == 512 and k > 512 for q, k in pbs_requests)
+        # Chunks of the 512-token budget (less the step's decode tokens) after their cached context.
+        assert max(q for q, _ in pbs_requests) <= 512 and any(q >= 500 and k >= 3000 for q, k in cached)
     logged = re.findall(r"pbs ran on a request: (\d+) new tokens after (\d+) cached \((\d+) keys\); density ([\d.]+)",
                         full_density_run["log"])
     assert logged and all(float(d) == 1.0 for *_, d in logged)
@@ -340,10 +341,12 @@ def test_with_the_defaults_a_layer_is_within_pbss_own_error_of_stock_vllm():
     same inputs is within pbs's distance to dense float32 attention plus the kernel's own."""
     result = _run_job({"kind": "layers", "config": {"min_seq_len": 1024}, "length": 4000, "layers": DEFAULTS_LAYERS}, {})
     assert sorted(result["layers"]) == sorted(DEFAULTS_LAYERS)
+    print(json.dumps(result["layers"], indent=1))  # the numbers docs/engines.md cites
     for name, errors in result["layers"].items():
         assert errors["plugin_vs_pbs"] <= 1e-6, name
-        assert 0 < errors["density"] < 0.9, name
+        assert 0 < errors["density"] < 1, name
         assert errors["plugin_vs_stock"] <= errors["pbs_vs_dense"] + 2 * errors["stock_vs_dense"] + 1e-3, (name, errors)
+    assert min(errors["density"] for errors in result["layers"].values()) < 0.5, "sparse in the deeper layers"
     assert "pbs ran on a request: 4000 new tokens after 0 cached (4000 keys); density" in result["log"]
 
 
