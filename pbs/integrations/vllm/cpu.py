@@ -117,7 +117,7 @@ class PbsCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         logger.info(
             "pbs runs prefills of at least %d keys (chunks of at least %d tokens) in %d layers, config %s",
             config.pbs.dense_fallback.min_seq_len, config.min_query_len, len(layer_names),
-            config.pbs.model_dump_json(exclude_defaults=True),
+            config.pbs.model_dump_json(exclude_unset=True),
         )
 
     def _refusals(self, layer_names: list[str]) -> list[str]:
