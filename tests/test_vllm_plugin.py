@@ -15,6 +15,7 @@ The engine tests (``slow``) start engines in subprocesses: this file run as a sc
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import os
@@ -116,6 +117,48 @@ def test_the_split_sends_long_prefills_to_pbs_and_the_rest_to_the_stock_kernel()
     assert json.loads(split.trace_line())["pbs"] == [[1200, 1200], [500, 3000], [1000, 1000]]
     with pytest.raises(ValueError, match="request 0 has 5 new tokens but 4 keys"):
         split_batch([0, 5], [4], config)
+
+
+@dataclasses.dataclass
+class _Common:
+    """The fields of vLLM's ``CommonAttentionMetadata`` that `subset_metadata` and `splittable` read."""
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool | torch.Tensor = True
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
+    is_prefilling: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    mm_req_doc_ranges: dict | None = None
+
+
+def test_the_stock_kernels_metadata_is_cut_to_its_requests():
+    from pbs.integrations.vllm.core import splittable, subset_metadata
+
+    starts = torch.tensor([0, 1200, 1201, 1501, 2001], dtype=torch.int32)
+    lengths = torch.tensor([1200, 5000, 300, 3000], dtype=torch.int32)
+    common = _Common(starts, starts, lengths, 4, 2001, 1200, 5000, torch.arange(40).view(4, 10), torch.arange(2001),
+                     seq_lens_cpu_upper_bound=lengths, is_prefilling=torch.tensor([True, False, True, True]),
+                     positions=torch.arange(2001))
+    split = split_batch(starts.tolist(), lengths.tolist(), PBSIntegrationConfig(min_seq_len=1000))
+    assert split.stock_requests == (1, 2)
+    cut = subset_metadata(common, split)
+    assert cut.query_start_loc.tolist() == cut.query_start_loc_cpu.tolist() == [0, 1, 301]
+    assert cut.seq_lens.tolist() == cut.seq_lens_cpu_upper_bound.tolist() == [5000, 300]
+    assert cut.is_prefilling.tolist() == [False, True]
+    assert (cut.num_reqs, cut.num_actual_tokens, cut.max_query_len, cut.max_seq_len) == (2, 301, 300, 5000)
+    assert cut.block_table_tensor.tolist() == [list(range(10, 20)), list(range(20, 30))]
+    assert cut.positions is None and cut.slot_mapping is common.slot_mapping
+    assert splittable(common)
+    assert not splittable(dataclasses.replace(common, causal=False))
+    assert not splittable(dataclasses.replace(common, mm_req_doc_ranges={0: [(1, 5)]}))
 
 
 def test_token_rows_are_a_slice_for_one_run_of_rows_and_an_index_otherwise():
