@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pbs.api import attention
-from pbs.config import PBSConfig
+from pbs.config import PRESETS, PBSConfig
 from pbs.integrations.dispatch import PBSIntegrationConfig, choose_attention
 from pbs.serving import varlen_attention
 from pbs.types import PagedTensor
@@ -61,7 +61,7 @@ def parse_config(value: Any, source: str) -> PBSIntegrationConfig:
             config = PBSIntegrationConfig(pbs=PBSConfig.coerce(value))
     except (ValueError, TypeError) as error:
         raise ValueError(
-            f"{source}: not a pbs config ({error}). Give a preset name {sorted(_preset_names())}, a PBSConfig "
+            f"{source}: not a pbs config ({error}). Give a preset name {sorted(PRESETS)}, a PBSConfig "
             f"as JSON, or JSON with the keys 'pbs', 'min_seq_len', 'min_query_len'"
         ) from None
     for field, unset in (("skip_first_layers", 0), ("layer_overrides", {})):
@@ -104,12 +104,6 @@ def enabled_for(engine_config: Any, *, unknown: bool = False) -> bool:
     if engine_config is None:
         return unknown or resolve_config(None) is not None
     return resolve_config(engine_config.additional_config) is not None
-
-
-def _preset_names() -> list[str]:
-    from pbs.config import PRESETS
-
-    return list(PRESETS)
 
 
 @dataclasses.dataclass(frozen=True)
