@@ -206,3 +206,12 @@ def run_ranks(script: str, workdir: Path, world: int, timeout: float) -> list[di
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{output[-6000:]}"
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a subprocess a test interrupts: SIGINT back to its default, so that Python
+    in the child turns it into KeyboardInterrupt. A test run started as a background job (``cmd &``
+    in a script, as CI runners do) inherits SIGINT ignored, and the child would never see Ctrl-C."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -682,8 +682,11 @@ def test_ctrl_c_in_a_running_demo(tmp_path):
     import signal
     import time
 
+    from tests.helpers import default_sigint
+
     proc = subprocess.Popen([sys.executable, "-m", "pbs", "demo", "--seq-len", "16384", "--device", "cpu"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     try:
         first = proc.stderr.readline()  # "[1/8] dense ...": the rows have started
         assert first.startswith("[1/"), first

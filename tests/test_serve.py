@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import default_sigint
+
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -77,7 +79,8 @@ class ServerProcess:
     def __init__(self, args: list[str]):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "pbs", "serve", *args, "--port", "0"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=default_sigint)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
