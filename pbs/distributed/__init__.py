@@ -34,4 +34,5 @@ __all__ = [
     "shard_length",
     "shard_sequence",
     "unshard_sequence",
+    "unsupported_reasons",
 ]

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pbs.backends.pooling import block_means
 from pbs.backends.registry import planner_for, planners_of, register_planner
 from pbs.components import SequenceSummaries
 from pbs.config import PBSConfig
@@ -60,7 +61,7 @@ from pbs.distributed.collectives import (
     torch_distributed,
 )
 from pbs.distributed.sharding import chunk_bounds
-from pbs.distributed.summaries import block_means, key_order, line_scores, probe_estimate
+from pbs.distributed.summaries import key_order, line_scores, probe_estimate
 from pbs.planning import build_plan, full_plan, permute_keys_and_values, run_planned
 from pbs.types import Permutation, Plan
 from pbs.validation import check_all_finite, check_qkv, check_scale

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from pbs.backends.pooling import block_means
 from pbs.components import PermutationInputs
 from pbs.config import PBSConfig
 from pbs.distributed.collectives import torch_distributed
@@ -23,7 +22,6 @@ from pbs.layout import Layout
 from pbs.permuters._segments import scoring_queries, sort_within_segments
 from pbs.reference.density_probe import probe_density_of_pooled, sampled_query_blocks
 from pbs.reference.logits import grouped_logits
-from pbs.types import Permutation
 
 # Line-score rows held at once (float32 elements): bounded on the CPU, larger on the GPU.
 _LINE_CHUNK = 1 << 24

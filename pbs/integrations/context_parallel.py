@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 import torch
 
-from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.distributed import context_parallel_attend, shard_sequence
 from pbs.distributed.agreement import agree

@@ -72,7 +72,6 @@ def block_sparse_attention_reference(
     out = torch.empty(b, hq, nq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device) if return_lse else None
     rows_per_chunk = max(bs, (_CHUNK_ELEMENTS // max(1, b * hq * nk)) // bs * bs)
-    s = layout.segment_size
     for r0 in range(0, nq, rows_per_chunk):
         r1 = min(nq, r0 + rows_per_chunk)
         m = r1 - r0
