@@ -270,6 +270,53 @@ def pbs_rows(split: BatchSplit, block_table: torch.Tensor, config: PBSIntegratio
     )
 
 
+@dataclasses.dataclass
+class StepSplit:
+    """What a builder needs to split one step (`split_step`).
+
+    Attributes:
+        bounds_q: the ``N + 1`` query boundaries on the host.
+        split: which requests pbs takes and which the stock kernel runs.
+        rows: the call of pbs's requests.
+        stock: vLLM's ``CommonAttentionMetadata`` cut to the stock requests, or None when pbs takes
+            every request.
+        stock_tokens: the stock requests' rows of the packed query (`token_rows`), or None.
+    """
+
+    bounds_q: list[int]
+    split: BatchSplit
+    rows: PbsRows
+    stock: Any
+    stock_tokens: slice | torch.Tensor | None
+
+
+def split_step(common: Any, seq_lens: Sequence[int], config: PBSIntegrationConfig | None,
+               log: "RequestLog") -> StepSplit | None:
+    """One step's split between pbs and the stock kernel, or None when the stock kernel runs it
+    whole (no config, a step `subset_metadata` cannot cut, or no request for pbs).
+
+    Args:
+        common: vLLM's ``CommonAttentionMetadata`` of the step.
+        seq_lens: the ``num_reqs`` key counts on the host (each adapter knows where its engine
+            keeps them).
+        config: the builder's config (None: the plugin is off for its layers).
+        log: the builder's `RequestLog`.
+    """
+    if config is None or not splittable(common):
+        return None
+    n = common.num_reqs
+    bounds_q = common.query_start_loc_cpu[: n + 1].tolist()
+    split = split_batch(bounds_q, seq_lens, config)
+    if not split.pbs_requests:
+        return None
+    append_trace(split)
+    rows = pbs_rows(split, common.block_table_tensor[:n], config, log)
+    if not split.stock_requests:
+        return StepSplit(bounds_q, split, rows, None, None)
+    stock_tokens = token_rows(bounds_q, split.stock_requests, common.query_start_loc.device)
+    return StepSplit(bounds_q, split, rows, subset_metadata(common, split), stock_tokens)
+
+
 def attend_rows(
     rows: PbsRows, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
     output: torch.Tensor, *, block_table: torch.Tensor | None = None, layer_name: str = "",

@@ -37,19 +37,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from pbs.integrations.vllm.core import (
-    PbsRows,
-    RequestLog,
-    append_trace,
-    attend_rows,
-    enabled_for,
-    pbs_rows,
-    resolve_config,
-    split_batch,
-    splittable,
-    subset_metadata,
-    token_rows,
-)
+from pbs.integrations.vllm.core import PbsRows, RequestLog, attend_rows, enabled_for, resolve_config, split_step
 
 logger = logging.getLogger("vllm.plugins.pbs")
 
@@ -137,27 +125,19 @@ class PbsCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # noqa: ANN001, ANN201
         common = common_attn_metadata
-        if self.pbs_config is None or not splittable(common):
+        step = split_step(common, common.seq_lens[: common.num_reqs].tolist(), self.pbs_config, self._request_log)
+        if step is None:
             return super().build(common_prefix_len, common, fast_build)
-        n = common.num_reqs
-        bounds_q = common.query_start_loc_cpu[: n + 1].tolist()
-        split = split_batch(bounds_q, common.seq_lens[:n].tolist(), self.pbs_config)
-        if not split.pbs_requests:
-            return super().build(common_prefix_len, common, fast_build)
-        append_trace(split)
-        rows = pbs_rows(split, common.block_table_tensor[:n], self.pbs_config, self._request_log)
-        if split.stock_requests:
-            stock = super().build(common_prefix_len, subset_metadata(common, split), fast_build)
-            stock_tokens = token_rows(bounds_q, split.stock_requests, common.query_start_loc.device)
+        if step.stock is not None:
+            stock = super().build(common_prefix_len, step.stock, fast_build)
         else:
             stock = CPUAttentionMetadata(
                 num_actual_tokens=0, max_query_len=0, query_start_loc=common.query_start_loc[:1], max_seq_len=0,
                 seq_lens=common.seq_lens[:0], block_table=common.block_table_tensor[:0],
                 slot_mapping=common.slot_mapping, scheduler_metadata=None,
             )
-            stock_tokens = None
         fields = {field.name: getattr(stock, field.name) for field in dataclasses.fields(CPUAttentionMetadata)}
-        return PbsCPUAttentionMetadata(**fields, pbs=rows, stock_tokens=stock_tokens)
+        return PbsCPUAttentionMetadata(**fields, pbs=step.rows, stock_tokens=step.stock_tokens)
 
 
 class PbsCPUAttentionImpl(CPUAttentionBackendImpl):

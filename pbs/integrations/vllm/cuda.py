@@ -42,19 +42,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from pbs.integrations.vllm.core import (
-    PbsRows,
-    RequestLog,
-    append_trace,
-    attend_rows,
-    enabled_for,
-    pbs_rows,
-    resolve_config,
-    split_batch,
-    splittable,
-    subset_metadata,
-    token_rows,
-)
+from pbs.integrations.vllm.core import PbsRows, RequestLog, attend_rows, enabled_for, resolve_config, split_step
 
 logger = logging.getLogger("vllm.plugins.pbs")
 
@@ -140,29 +128,21 @@ class PbsFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # noqa: ANN001, ANN201
         common = common_attn_metadata
-        if self.pbs_config is None or not splittable(common):
-            return super().build(common_prefix_len, common, fast_build)
-        n = common.num_reqs
-        bounds_q = common.query_start_loc_cpu[: n + 1].tolist()
         host_lengths = common.seq_lens_cpu_upper_bound
-        lengths = (host_lengths if host_lengths is not None else common.seq_lens.cpu())[:n].tolist()
-        split = split_batch(bounds_q, lengths, self.pbs_config)
-        if not split.pbs_requests:
+        lengths = (host_lengths if host_lengths is not None else common.seq_lens.cpu())[: common.num_reqs].tolist()
+        step = split_step(common, lengths, self.pbs_config, self._request_log)
+        if step is None:
             return super().build(common_prefix_len, common, fast_build)
-        append_trace(split)
-        rows = pbs_rows(split, common.block_table_tensor[:n], self.pbs_config, self._request_log)
-        if split.stock_requests:
-            stock = super().build(0, subset_metadata(common, split), fast_build)
-            stock_tokens = token_rows(bounds_q, split.stock_requests, common.query_start_loc.device)
+        if step.stock is not None:
+            stock = super().build(0, step.stock, fast_build)
         else:
             stock = FlashAttentionMetadata(
                 num_actual_tokens=0, max_query_len=0, query_start_loc=common.query_start_loc[:1], max_seq_len=0,
                 seq_lens=common.seq_lens[:0], block_table=common.block_table_tensor[:0],
                 slot_mapping=common.slot_mapping,
             )
-            stock_tokens = None
         fields = {field.name: getattr(stock, field.name) for field in dataclasses.fields(FlashAttentionMetadata)}
-        return PbsFlashAttentionMetadata(**fields, pbs=rows, stock_tokens=stock_tokens)
+        return PbsFlashAttentionMetadata(**fields, pbs=step.rows, stock_tokens=step.stock_tokens)
 
 
 class PbsFlashAttentionImpl(FlashAttentionImpl):
