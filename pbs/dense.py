@@ -357,7 +357,7 @@ class DensePolicy:
 
     def sequence_decisions(
         self, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
-        selected_blocks: torch.Tensor, allowed_blocks: torch.Tensor,
+        selected_blocks: torch.Tensor | None = None, allowed_blocks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The three rules per sequence, on the device, with no host read (for CUDA graphs): ``(N,)``
         bool, or None where the policy does not apply (a named backend, a device outside
@@ -368,7 +368,9 @@ class DensePolicy:
             probe_counters: ``(kept, visible)`` ``(N,)`` int64 counters of the density probe, or
                 None where it does not run (`probe_arguments` is None).
             selected_blocks, allowed_blocks: ``(N,)`` selected and causally allowed blocks of
-                each sequence, summed over its query heads (float64).
+                each sequence, summed over its query heads (float64); None before planning (the
+                decisions of the length and probe rules, which spare the planning of those
+                sequences).
         """
         if not self.applies(len_k.device):
             return None
@@ -379,6 +381,6 @@ class DensePolicy:
         if probe_counters is not None:
             kept, visible = probe_counters
             dense = dense | (kept * _GATE_UNIT > probe_gate_limit(fallback.max_density) * visible)
-        if fallback.max_planned_density is not None:
+        if fallback.max_planned_density is not None and selected_blocks is not None:
             dense = dense | (selected_blocks > fallback.max_planned_density * allowed_blocks)
         return dense

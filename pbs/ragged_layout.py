@@ -121,19 +121,41 @@ class RaggedGeometry:
         return Layout(self.batch, heads_q, heads_kv, self.padded_len_q, self.padded_len_k, self.block_size,
                       self.block_size, causal=True, segmented=False)
 
-    def full_counts(self, counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """`pbs.BlockMask.full_counts` of lists ``indices (N, Hq, Tq, Tk)`` with ``counts``: the
-        leading entries before each query block's first masked key block (the one rule,
-        `pbs.layout.first_masked_key_blocks`, per sequence; the ``-1`` padding is below it too
-        and is taken off again)."""
+    @cached_property
+    def first_masked(self) -> torch.Tensor:
+        """``(N, Tq)`` int64: each query block's first key block that needs the per-token mask
+        (the one rule, `pbs.layout.first_masked_key_blocks`, per sequence); the blocks before it
+        lie wholly in the block's past."""
         q_lo, _, _ = self.query_blocks
         _, k_hi, k_valid = self.key_blocks
         past_the_keys = torch.where(k_valid, k_hi, torch.iinfo(torch.int64).max)
         key_blocks = (self.len_k + self.block_size - 1) // self.block_size
         partial = torch.where(self.len_k % self.block_size != 0, key_blocks - 1, self.num_key_blocks)
-        first = first_masked_key_blocks(past_the_keys, q_lo, partial).to(indices.dtype)[:, None, :, None]
+        return first_masked_key_blocks(past_the_keys, q_lo, partial)
+
+    @cached_property
+    def allowed_counts(self) -> torch.Tensor:
+        """``(N, Tq)`` int32: allowed key blocks per query block; they are its first ones
+        (blocks ``0 .. count - 1``: causal rows are prefixes)."""
+        return self.allowed.sum(-1, dtype=torch.int32)
+
+    def full_counts(self, counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`pbs.BlockMask.full_counts` of lists ``indices (N, Hq, Tq, Tk)`` with ``counts``: the
+        leading entries before each query block's first masked key block (`first_masked`; the
+        ``-1`` padding is below it too and is taken off again)."""
+        first = self.first_masked.to(indices.dtype)[:, None, :, None]
         below = (indices < first).sum(-1, dtype=torch.int32)
         return below - (indices.shape[-1] - counts.to(torch.int32))
+
+    def every_allowed_block(self, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The lists of dense attention, ``(counts (N, 1, Tq), indices (N, 1, Tq, Tk), full_counts
+        (N, 1, Tq))``, to broadcast over the query heads: every allowed block of each row, ``-1``
+        after them."""
+        block = torch.arange(self.num_key_blocks, device=self.device)
+        counts = self.allowed_counts
+        indices = torch.where(block < counts[..., None], block, -1).to(index_dtype)
+        full = torch.minimum(self.first_masked, counts.long()).to(torch.int32)
+        return counts[:, None], indices[:, None], full[:, None]
 
 
 def ragged_geometry(len_q: torch.Tensor, len_k: torch.Tensor, max_q: int, max_k: int, block_size: int) -> RaggedGeometry:

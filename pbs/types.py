@@ -176,6 +176,12 @@ class BlockMask:
     layout: Layout
     full_counts: torch.Tensor | None = _DerivedOnFirstRead()  # type: ignore[assignment]
 
+    @property
+    def known_full_counts(self) -> torch.Tensor | None:
+        """`full_counts` where it was given or already derived, else None (without deriving it):
+        for builders whose layout is not the one the derivation would read (a padded batch)."""
+        return self.__dict__.get("_full_counts")
+
     def __post_init__(self) -> None:
         given = self.__dict__.get("_full_counts")
         if given is not None and tuple(given.shape) != tuple(self.counts.shape):

@@ -15,6 +15,7 @@ every mask to `pbs.plan` of the sequence alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,8 +28,9 @@ from pbs.types import BlockMask
 
 RAGGED = "ragged"
 """The planner family of padded batches (`pbs.ragged_layout.RaggedGeometry`): a planner
-``fn(selector, inputs: RaggedInputs)`` returns the ``(N, Hq, Tq, Tk)`` bool selection before the
-forced blocks, each sequence planned as it is alone."""
+``fn(selector, inputs: RaggedInputs)`` returns a `BlockMask` over the padded layout with the forced
+blocks (the GPU kernels' lists), or the ``(N, Hq, Tq, Tk)`` bool selection before them
+(`member_mask` finishes it), each sequence planned as it is alone."""
 
 _SCORE_ELEMENTS = 1 << 26
 """Float32 scores held at once per head chunk (256 MiB)."""
@@ -53,14 +55,16 @@ def _head_chunk(heads_q: int, group: int, per_head: int) -> int:
     return max(group, (_SCORE_ELEMENTS // max(1, per_head)) // group * group)
 
 
-def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """`MeanPoolSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+def mean_pool(selector, inputs: "RaggedInputs") -> BlockMask | torch.Tensor:
+    """`MeanPoolSelector` per sequence.
 
     On CUDA the eager path's row kernel (`pbs.kernels.threshold_select.threshold_select_rows`,
-    given each sequence's allowed blocks) takes the softmax and the threshold; elsewhere PyTorch
-    operations do.
+    given each sequence's allowed and forced blocks, and its rows to plan) takes the softmax and
+    the threshold and writes the lists, forced blocks included: a `BlockMask`. Elsewhere PyTorch
+    operations give the ``(N, Hq, Tq, Tk)`` bool selection before the forced blocks.
     """
+    geometry, scale = inputs.geometry, inputs.scale
+    q_bar, k_bar = inputs.pooled
     n, hq, tq, _ = q_bar.shape
     tk = k_bar.shape[2]
     group = hq // k_bar.shape[1]
@@ -70,7 +74,6 @@ def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: to
 
         layout = geometry.layout(hq, k_bar.shape[1])
         counts, indices = empty_block_mask_tensors(layout, q_bar.device)
-        nothing_forced = torch.zeros_like(geometry.allowed)  # planning adds the forced blocks
     else:
         candidates = geometry.allowed[:, None]
         selected = torch.empty(n, hq, tq, tk, dtype=torch.bool, device=q_bar.device)
@@ -81,11 +84,12 @@ def mean_pool(selector, geometry: RaggedGeometry, q_bar: torch.Tensor, k_bar: to
         if kernel:
             threshold_select_rows(logits, layout, selector.threshold, counts, indices, head_offset=h0,
                                   key_inverse=None, from_logits=True, logit_scale=scale,
-                                  candidates=geometry.allowed, diagonal=nothing_forced)
+                                  candidates=geometry.allowed, diagonal=inputs.forced,
+                                  row_limits=inputs.row_limits)
             continue
         scores = (logits * scale).masked_fill_(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
         selected[:, h0:h1] = select_by_cumulative_threshold(scores, candidates, selector.threshold)
-    return BlockMask(counts, indices, layout).to_dense() if kernel else selected
+    return BlockMask(counts, indices, layout) if kernel else selected
 
 
 def uses_gpu_planners(device: torch.device) -> bool:
@@ -144,25 +148,29 @@ def _blocks_of_kept_lines(keys_blocks: torch.Tensor, prefix: torch.Tensor, geome
     return crossed.view(n, h, tq, tk) | keys_blocks[:, :, None, :]
 
 
-def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """`VerticalSlashSelector` per sequence: ``(N, Hq, Tq, Tk)`` bool (before the forced blocks).
+def vertical_slash(selector, inputs: "RaggedInputs", extra: BlockMask | None = None) -> BlockMask | torch.Tensor:
+    """`VerticalSlashSelector` per sequence.
 
     Each sequence's last ``min(last_rows, len_q)`` queries are scored against its keys; the
     vertical (per key) and slash (per offset) shares are their means over those rows. On CUDA the
-    eager path's kernels do it (`pbs.kernels.vertical_slash.line_scores` reading the lengths from
-    the device, then `kept_line_blocks`: padding scores are 0, and a zero score is never kept);
-    elsewhere PyTorch operations, a chunk of heads at a time.
+    eager path's kernels do it and write the lists (`pbs.kernels.vertical_slash.line_scores` and
+    `lines_to_block_mask` reading the lengths from the device, `kept_line_blocks` between them:
+    padding scores are 0, and a zero score is never kept), forced blocks and ``extra``'s blocks
+    (a union's other members, a `BlockMask` of the padded layout) included: a `BlockMask`.
+    Elsewhere PyTorch operations, a chunk of heads at a time, give the ``(N, Hq, Tq, Tk)`` bool
+    selection before the forced blocks (``extra`` ORed in).
     """
+    geometry, q, k, scale = inputs.geometry, inputs.q, inputs.k, inputs.scale
     n, hq = q.shape[:2]
     bs = geometry.block_size
     if uses_gpu_planners(q.device):
-        from pbs.kernels.vertical_slash import kept_line_blocks, line_scores
+        from pbs.kernels.vertical_slash import kept_line_blocks, line_scores, lines_to_block_mask
 
-        lengths = torch.stack((geometry.len_q, geometry.len_k), 1).to(torch.int32)
-        scores = line_scores(q, k, geometry.layout(hq, k.shape[1]), scale, selector.last_rows, lengths=lengths)
+        layout = geometry.layout(hq, k.shape[1])
+        scores = line_scores(q, k, layout, scale, selector.last_rows, lengths=inputs.lengths)
         keys_blocks, prefix = kept_line_blocks(scores, selector.threshold, selector.vertical_threshold, bs)
-        return _blocks_of_kept_lines(keys_blocks.bool(), prefix, geometry)
+        return lines_to_block_mask(keys_blocks, prefix, layout, inputs.force_sink_block, extra,
+                                   lengths=inputs.lengths)
     group = hq // k.shape[1]
     rows = min(selector.last_rows, q.shape[2])
     selected = torch.empty(n, hq, geometry.num_query_blocks, geometry.num_key_blocks, dtype=torch.bool,
@@ -174,7 +182,7 @@ def vertical_slash(selector, geometry: RaggedGeometry, q: torch.Tensor, k: torch
         keys, offsets = kept_lines(vertical, slash, selector.threshold, selector.vertical_threshold)
         keys_blocks = keys.view(*keys.shape[:2], -1, bs).any(-1)
         selected[:, heads] = _blocks_of_kept_lines(keys_blocks, offset_prefix(offsets), geometry)
-    return selected
+    return selected if extra is None else selected | extra.to_dense()
 
 
 @dataclass(frozen=True)
@@ -186,8 +194,10 @@ class RaggedInputs:
         q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)``, padded with zeros.
         pooled: their block means ``(q_bar (N, Hq, Tq, D), k_bar (N, Hkv, Tk, D))`` float32.
         scale: softmax scale.
-        force_sink_block: the config's ``force_sink_block`` (planning adds the forced blocks after
-            the planners; a selector whose threshold counts them first reads it).
+        force_sink_block: the config's ``force_sink_block`` (the forced blocks are the diagonal
+            and, with it, the sink block 0).
+        planned: ``(N,)`` bool, the sequences to plan (None: all): the others are already decided
+            dense and their rows replaced, so a planner may leave them empty.
     """
 
     geometry: RaggedGeometry
@@ -196,16 +206,31 @@ class RaggedInputs:
     pooled: tuple[torch.Tensor, torch.Tensor]
     scale: float
     force_sink_block: bool = True
+    planned: torch.Tensor | None = None
+
+    @cached_property
+    def forced(self) -> torch.Tensor:
+        """``(N, Tq, Tk)`` bool: the blocks every selection keeps."""
+        return self.geometry.forced(self.force_sink_block)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """``(N, 2)`` int32 ``(len_q, len_k)`` for the kernels, ``len_q`` 0 for a sequence not planned
+        (no rows scored, empty lists)."""
+        len_q = self.geometry.len_q
+        if self.planned is not None:
+            len_q = torch.where(self.planned, len_q, 0)
+        return torch.stack((len_q, self.geometry.len_k), 1).to(torch.int32)
+
+    @cached_property
+    def row_limits(self) -> torch.Tensor:
+        """``(N,)`` int32: query blocks to plan per sequence (its own, 0 when not planned)."""
+        bs = self.geometry.block_size
+        return (self.lengths[:, 0] + bs - 1) // bs
 
 
-@register_planner("selector", "mean_pool", RAGGED)
-def _mean_pool_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
-    return mean_pool(selector, inputs.geometry, *inputs.pooled, inputs.scale)
-
-
-@register_planner("selector", "vertical_slash", RAGGED)
-def _vertical_slash_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
-    return vertical_slash(selector, inputs.geometry, inputs.q, inputs.k, inputs.scale)
+register_planner("selector", "mean_pool", RAGGED)(mean_pool)
+register_planner("selector", "vertical_slash", RAGGED)(vertical_slash)
 
 
 @register_planner("selector", "antidiagonal", RAGGED)
@@ -214,12 +239,35 @@ def _antidiagonal_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
 
 
 @register_planner("selector", "union", RAGGED)
-def _union_planner(selector, inputs: RaggedInputs) -> torch.Tensor:
-    result = None
-    for member in selector.selectors:
-        member_selection = select(member, inputs)
-        result = member_selection if result is None else result | member_selection
-    return result
+def _union_planner(selector, inputs: RaggedInputs) -> BlockMask | torch.Tensor:
+    """The members' union; on CUDA a ``vertical_slash`` member's compaction takes the others'
+    lists in (as the eager path's union does), with no bool mask in between."""
+    lines = next((m for m in selector.selectors if m.name == "vertical_slash"), None)
+    if lines is None or not uses_gpu_planners(inputs.q.device):
+        result = None
+        for member in selector.selectors:
+            member_selection = member_mask(member, inputs).to_dense()
+            result = member_selection if result is None else result | member_selection
+        return result
+    others = [member_mask(m, inputs) for m in selector.selectors if m is not lines]
+    if len(others) > 1:
+        union = others[0].to_dense()
+        for other in others[1:]:
+            union |= other.to_dense()
+        others = [BlockMask.from_dense(union, others[0].layout)]
+    return vertical_slash(lines, inputs, extra=others[0] if others else None)
+
+
+def member_mask(selector, inputs: RaggedInputs) -> BlockMask:
+    """``selector``'s selection of every padded sequence as a `BlockMask` with the forced blocks,
+    limited to each sequence's allowed blocks (its ``full_counts`` may be unset: the caller
+    derives them per sequence, `RaggedGeometry.full_counts`)."""
+    result = select(selector, inputs)
+    if isinstance(result, BlockMask):
+        return result
+    geometry = inputs.geometry
+    result = (result | inputs.forced[:, None]) & geometry.allowed[:, None]
+    return BlockMask.from_dense(result, geometry.layout(inputs.q.shape[1], inputs.k.shape[1]))
 
 
 def _strided_rows(x: torch.Tensor, stride: int, reverse: bool) -> torch.Tensor:
@@ -264,8 +312,7 @@ def antidiagonal(selector, inputs: RaggedInputs) -> torch.Tensor:
         blocks = probs.view(n, hq, i1 - i0, per_block, tk, per_block).sum((3, 5))
         scores[:, :, i0:i1] = blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
     candidates = geometry.allowed[:, None]
-    forced = geometry.forced(inputs.force_sink_block)[:, None]
-    return select_by_cumulative_threshold(scores, candidates, selector.threshold, ranked_first=forced)
+    return select_by_cumulative_threshold(scores, candidates, selector.threshold, ranked_first=inputs.forced[:, None])
 
 
 def ragged_reasons(config) -> list[str]:
@@ -285,9 +332,9 @@ def ragged_reasons(config) -> list[str]:
     return reasons
 
 
-def select(selector, inputs: RaggedInputs) -> torch.Tensor:
-    """``selector``'s selection of every padded sequence, ``(N, Hq, Tq, Tk)`` bool, before the forced
-    blocks, by the planner registered for it in the `RAGGED` family."""
+def select(selector, inputs: RaggedInputs) -> BlockMask | torch.Tensor:
+    """``selector``'s selection of every padded sequence by the planner registered for it in the
+    `RAGGED` family: a `BlockMask` with the forced blocks, or the bool selection before them."""
     planner = planner_for("selector", selector.name, RAGGED)
     if planner is None:
         raise ValueError(f"config.selector {selector.name!r} has no planner for padded batches; planners: "

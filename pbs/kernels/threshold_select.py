@@ -40,6 +40,7 @@ def _threshold_select_kernel(
     candidates_ptr,
     diagonal_ptr,
     stride_sets_b,
+    row_limit_ptr,
     inverse_ptr,
     stride_inv_b,
     stride_inv_h,
@@ -58,6 +59,7 @@ def _threshold_select_kernel(
     FROM_LOGITS: tl.constexpr,
     FORCE_SINK: tl.constexpr,
     FORCED_FIRST: tl.constexpr,
+    ROW_LIMIT: tl.constexpr,
 ):
     i_row = tl.program_id(0)  # (b, local head, query block) of this chunk, row-major
     i_q = i_row % num_query_blocks
@@ -66,6 +68,15 @@ def _threshold_select_kernel(
     i_b = i_bh // heads_chunk
     o_j = tl.arange(0, TK_PAD)
     m_j = o_j < num_key_blocks
+    out_row = (i_b.to(tl.int64) * heads_total + i_h) * num_query_blocks + i_q
+    p_list = indices_ptr + out_row * num_key_blocks
+    if ROW_LIMIT:
+        # A padded batch: rows past the entry's own query blocks (or of an entry that is not
+        # planned) get an empty list without ranking a padded row of scores.
+        if i_q >= tl.load(row_limit_ptr + i_b):
+            tl.store(p_list + o_j, tl.full([TK_PAD], -1, indices_ptr.dtype.element_ty), mask=m_j)
+            tl.store(counts_ptr + out_row, 0)
+            return
 
     p_sets = i_b.to(tl.int64) * stride_sets_b + i_q.to(tl.int64) * num_key_blocks + o_j
     candidates = tl.load(candidates_ptr + p_sets, mask=m_j, other=0) != 0
@@ -113,8 +124,6 @@ def _threshold_select_kernel(
     taken = selected.to(tl.int32)
     count = tl.sum(taken, 0)
     slot = tl.cumsum(taken, 0) - 1
-    out_row = (i_b.to(tl.int64) * heads_total + i_h) * num_query_blocks + i_q
-    p_list = indices_ptr + out_row * num_key_blocks
     tl.store(p_list + slot, o_j.to(indices_ptr.dtype.element_ty), mask=taken != 0)
     tl.store(p_list + o_j, tl.full([TK_PAD], -1, indices_ptr.dtype.element_ty), mask=m_j & (o_j >= count))
     tl.store(counts_ptr + out_row, count)
@@ -142,6 +151,7 @@ def threshold_select_rows(
     diagonal: torch.Tensor,
     logit_scale: float = 1.0,
     forced_first: bool = False,
+    row_limits: torch.Tensor | None = None,
 ) -> None:
     """Selects the blocks of query heads ``[head_offset, head_offset + hc)`` into ``counts``/``indices``.
 
@@ -163,6 +173,10 @@ def threshold_select_rows(
         logit_scale: factor of the logits before the softmax.
         forced_first: rank the forced candidates (diagonal and sink) first and count their mass
             first towards ``threshold`` (XAttention's rule; see the module docstring).
+        row_limits: ``(B,)`` int32 or int64: batch entry ``b`` selects in its first
+            ``row_limits[b]`` query blocks only; its later rows get empty lists (a padded batch,
+            whose rows past a sequence's queries, or of a sequence that is not planned, are not
+            ranked). None: every row.
     """
     b, hc, tq, tk = scores.shape
     if b * hc * tq == 0 or tk == 0:
@@ -174,6 +188,7 @@ def threshold_select_rows(
     _threshold_select_kernel[(b * hc * tq,)](
         scores, candidates.contiguous().view(torch.int8), diagonal.contiguous().view(torch.int8),
         tq * tk if candidates.dim() == 3 else 0,
+        row_limits if row_limits is not None else counts,
         inverse, inverse.stride(0) if key_inverse is not None else 0,
         inverse.stride(1) if key_inverse is not None else 0, key_group,
         counts, indices,
@@ -183,5 +198,6 @@ def threshold_select_rows(
         FROM_LOGITS=from_logits,
         FORCE_SINK=key_inverse is not None,
         FORCED_FIRST=forced_first,
+        ROW_LIMIT=row_limits is not None,
         num_warps=max(1, min(8, tk_pad // 256)),
     )

@@ -197,17 +197,17 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
 
 @triton.jit
 def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, full_counts_ptr,
-                     extra_counts_ptr, extra_indices_ptr, extra_marks_ptr,
-                     num_query_blocks, num_key_blocks, seq_len_q, seq_len_k, query_offset,
+                     extra_counts_ptr, extra_indices_ptr, extra_marks_ptr, lens_ptr,
+                     num_query_blocks, num_key_blocks, heads_q, prefix_stride, seq_len_q, seq_len_k, query_offset,
                      BLOCK: tl.constexpr, CHUNK: tl.constexpr, CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr,
-                     EXTRA: tl.constexpr):
+                     EXTRA: tl.constexpr, RAGGED: tl.constexpr):
     pid = tl.program_id(0)
     marks = extra_marks_ptr + pid.to(tl.int64) * num_key_blocks
     if EXTRA:
         # Another selection's list for this row (a union's other member) is marked in a zeroed
         # row of flags first, so the walk below can OR it in chunk by chunk.
         extra_count = tl.load(extra_counts_ptr + pid)
-        for e0 in range(0, num_key_blocks, CHUNK):
+        for e0 in range(0, extra_count, CHUNK):
             e = e0 + tl.arange(0, CHUNK)
             listed = e < extra_count
             block = tl.load(extra_indices_ptr + pid.to(tl.int64) * num_key_blocks + e, mask=listed, other=0)
@@ -215,6 +215,12 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
         tl.debug_barrier()
     bh = pid // num_query_blocks
     i = pid % num_query_blocks
+    if RAGGED:
+        # A padded batch (`pbs.serving.ragged`): this entry's own lengths, rows from 0.
+        b = bh // heads_q
+        seq_len_q = tl.load(lens_ptr + 2 * b)
+        seq_len_k = tl.load(lens_ptr + 2 * b + 1)
+        query_offset = seq_len_k - seq_len_q
     first_slot = i * BLOCK
     last_slot = tl.minimum(first_slot + BLOCK, seq_len_q) - 1
     q_lo = first_slot + query_offset
@@ -223,18 +229,22 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
     # The mask's full/masked split (`Layout.first_masked_blocks` for unsegmented layouts): key
     # blocks before the query block's first position's block lie wholly in its past; without
     # causality only a partial last key block needs the per-token check.
+    own_key_blocks = (seq_len_k + BLOCK - 1) // BLOCK
     if CAUSAL:
         first_masked = q_lo // BLOCK
+        # Key blocks past the query block's last position are never allowed: the walk stops there.
+        end = tl.minimum(q_hi // BLOCK + 1, own_key_blocks)
     else:
         first_masked = num_key_blocks
-    if seq_len_k % BLOCK != 0:
-        first_masked = tl.minimum(first_masked, num_key_blocks - 1)
+        end = own_key_blocks
+    first_masked = tl.where(seq_len_k % BLOCK != 0, tl.minimum(first_masked, own_key_blocks - 1), first_masked)
+    end = tl.where(first_slot < seq_len_q, end, 0)  # a padded row past the queries keeps nothing
     full = i * 0
     row = indices_ptr + pid.to(tl.int64) * num_key_blocks
-    prefix = prefix_ptr + bh.to(tl.int64) * (seq_len_k + 1)
-    for j0 in range(0, num_key_blocks, CHUNK):
+    prefix = prefix_ptr + bh.to(tl.int64) * prefix_stride
+    for j0 in range(0, end, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
-        in_range = j < num_key_blocks
+        in_range = j < end
         k_lo = j * BLOCK
         k_hi = tl.minimum(k_lo + BLOCK, seq_len_k) - 1
         allowed = in_range
@@ -432,7 +442,7 @@ def _programs_base(device: torch.device) -> int:
 
 def lines_to_block_mask(
     vertical_blocks: torch.Tensor, prefix: torch.Tensor, layout: Layout, force_sink_block: bool,
-    extra: BlockMask | None = None,
+    extra: BlockMask | None = None, lengths: torch.Tensor | None = None,
 ) -> BlockMask:
     """The `BlockMask` of the kept lines (`kept_line_blocks`), forced blocks included.
 
@@ -442,6 +452,9 @@ def lines_to_block_mask(
         force_sink_block: keep key block 0.
         extra: another selection of the same layout whose blocks are kept too (a union's other
             member), merged in the same compaction with no dense mask in between.
+        lengths: ``(B, 2)`` int32 on the device: a padded batch (`line_scores`' ``lengths``); entry
+            ``b`` gets the mask of its ``len_q`` queries and ``len_k`` keys alone (causal layouts),
+            and empty lists past its own blocks. No host read.
     """
     b, hq = layout.batch, layout.heads_q
     tq, tk, nk, bs = layout.num_query_blocks, layout.num_key_blocks, layout.seq_len_k, layout.block_size
@@ -456,10 +469,12 @@ def lines_to_block_mask(
             raise ValueError(f"extra must be a BlockMask of shape {(b, hq, tq, tk)}, got {tuple(extra.indices.shape)}")
         extra_counts, extra_indices = extra.counts.contiguous(), extra.indices.contiguous()
         marks = torch.zeros(b, hq, tq, tk, dtype=torch.int8, device=device)
+    ragged = lengths is not None
     _lines_to_blocks[(b * hq * tq,)](
         vertical_blocks, prefix, counts, indices, full_counts, extra_counts, extra_indices, marks,
-        tq, tk, layout.seq_len_q, nk, layout.query_offset,
+        lengths if ragged else part_lengths_placeholder(device),
+        tq, tk, hq, prefix.shape[-1], layout.seq_len_q, nk, layout.query_offset,
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
-        FORCE_SINK=force_sink_block, EXTRA=extra is not None,
+        FORCE_SINK=force_sink_block, EXTRA=extra is not None, RAGGED=ragged,
     )
     return BlockMask(counts=counts, indices=indices, layout=layout, full_counts=full_counts)
