@@ -147,6 +147,12 @@ class SequenceSummaries:
     key_permutation: Permutation | None = None
 
 
+READS_PREFIX_KEYS = "prefix_keys"
+"""A `SelectorConfig.sequence_summaries` entry that is no summary: the selector reads the call's own
+keys, every one of the prefix (antidiagonal scoring), so context parallelism plans its chunks once
+the keys of every rank are gathered instead of while they travel."""
+
+
 class SelectionInputs:
     """What a selector sees: permuted tensors plus where every slot came from.
 
@@ -252,8 +258,9 @@ class SelectorConfig(ComponentConfig):
     ``coverage``) rather than a density of its own (``budget``'s ``density``)."""
     sequence_summaries: ClassVar[frozenset[str] | None] = None
     """The `SequenceSummaries` fields the selector reads when it plans a chunk of a sequence split
-    over ranks (context parallelism): ``frozenset()`` when it reads none, None when it cannot
-    plan a chunk from whole-sequence summaries (context parallelism then refuses it)."""
+    over ranks (context parallelism), and `READS_PREFIX_KEYS` when it reads the chunk's keys
+    themselves: ``frozenset()`` when it reads none, None when it cannot plan a chunk from
+    whole-sequence summaries (context parallelism then refuses it)."""
 
     def summaries_needed(self) -> frozenset[str] | None:
         """`sequence_summaries` of this selector (a selector made of members: of all of them)."""

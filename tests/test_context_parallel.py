@@ -44,6 +44,9 @@ CASES = {
     # the paper's preset: last_block key order (per-head GQA) scored over every rank's keys
     "pbs_paper": {"permuter": "last_block", "selector": "mean_pool", "gqa": "per_head", "dense_fallback": SPARSE},
     "last_block_shared": {"permuter": "last_block", "gqa": "shared", "dense_fallback": SPARSE},
+    # XAttention's estimator: planned on the gathered keys of the prefix (it reads the keys themselves)
+    "xattention": {"selector": {"name": "antidiagonal", "threshold": 0.9}, "dense_fallback": SPARSE},
+    "pbs_xattention": {"permuter": "last_block", "selector": "antidiagonal", "dense_fallback": SPARSE},
     # the dense policy on the CPU: the probe over the whole sequence, and the length rule
     "probe": {"selector": {"name": "mean_pool", "threshold": 0.9},
               "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_density": 0.3}},
@@ -121,7 +124,7 @@ def error_cases(q, k, v, rank: int, world: int) -> dict[str, str]:
 
     errors = {}
     calls = {
-        "unsupported": lambda: cp.context_parallel_attention(q, k, v, "pbs_xattention"),
+        "unsupported": lambda: cp.context_parallel_attention(q, k, v, {"selector": "sampled_rows"}),
         # every rank drops a different number of tokens: the split is no longer the zigzag one
         "not_zigzag": lambda: cp.context_parallel_attention(q[:, :, rank:], k[:, :, rank:], v[:, :, rank:]),
         "heads": lambda: cp.context_parallel_attention(q[:, : 2 + 2 * (rank % 2)], k, v),
@@ -203,7 +206,8 @@ def test_dense_decision_equals_one_process(cp_run, name):
         assert f"over the {world} context-parallel ranks" in reason
 
 
-@pytest.mark.parametrize("name", ["full", "mean_pool", "defaults", "pbs_paper", "last_block_shared"])
+@pytest.mark.parametrize("name", ["full", "mean_pool", "defaults", "pbs_paper", "last_block_shared", "xattention",
+                                  "pbs_xattention"])
 def test_masks_are_the_rows_of_the_one_process_mask(cp_run, name):
     world, ranks = cp_run
     _, _, _, plan = _one_process(world, name)
@@ -258,7 +262,7 @@ def test_errors_name_the_problem(cp_run):
     world, ranks = cp_run
     for result in ranks:
         errors = result["errors"]
-        assert "selector 'antidiagonal' does not declare the whole-sequence summaries" in errors["unsupported"]
+        assert "selector 'sampled_rows' does not declare the whole-sequence summaries" in errors["unsupported"]
         assert "zigzag split" in errors["not_zigzag"] and "shard_sequence" in errors["not_zigzag"]
         assert errors["heads"].startswith("context-parallel ranks disagree on Hq (")
         assert f"too short to split over {world} ranks" in errors["too_short"]

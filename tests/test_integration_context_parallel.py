@@ -250,7 +250,7 @@ def test_refusals_without_a_group(model_dir):
     with pytest.raises(RuntimeError, match="process group"):
         pbs_cp.context_parallel_prefill(model, prompt(2048))
     with pytest.raises(ValueError, match="cannot be planned context-parallel"):
-        pbs_cp.register_context_parallel({"selector": "antidiagonal"})
+        pbs_cp.register_context_parallel({"selector": "sampled_rows"})
     with pytest.raises(ValueError, match="same segment_size"):
         pbs_cp.register_context_parallel({"pbs": {}, "layer_overrides": {1: {"segment_size": 512}}})
     q = torch.randn(1, 4, 256, 16)

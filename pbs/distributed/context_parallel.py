@@ -48,7 +48,7 @@ import torch
 
 from pbs.backends.pooling import block_means
 from pbs.backends.registry import planner_for, planners_of, register_planner
-from pbs.components import SequenceSummaries
+from pbs.components import READS_PREFIX_KEYS, SequenceSummaries
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.distributed.agreement import agree, dim, tensor_fields
@@ -345,6 +345,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     k_parts, k_work = all_gather_shards(k, lengths, kv_comm, async_op=True)
     v_parts, v_work = all_gather_shards(v, lengths, kv_comm, async_op=True)
 
+    def gathered_keys_and_values() -> tuple[torch.Tensor, torch.Tensor]:
+        k_work.wait()
+        v_work.wait()
+        return assemble(k_parts, bounds, 1, seq_len), assemble(v_parts, bounds, 1, seq_len)
+
+    # A selector that reads its call's keys themselves (``prefix_keys``: antidiagonal scoring) plans
+    # once the keys are here, on the real prefix; the others plan while they travel.
+    reads_keys = reason is None and READS_PREFIX_KEYS in (config.selector.summaries_needed() or ())
+    kv_all = gathered_keys_and_values() if reads_keys else None
     plans: list[Plan | None] = [None, None]
     perm_q: list[torch.Tensor | None] = [None, None]
     if reason is None:
@@ -353,7 +362,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
             # Values only tell the backend choice their head dim; under a key permutation planning
             # would gather them (and the shape-only keys), so there it sees none (Dv taken as D).
             v_spec = None if permuted else _shape_only(v, end, v.shape[-1])
-            plan, q_perm, _, _ = build_plan(q_chunk, _shape_only(k, end), config, scale, v_spec,
+            k_plan = kv_all[0][:, :, :end] if kv_all is not None else _shape_only(k, end)
+            plan, q_perm, _, _ = build_plan(q_chunk, k_plan, config, scale, v_spec,
                                             return_lse=return_lse, summaries=summaries)
             plans[i], perm_q[i] = plan, q_perm
         total_allowed = float(q.shape[0] * q.shape[1] * _total_allowed(seq_len, config))
@@ -363,12 +373,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
             plans = [None if p is None else _with_fallback(p, reason) for p in plans]
     clock.mark("planning")
 
-    k_work.wait()
-    v_work.wait()
-    k_all = assemble(k_parts, bounds, 1, seq_len)
-    del k_parts
-    v_all = assemble(v_parts, bounds, 1, seq_len)
-    del v_parts
+    k_all, v_all = kv_all if kv_all is not None else gathered_keys_and_values()
+    del k_parts, v_parts, kv_all
     clock.mark("kv_wait")
 
     outs, lses = [], []

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from pbs.components import SelectionInputs, SelectorConfig, register_selector
+from pbs.components import READS_PREFIX_KEYS, SelectionInputs, SelectorConfig, register_selector
 from pbs.reference.logits import grouped_logits
 from pbs.reference.block_sets import forced_blocks
 from pbs.reference.threshold_select import select_by_cumulative_threshold
@@ -93,6 +93,7 @@ class AntidiagonalSelector(SelectorConfig):
     name: Literal["antidiagonal"] = "antidiagonal"
     stride: int = Field(8, ge=1)
     knob: ClassVar[str | None] = "threshold"
+    sequence_summaries: ClassVar[frozenset[str] | None] = frozenset({READS_PREFIX_KEYS})
     threshold: float = Field(0.9, gt=0.0, le=1.0)
 
     def check_compatible(self, config) -> None:
