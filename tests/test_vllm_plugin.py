@@ -7,6 +7,10 @@ SmolLM2-135M test model converted to safetensors):
 
     bash scripts/setup_vllm_cpu.sh && .venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py
 
+CI (README's test command, `.ci/run`) runs the tests marked ``vllm_ci`` there (``-m vllm_ci``): the
+plugin's registration, the cache reader, and one engine that generates with vLLM's own kernel and
+then with pbs at full density.
+
 The engine tests (``slow``) start engines in subprocesses: this file run as a script
 (``python tests/test_vllm_plugin.py JOB``) is that subprocess, so the engine runs in one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``) where it can be inspected.
@@ -207,6 +211,7 @@ def test_attend_rows_runs_pbs_over_a_strided_paged_cache_for_its_rows_only():
     assert torch.all(output[80] == 7.0)
 
 
+@pytest.mark.vllm_ci
 @needs_vllm
 def test_register_puts_pbs_in_cpu_attn_which_hands_out_vllms_impl_until_enabled(monkeypatch):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -230,6 +235,7 @@ def test_register_puts_pbs_in_cpu_attn_which_hands_out_vllms_impl_until_enabled(
 # -- the CPU adapter's cache reader, against vLLM's own cache writer -------------------------------
 
 
+@pytest.mark.vllm_ci
 @needs_vllm
 @pytest.mark.parametrize("isa, dtype, head_dim, in_place", [
     ("vec", torch.bfloat16, 64, True), ("vec", torch.float32, 128, True), ("vec16", torch.bfloat16, 80, True),
@@ -306,7 +312,14 @@ def test_full_density_generates_the_tokens_of_stock_vllm(engine, stock_run, full
     and again with their prefixes in the prefix cache (pass 1)."""
     stock, plugged = stock_run["engines"][engine], full_density_run["engines"][engine]
     assert plugged["tokens"] == stock["tokens"]
-    steps = [json.loads(line) for line in plugged["trace"]]
+    _assert_pbs_ran_every_prefill(plugged["trace"], full_density_run["log"], chunked=engine == 1)
+
+
+def _assert_pbs_ran_every_prefill(trace: list[str], log: str, chunked: bool) -> list[tuple[int, int]]:
+    """The trace of a full-density engine that generated for `PROMPT_LENGTHS` twice shows pbs on
+    every prompt, whole or in chunks, and on each prefix-cache hit, and vLLM's kernel on decode
+    tokens only; the log shows density 1. Returns pbs's ``(q_len, seq_len)`` requests."""
+    steps = [json.loads(line) for line in trace]
     pbs_requests = [tuple(r) for step in steps for r in step["pbs"]]
     stock_requests = [tuple(r) for step in steps for r in step["stock"]]
     assert all(q_len == 1 for q_len, _ in stock_requests), "only decode tokens stay with vLLM's kernel"
@@ -314,12 +327,39 @@ def test_full_density_generates_the_tokens_of_stock_vllm(engine, stock_run, full
     assert set(PROMPT_LENGTHS) <= seen, "pbs ran on every prompt"
     cached = [(q, k) for q, k in pbs_requests if q < k]
     assert any(k - q >= 1024 for q, k in cached), "pbs ran on requests after a cached context (prefix hits)"
-    if engine == 1:
+    if chunked:
         # Chunks of the 512-token budget (less the step's decode tokens) after their cached context.
         assert max(q for q, _ in pbs_requests) <= 512 and any(q >= 500 and k >= 3000 for q, k in cached)
     logged = re.findall(r"pbs ran on a request: (\d+) new tokens after (\d+) cached \((\d+) keys\); density ([\d.]+)",
-                        full_density_run["log"])
+                        log)
     assert logged and all(float(d) == 1.0 for *_, d in logged)
+    return pbs_requests
+
+
+@pytest.mark.vllm_ci
+@needs_engine
+def test_in_one_engine_pbs_at_full_density_generates_the_tokens_of_vllms_own_kernel(tmp_path):
+    """CI's engine test: one engine (chunked prefill on, a 512-token budget, the prefix cache on),
+    enabled at full density, generates for prompts of 200-4000 tokens twice (the second time from
+    the prefix cache) with its split switched off, so that vLLM's own builder and kernel run every
+    row; then, its prefix cache emptied, twice more with pbs. The greedy tokens are equal. Layer 0's
+    row counts show which kernel ran: vLLM's every row of the first half and no pbs; in the second,
+    pbs every prefill row of the trace and vLLM's kernel the decode tokens only."""
+    trace = tmp_path / "trace.jsonl"
+    job = {"kind": "stock_then_pbs", "engine": {"chunked": True, "max_num_batched_tokens": 512},
+           "lengths": PROMPT_LENGTHS, "max_tokens": 8}
+    result = _run_job(job, {"PBS_VLLM_CONFIG": json.dumps(FULL_DENSITY), "PBS_VLLM_TRACE": str(trace)})
+    stock, plugged = result["stock"], result["pbs"]
+    assert plugged["tokens"] == stock["tokens"]
+    # Each pass: the prompts' prefill rows, then one decode row per token after the first.
+    decode_rows = 2 * len(PROMPT_LENGTHS) * (job["max_tokens"] - 1)
+    assert stock["pbs_rows"] == 0 and stock["stock_rows"] > sum(PROMPT_LENGTHS) + decode_rows
+    pbs_requests = _assert_pbs_ran_every_prefill(plugged["trace"], result["log"], chunked=True)
+    assert plugged["pbs_rows"] == sum(q for q, _ in pbs_requests)
+    assert plugged["stock_rows"] == decode_rows
+    assert plugged["pbs_rows"] + plugged["stock_rows"] == stock["stock_rows"], "both halves ran the same rows"
+    cold = [(q, k) for q, k in pbs_requests if q == k]
+    assert len(cold) == len(PROMPT_LENGTHS), "pbs prefilled each prompt from its start: the stock half's cache was emptied"
 
 
 @needs_engine
@@ -493,6 +533,57 @@ def _engine_job(job: dict) -> dict:
     return {"engines": results}
 
 
+FIRST_LAYER = "model.layers.0.self_attn.attn"
+
+
+def _stock_then_pbs_job(job: dict) -> dict:
+    """The ``stock_then_pbs`` job: one engine (the plugin enabled by the environment) generates
+    ``max_tokens`` greedy tokens for the prompts twice with the plugin's split switched off (its
+    builder then builds vLLM's own metadata, and its forward runs vLLM's kernel on every row), then,
+    the prefix cache emptied, twice with pbs. For each half: the tokens, the trace, and the query
+    rows of layer 0 that vLLM's kernel and pbs ran."""
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from pbs.integrations.vllm import cpu
+
+    rows = {"stock_rows": 0, "pbs_rows": 0}
+    stock_forward, split_step, attend_rows = CPUAttentionBackendImpl.forward, cpu.split_step, cpu.attend_rows
+
+    def counted_stock_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if layer.layer_name == FIRST_LAYER:
+            rows["stock_rows"] += attn_metadata.num_actual_tokens
+        return stock_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    def counted_attend_rows(pbs_rows, *args, **kwargs):
+        if kwargs.get("layer_name") == FIRST_LAYER:
+            rows["pbs_rows"] += sum(q_len for q_len, _ in pbs_rows.lengths)
+        return attend_rows(pbs_rows, *args, **kwargs)
+
+    CPUAttentionBackendImpl.forward, cpu.attend_rows = counted_stock_forward, counted_attend_rows
+    engine, trace = job["engine"], Path(os.environ["PBS_VLLM_TRACE"])
+    llm = LLM(
+        model=str(MODEL_DIR), dtype="bfloat16", enforce_eager=True, max_model_len=8192, seed=0,
+        distributed_executor_backend="uni", enable_prefix_caching=True, enable_chunked_prefill=engine["chunked"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+    )
+    prompts = [{"prompt_token_ids": ids} for ids in _prompts(job["lengths"])]
+    sampling = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
+    result = {}
+    for half in ("stock", "pbs"):
+        cpu.split_step = split_step if half == "pbs" else lambda *args, **kwargs: None
+        rows.update(stock_rows=0, pbs_rows=0)  # not the start-up's dummy runs, not the other half
+        trace.write_text("")
+        tokens = []
+        for _ in range(2):
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+        result[half] = {"tokens": tokens, "trace": trace.read_text().splitlines(), **rows}
+        assert llm.reset_prefix_cache(), "the prefix cache was not emptied"
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
 def _prompts(lengths: list[int]) -> list[list[int]]:
     """Token ids of prompts of ``lengths``, cut from Python's own source text at different places
     (no two share a prefix), with the test model's tokenizer."""
@@ -511,7 +602,7 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
 
 def main(argv: list[str]) -> None:
     job = json.loads(argv[0])
-    result = {"generate": _engine_job, "layers": _layers_job}[job["kind"]](job)
+    result = {"generate": _engine_job, "layers": _layers_job, "stock_then_pbs": _stock_then_pbs_job}[job["kind"]](job)
     print("RESULT " + json.dumps(result), flush=True)
 
 
