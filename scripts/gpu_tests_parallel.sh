@@ -16,7 +16,7 @@ groups=(
   "tests/test_kernel_gpu_selection.py"
   "tests/test_block_sparse_attn.py tests/test_vertical_slash.py tests/test_serve.py"
   "tests/test_hopper_attn.py tests/test_compile_and_graphs.py tests/test_kernel_flex.py"
-  "tests/test_paged.py tests/test_serving.py tests/test_capturable_varlen.py tests/test_dense_fallback.py tests/test_density_probe.py tests/test_lse.py tests/test_nan_semantics.py tests/test_quality.py tests/test_testing_helpers.py tests/test_kernel_antidiagonal.py tests/test_backends.py tests/test_rank_agreement.py"
+  "tests/test_paged.py tests/test_serving.py tests/test_capturable_varlen.py tests/test_pad_rows.py tests/test_dense_fallback.py tests/test_density_probe.py tests/test_lse.py tests/test_nan_semantics.py tests/test_quality.py tests/test_testing_helpers.py tests/test_kernel_antidiagonal.py tests/test_backends.py tests/test_rank_agreement.py"
 )
 pids=()
 for i in 0 1 2 3; do

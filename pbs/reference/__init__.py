@@ -2,7 +2,8 @@
 
 Eager twins of `pbs.kernels` (same stem): `block_means`, `threshold_select`, `block_sets`
 (forced blocks; the allowed/diagonal/candidate sets are `pbs.layout.Layout` methods),
-`density_probe`, `block_sparse_attn` and `gather` (the key permutation applied to K and V). The `last_block`, `antidiagonal`
+`density_probe`, `block_sparse_attn`, `gather` (the key permutation applied to K and V) and
+`pad_rows` (a packed or paged batch padded to token-major buffers). The `last_block`, `antidiagonal`
 and `sampled_rows` kernels have their twins in the component files of the same name
 (`pbs.permuters.last_block`, `pbs.selectors.antidiagonal`, `pbs.selectors.sampled_rows`), which
 hold each component's config with its reference implementation. Shared by components:
