@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import pbs
+from pbs.backends.padding import pad_packed
 from pbs.dense import DensePolicy
 from pbs.ragged_layout import ragged_geometry
 from pbs.serving.capturable import plan_ragged
-from pbs.serving.ragged import pad_packed
 from tests.test_paged import paged_cache
 from tests.test_serving import ALL_BLOCKS, make_sequences, pack
 
@@ -105,6 +105,55 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     without = padded_plan(sequences, config)[0].to_dense()
     monkeypatch.setattr(planners, "uses_gpu_planners", lambda device: True)
     assert torch.equal(padded_plan(sequences, config)[0].to_dense(), without)
+
+
+@pytest.mark.parametrize("name", ["defaults", "mean_pooling", "vertical_slash"])
+@pytest.mark.parametrize("policy", ["none", "length"])
+def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(monkeypatch, name, policy):
+    """On CUDA the planners write the lists (forced blocks, the union's merge, the dense rows and the
+    full/masked split included) with no bool mask in between; here they run in the interpreter and
+    give the CPU path's mask and split. With the length rule on, the sequences it sends to dense
+    are not planned (the planners get them as not ``planned``) and still get every allowed block."""
+    import pbs.backends.ragged_planners as planners
+    import pbs.serving.capturable as capturable
+
+    fallback = ({"min_seq_len": 100, "max_density": 1.0, "max_planned_density": 1.0, "devices": ["cpu"]}
+                if policy == "length" else {"devices": []})
+    config = {**CONFIGS[name], **SMALL, "dense_fallback": fallback}  # "auto": a named backend skips the policy
+    sequences = make_sequences([(40, 40), (1, 90), (0, 0), (70, 200), (16, 17), (129, 129)], heads_q=4, heads_kv=2)
+    cpu_mask, cpu_dense = padded_plan(sequences, config)
+    seen = []
+    member_mask = capturable.member_mask
+    monkeypatch.setattr(capturable, "member_mask", lambda s, inputs: seen.append(inputs.planned) or member_mask(s, inputs))
+    monkeypatch.setattr(planners, "uses_gpu_planners", lambda device: True)
+    mask, dense = padded_plan(sequences, config)
+    assert torch.equal(mask.to_dense(), cpu_mask.to_dense())
+    assert torch.equal(mask.counts, cpu_mask.counts)
+    assert torch.equal(mask.full_counts, cpu_mask.full_counts)
+    if policy == "length":
+        assert dense.tolist() == cpu_dense.tolist() == [True, True, True, False, True, False]
+        assert seen[0].tolist() == [False, False, False, True, False, True]
+    else:
+        assert dense is None and seen == [None]
+
+
+def test_a_row_limit_leaves_the_rows_past_it_empty_without_ranking_them():
+    from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
+
+    layout = pbs.Layout(2, 2, 2, 64, 64, 16, 16, segmented=False)
+    scores = torch.randn(2, 2, 4, 4)
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril()
+    diagonal = torch.eye(4, dtype=torch.bool)
+    results = []
+    for limits in (None, torch.tensor([4, 1], dtype=torch.int32)):
+        counts, indices = empty_block_mask_tensors(layout, scores.device)
+        threshold_select_rows(scores, layout, 0.9, counts, indices, head_offset=0, key_inverse=None, from_logits=True,
+                              candidates=allowed, diagonal=diagonal, row_limits=limits)
+        results.append((counts, indices))
+    (full_counts, full_indices), (counts, indices) = results
+    assert torch.equal(counts[0], full_counts[0]) and torch.equal(indices[0], full_indices[0])
+    assert torch.equal(counts[1, :, :1], full_counts[1, :, :1]) and torch.equal(indices[1, :, :1], full_indices[1, :, :1])
+    assert (counts[1, :, 1:] == 0).all() and (indices[1, :, 1:] == -1).all() and (full_counts[1, :, 1:] > 0).all()
 
 
 def test_the_lengths_are_sequence_lengths_not_the_maxima():
@@ -199,7 +248,7 @@ def test_nothing_is_planned_when_every_key_length_is_below_min_seq_len(monkeypat
     def no_planning(*args, **kwargs):
         raise AssertionError("planned although every sequence is dense by its length")
 
-    monkeypatch.setattr(pbs.serving.capturable, "select", no_planning)
+    monkeypatch.setattr(pbs.serving.capturable, "member_mask", no_planning)
     config = {**SMALL, "dense_fallback": {"min_seq_len": 1000, "devices": ["cpu"]}}
     packed = pack(mixed_sequences())
     eager = pbs.varlen_attention(*packed, config)  # SDPA per sequence

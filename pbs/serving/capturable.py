@@ -5,7 +5,7 @@ Every launch here therefore has a shape fixed by ``(Tq, Tk, N, max_q, max_k)`` a
 own shapes, and every decision that depends on the lengths is taken on the device:
 
 1. the sequences are written into token-major padded buffers, viewed as ``(N, H, max, D)``
-   (`pbs.serving.ragged`);
+   (`pbs.backends.padding`: one Triton launch per tensor on CUDA);
 2. each is planned as it is alone (the ``ragged`` planners, `pbs.backends.ragged_planners`), and
    `pbs.dense.DensePolicy.sequence_decisions` evaluates the dense rules per sequence on the
    device; a sequence that decides dense gets every allowed block (dense attention on the
@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 
 from pbs.backends import AttentionCall, CallSpec, get_backend, list_backends, resolve_backend
-from pbs.backends.ragged_planners import RaggedInputs, block_means, probe_counters, ragged_reasons, select
+from pbs.backends.padding import pad_packed, pad_paged
+from pbs.backends.ragged_planners import RaggedInputs, block_means, member_mask, probe_counters, ragged_reasons
 from pbs.config import PBSConfig
 from pbs.dense import DensePolicy
 from pbs.ragged_layout import RaggedGeometry, ragged_geometry
-from pbs.serving.ragged import flat_slots, pad_packed, pad_paged, unpad_rows
-from pbs.types import BlockMask, Permutation, Plan
+from pbs.serving.ragged import flat_slots, unpad_rows
+from pbs.types import BlockMask, Permutation, Plan, block_index_dtype
 from pbs.validation import check_all_finite
 
 
@@ -54,37 +55,55 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)``, ``k (N, Hkv, Tk*B, D)``,
     and the per-sequence dense decisions (None where the policy does not apply).
 
+    The length and probe rules are decided first, so that the planners skip the sequences they
+    send to dense attention (as the eager path plans none of them); the planned-density rule then
+    reads the lists. A dense sequence's rows are replaced by every allowed block in the lists
+    themselves: no ``(N, Hq, Tq, Tk)`` bool mask is built on the GPU path.
+
     Returns:
         ``(mask, dense)``: a `BlockMask` over the padded layout whose lists name only blocks of
         each sequence's own grid (a dense sequence: all its allowed blocks).
     """
-    n, hq = q.shape[:2]
+    hq = q.shape[1]
     layout = geometry.layout(hq, k.shape[1])
     policy = DensePolicy(config)
     if policy.all_dense_by_length(geometry.padded_len_k, geometry.device):
         # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
-        every_allowed = geometry.allowed[:, None].expand(n, hq, -1, -1)
-        return _block_mask(every_allowed, geometry, layout), torch.ones(n, dtype=torch.bool, device=q.device)
+        counts, indices, full = geometry.every_allowed_block(block_index_dtype(layout.num_key_blocks))
+        shape = (geometry.batch, hq, layout.num_query_blocks)
+        return (BlockMask(counts.expand(shape).contiguous(), indices.expand(*shape, -1).contiguous(), layout,
+                          full.expand(shape).contiguous()),
+                torch.ones(geometry.batch, dtype=torch.bool, device=q.device))
     pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
-    selected = select(config.selector, RaggedInputs(geometry, q, k, pooled, scale, config.force_sink_block))
-    allowed = geometry.allowed[:, None]
-    selected |= geometry.forced(config.force_sink_block)[:, None]  # in place: N * Hq * Tq * Tk bools a pass
-    selected &= allowed
     probe_args = policy.probe_arguments(scale)
     counters = None if probe_args is None else probe_counters(geometry, *pooled, probe_args)
-    selected_blocks = selected.sum((1, 2, 3), dtype=torch.float64)
-    allowed_blocks = geometry.allowed.sum((1, 2), dtype=torch.float64) * hq
-    dense = policy.sequence_decisions(geometry.len_k, counters, selected_blocks, allowed_blocks)
-    if dense is not None:
-        selected = torch.where(dense[:, None, None, None], allowed, selected)
-    return _block_mask(selected, geometry, layout), dense
+    decided = policy.sequence_decisions(geometry.len_k, counters)
+    inputs = RaggedInputs(geometry, q, k, pooled, scale, config.force_sink_block,
+                          planned=None if decided is None else ~decided)
+    mask = member_mask(config.selector, inputs)
+    full = mask.known_full_counts
+    if decided is not None:
+        selected_blocks = mask.counts.sum((1, 2), dtype=torch.float64)
+        allowed_blocks = geometry.allowed_counts.sum(1, dtype=torch.float64) * hq
+        dense = policy.sequence_decisions(geometry.len_k, counters, selected_blocks, allowed_blocks)
+        mask, full = _dense_rows(mask, full, dense, geometry)
+        if full is None:
+            full = geometry.full_counts(mask.counts, mask.indices)
+        return BlockMask(mask.counts, mask.indices, layout, full), dense
+    if full is None:
+        full = geometry.full_counts(mask.counts, mask.indices)
+    return BlockMask(mask.counts, mask.indices, layout, full), None
 
 
-def _block_mask(selected: torch.Tensor, geometry: RaggedGeometry, layout) -> BlockMask:
-    """``selected (N, Hq, Tq, Tk)`` bool as a `BlockMask` whose full/masked split is each
-    sequence's own (`RaggedGeometry.full_counts`), not the padded layout's."""
-    mask = BlockMask.from_dense(selected, layout)
-    return BlockMask(mask.counts, mask.indices, layout, geometry.full_counts(mask.counts, mask.indices))
+def _dense_rows(mask: BlockMask, full: torch.Tensor | None, dense: torch.Tensor, geometry: RaggedGeometry
+                ) -> tuple[BlockMask, torch.Tensor | None]:
+    """``mask`` with the rows of the ``(N,)`` dense sequences listing every allowed block, and its
+    ``full`` split likewise (None stays None)."""
+    counts, indices, every_full = geometry.every_allowed_block(mask.indices.dtype)
+    rows = dense[:, None, None]
+    mask = BlockMask(torch.where(rows, counts, mask.counts), torch.where(rows[..., None], indices, mask.indices),
+                     mask.layout)
+    return mask, None if full is None else torch.where(rows, every_full, full)
 
 
 def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
