@@ -14,9 +14,9 @@ own shapes, and every decision that depends on the lengths is taken on the devic
    its own causal offset from the query positions, and the rows are scattered back to the packing.
 
 What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
-them in place), every sequence is planned at the padded size unless the shapes alone send all of
-them to dense attention (the eager path skips planning per sequence), and dense sequences run on
-the block-sparse kernel instead of cuDNN.
+them in place); the planners' grids are sized by the maxima, though rows past a sequence's queries,
+and the sequences the length and probe rules send to dense attention, are not ranked; and dense
+sequences run on the block-sparse kernel instead of cuDNN.
 """
 
 from __future__ import annotations
