@@ -362,6 +362,16 @@ def test_in_one_engine_pbs_at_full_density_generates_the_tokens_of_vllms_own_ker
     assert len(cold) == len(PROMPT_LENGTHS), "pbs prefilled each prompt from its start: the stock half's cache was emptied"
 
 
+def test_ci_selects_the_engine_test_of_equal_tokens():
+    """README's test command (CI's) runs this file in the vLLM venv with a marker; the marker
+    selects the engine test that holds pbs's tokens to vLLM's."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    marker = re.search(r"\.venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin\.py -m (\w+)\n", readme)
+    assert marker, "README's test command runs no marked part of tests/test_vllm_plugin.py"
+    test = test_in_one_engine_pbs_at_full_density_generates_the_tokens_of_vllms_own_kernel
+    assert marker.group(1) in {mark.name for mark in test.pytestmark}
+
+
 @needs_engine
 def test_the_openai_server_runs_the_plugin_for_concurrent_completions(stock_run, tmp_path):
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin at full density; three
