@@ -31,3 +31,19 @@ def test_block_means_match_reference(dtype, gather):
         actual = block_means(k, 32)
     assert actual.dtype == torch.float32 and actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_batch_averages_each_entry_s_own_rows_and_reads_none_past_them():
+    # Entry b holds lengths[b] rows (on and off a block, none, all); the rows past it are NaN, so
+    # a read of any of them would poison its block. Each entry equals the kernel on its rows alone.
+    lengths = torch.tensor([20, 0, 64, 33])
+    x = torch.randn(4, 2, 64, 16)
+    for b, n in enumerate(lengths.tolist()):
+        x[b, :, n:] = float("nan")
+    means = block_means(x, 16, lengths=lengths)
+    assert means.shape == (4, 2, 4, 16) and not means.isnan().any()
+    for b, n in enumerate(lengths.tolist()):
+        blocks = -(-n // 16)
+        if n:
+            torch.testing.assert_close(means[b, :, :blocks], block_means(x[b:b + 1, :, :n], 16)[0], rtol=0, atol=0)
+        assert (means[b, :, blocks:] == 0).all()

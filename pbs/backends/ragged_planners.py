@@ -40,6 +40,10 @@ def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torc
     """``(N, H, T, D)`` float32 means of the blocks of padded ``x (N, H, T * block_size, D)``; a
     sequence's partial last block averages the tokens it has (zeros past it are summed, not
     counted), and blocks past its end are 0."""
+    if uses_gpu_planners(x.device):
+        from pbs.kernels.block_means import block_means as block_means_kernel
+
+        return block_means_kernel(x, block_size, lengths=lengths)
     n, h, rows, d = x.shape
     blocks = rows // block_size
     # Summed in the token-major order of the padded buffers (`pad_packed`), with no float32 copy.

@@ -17,6 +17,7 @@ def _block_means_kernel(
     x_ptr,
     idx_ptr,
     table_ptr,
+    lengths_ptr,
     out_ptr,
     stride_xb,
     stride_xh,
@@ -33,10 +34,13 @@ def _block_means_kernel(
     BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    LENGTHS: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // heads
+    if LENGTHS:
+        seq_len = tl.load(lengths_ptr + i_b).to(tl.int32)  # a padded batch: this entry's own rows
     i_h = i_bh % heads
     i_hx = i_h // group  # input head of this output head (per-head GQA keys)
     o_d = tl.arange(0, BLOCK_D)
@@ -63,11 +67,12 @@ def _block_means_kernel(
         acc += tl.sum(rows.to(tl.float32), 0)
     count = tl.minimum(seq_len - first, BLOCK_SIZE)
     p_out = out_ptr + (i_bh.to(tl.int64) * num_blocks + i_t) * dim + o_d
-    tl.store(p_out, acc / count, mask=m_d)
+    tl.store(p_out, tl.where(count > 0, acc / tl.maximum(count, 1), 0.0), mask=m_d)
 
 
 def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None, *,
-                block_table: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
+                block_table: torch.Tensor | None = None, seq_len: int | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of every ``block_size`` rows (a partial last block averages what it has), in fp32.
 
     Args:
@@ -80,6 +85,9 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
             page ``block_table[t // page_size]``), holding one sequence (``B = 1``) of ``seq_len``
             rows.
         seq_len: the rows of a paged ``x`` (only with ``block_table``).
+        lengths: ``(B,)`` integer rows of each batch entry, on the device: ``x`` is then a padded
+            batch (`pbs.serving.ragged`) whose entry ``b`` averages only its first ``lengths[b]``
+            rows (its partial last block what it has, blocks past it 0). No host read.
 
     Returns:
         ``(B, H, ceil(N / block_size), D)`` float32 (``H = Hx`` without ``indices``).
@@ -104,11 +112,11 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
     rows = max(1, min(block_size, 4096 // block_d))
     idx = indices if indices is not None else out
     _block_means_kernel[(num_blocks, b * heads)](
-        x, idx, out if table is None else table, out,
+        x, idx, out if table is None else table, lengths if lengths is not None else out, out,
         x.stride(0), x.stride(1), x.stride(2),
         idx.stride(0) if indices is not None else 0, idx.stride(1) if indices is not None else 0,
         heads, heads // hx, n, d, num_blocks,
         BLOCK_SIZE=block_size, ROWS=rows, BLOCK_D=block_d, GATHER=indices is not None, PAGE_SIZE=page_size,
-        num_warps=4,
+        LENGTHS=lengths is not None, num_warps=4,
     )
     return out
