@@ -544,6 +544,36 @@ def test_host_bounds_replace_the_device_read_and_are_checked(monkeypatch):
     for message, value in bad.items():
         with pytest.raises((ValueError, TypeError), match=message):
             pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE, host_bounds=value)
-    with pytest.raises(ValueError, match="host_bounds is taken for packed k and v without capturable"):
+    with pytest.raises(ValueError, match="host_bounds is taken without capturable"):
         pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, REFERENCE, host_bounds=bounds,
                              capturable=True)
+
+
+def test_host_bounds_of_a_paged_call_replace_its_device_read_and_are_checked(monkeypatch):
+    """A paged call takes ``(cu_seq_q's values, seqused_k's values)``: the same result with no read
+    of the lengths on the device (a serving engine knows them per step, so each layer's call
+    syncs nothing for them), and the paged checks still name wrong values and pages."""
+    from tests.test_paged import paged_cache
+
+    sequences = make_sequences([(40, 40), (0, 9), (10, 30)], seed=22)
+    q, _, _, cu_seq_q, _, max_q, max_k = pack(sequences)
+    k_cache, v_cache, table, seqused_k = paged_cache(sequences, 16)
+    args = (q, k_cache, v_cache, cu_seq_q, None, max_q, max_k, REFERENCE)
+    expected = pbs.varlen_attention(*args, block_table=table, seqused_k=seqused_k)
+    bounds = (cu_seq_q.tolist(), seqused_k.tolist())
+    monkeypatch.setattr(pbs.serving.varlen, "read_paged_bounds", lambda *a: pytest.fail("read on the device"))
+    out = pbs.varlen_attention(*args, block_table=table, seqused_k=seqused_k, host_bounds=bounds)
+    assert torch.equal(out, expected)
+    bad_table = table.clone()
+    bad_table[2, 1] = k_cache.shape[0]
+    bad = {
+        "must hold the 4 values of cu_seq_q and the 3 of seqused_k": (bounds[0], bounds[1] + [5]),
+        "sequence 2 has len_q = 10 queries and seqused_k\[2\] = 5 keys": (bounds[0], [40, 9, 5]),
+        "is more than the pages of block_table hold": (bounds[0], [40, 9, 10_000]),
+        "must end at the packed length": ([0, 40, 40, 49], bounds[1]),
+    }
+    for message, value in bad.items():
+        with pytest.raises(ValueError, match=message):
+            pbs.varlen_attention(*args, block_table=table, seqused_k=seqused_k, host_bounds=value)
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = \d+ is not a page of the cache"):
+        pbs.varlen_attention(*args, block_table=bad_table, seqused_k=seqused_k, host_bounds=bounds)

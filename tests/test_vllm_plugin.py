@@ -188,9 +188,13 @@ def _paged(x: torch.Tensor, pages: list[int], num_pages: int, page_size: int) ->
     return storage.permute(0, 3, 1, 2)  # (num_pages, page_size, H, D), strided
 
 
-def test_attend_rows_runs_pbs_over_a_strided_paged_cache_for_its_rows_only():
+def test_attend_rows_runs_pbs_over_a_strided_paged_cache_for_its_rows_only(monkeypatch):
     """Two requests taken by pbs around one that is not: their rows equal `pbs.attention` on each
-    request alone; the row between them is left as it was."""
+    request alone; the row between them is left as it was. The lengths come from the step's split
+    on the host (``host_bounds``): no layer reads them on the device."""
+    import pbs.serving.varlen
+
+    monkeypatch.setattr(pbs.serving.varlen, "read_paged_bounds", lambda *a: pytest.fail("lengths read on the device"))
     torch.manual_seed(0)
     page_size, heads_q, heads_kv, dim = 16, 4, 2, 32
     q, k, v = pbs.testing.make_qkv(seq_len=80, heads_q=heads_q, heads_kv=heads_kv, head_dim=dim)

@@ -16,6 +16,7 @@ from pbs.serving.varlen_checks import (
     check_max_length,
     check_paged_arguments,
     check_host_bounds,
+    check_paged_host_bounds,
     check_packed_qkv,
     check_paged_qkv,
     output_buffer,
@@ -65,7 +66,9 @@ def varlen_attention(
         block_table: ``(N, max_pages)`` int32: key ``t`` of sequence ``i`` is row ``t % page_size`` of
             page ``block_table[i, t // page_size]``; ``seqused_k``: ``(N,)`` int32, its keys.
         capturable: take the path without host reads, for CUDA-graph capture.
-        host_bounds: ``(bounds_q, bounds_k)``, ``cu_seq_q``/``cu_seq_k``'s values already on the host.
+        host_bounds: ``cu_seq_q``'s values and ``cu_seq_k``'s (or, with ``block_table``, ``seqused_k``'s)
+            already on the host: no device read (a paged cache's page indices are then checked on
+            a CPU only).
 
     Returns:
         ``(Tq, Hq, Dv)`` in ``q``'s dtype; with ``return_lse`` also the LSE ``(Hq, Tq)`` float32
@@ -93,9 +96,8 @@ def varlen_attention(
         ```
     """
     paged = block_table is not None
-    if host_bounds is not None and (paged or capturable):
-        raise ValueError("host_bounds is taken for packed k and v without capturable: a paged call reads its "
-                         "page indices on the device, a capturable one reads nothing on the host")
+    if host_bounds is not None and capturable:
+        raise ValueError("host_bounds is taken without capturable: a capturable call reads nothing on the host")
     if not paged and seqused_k is not None:
         raise ValueError(
             "seqused_k is read only with a paged cache (block_table=...); for packed k and v the key "
@@ -115,7 +117,10 @@ def varlen_attention(
         return _capturable_call(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse, out, scale,
                                 block_table, seqused_k, checked=False)
     if paged:
-        bounds_q, lengths_k = read_paged_bounds(cu_seq_q, cu_seq_k, seqused_k, block_table, q, k)
+        if host_bounds is not None:
+            bounds_q, lengths_k = check_paged_host_bounds(host_bounds, cu_seq_q, cu_seq_k, seqused_k, block_table, q, k)
+        else:
+            bounds_q, lengths_k = read_paged_bounds(cu_seq_q, cu_seq_k, seqused_k, block_table, q, k)
         bounds_k = [0]
         for length in lengths_k:  # cumulative, for the max_k check: the pages hold no packed order
             bounds_k.append(bounds_k[-1] + length)

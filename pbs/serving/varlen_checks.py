@@ -149,18 +149,55 @@ def read_paged_bounds(
     check_paged_arguments(cu_seq_q, cu_seq_k, seqused_k, block_table, q)
     assert isinstance(cu_seq_q, torch.Tensor)
     num_sequences = cu_seq_q.shape[0] - 1
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     assert isinstance(seqused_k, torch.Tensor) and isinstance(block_table, torch.Tensor)
-    max_pages = block_table.shape[1]
-    # Pages a sequence uses, then whether any of them is out of range: worked out on the device so
-    # that the one read below carries it with the lengths.
-    used = (seqused_k.long().clamp(min=0) + page_size - 1) // page_size
-    in_use = torch.arange(max_pages, device=q.device)[None, :] < used[:, None]
-    out_of_range = in_use & ((block_table < 0) | (block_table >= num_pages))
-    values = torch.cat((cu_seq_q, seqused_k, out_of_range.any(1).to(torch.int32))).tolist()
+    out_of_range = _pages_out_of_range(seqused_k, block_table, k_cache)
+    values = torch.cat((cu_seq_q, seqused_k, out_of_range.to(torch.int32))).tolist()
     bounds_q = values[: num_sequences + 1]
     lengths_k = values[num_sequences + 1 : 2 * num_sequences + 1]
-    bad_pages = values[2 * num_sequences + 1 :]
+    _check_paged_lengths(bounds_q, lengths_k, values[2 * num_sequences + 1 :], q, block_table, k_cache)
+    return bounds_q, lengths_k
+
+
+def check_paged_host_bounds(
+    host_bounds: object, cu_seq_q: object, cu_seq_k: object, seqused_k: object, block_table: object,
+    q: torch.Tensor, k_cache: torch.Tensor,
+) -> tuple[list[int], list[int]]:
+    """`read_paged_bounds` for a caller that holds ``cu_seq_q``'s and ``seqused_k``'s values on the
+    host already (``host_bounds = (bounds_q, lengths_k)``): the same checks, no device read. The
+    page indices are checked where that reads nothing on the host (a CPU cache); on CUDA they are
+    the caller's to keep in range, as in a capturable call.
+
+    Returns:
+        ``(bounds_q, lengths_k)`` as lists of ints.
+    """
+    check_paged_arguments(cu_seq_q, cu_seq_k, seqused_k, block_table, q)
+    assert isinstance(cu_seq_q, torch.Tensor) and isinstance(block_table, torch.Tensor)
+    entries = cu_seq_q.shape[0]
+    bounds_q, lengths_k = _host_lists(host_bounds, "seqused_k", (entries, entries - 1))
+    _check_bounds("cu_seq_q", bounds_q, q.shape[0], "Tq")
+    bad_pages = None
+    if not q.is_cuda:
+        assert isinstance(seqused_k, torch.Tensor)
+        bad_pages = _pages_out_of_range(torch.tensor(lengths_k, dtype=torch.int32), block_table, k_cache).tolist()
+    _check_paged_lengths(bounds_q, lengths_k, bad_pages, q, block_table, k_cache)
+    return bounds_q, lengths_k
+
+
+def _pages_out_of_range(lengths_k: torch.Tensor, block_table: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: whether a page a sequence uses (of its ``lengths_k`` keys) is not a page of
+    the cache, worked out on the table's device."""
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    used = (lengths_k.to(block_table.device).long().clamp(min=0) + page_size - 1) // page_size
+    in_use = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < used[:, None]
+    return (in_use & ((block_table < 0) | (block_table >= num_pages))).any(1)
+
+
+def _check_paged_lengths(bounds_q: list[int], lengths_k: list[int], bad_pages: list[int] | None, q: torch.Tensor,
+                         block_table: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The per-sequence checks of a paged call: query bounds, key counts against the pages the
+    table holds and against the queries, and (``bad_pages`` not None) the pages in range."""
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    max_pages = block_table.shape[1]
     _check_bounds("cu_seq_q", bounds_q, q.shape[0], "Tq")
     capacity = max_pages * page_size
     for i, length in enumerate(lengths_k):
@@ -176,7 +213,7 @@ def read_paged_bounds(
             why = "it has queries but no keys" if length == 0 else (
                 "queries are the last len_q of a sequence's seqused_k positions, so len_q <= seqused_k")
             raise ValueError(f"sequence {i} has len_q = {len_q} queries and seqused_k[{i}] = {length} keys: {why}")
-        if bad_pages[i]:
+        if bad_pages is not None and bad_pages[i]:
             row = block_table[i, : -(-length // page_size)].tolist()  # the error path only: a second read
             j = next(j for j, page in enumerate(row) if not 0 <= page < num_pages)
             raise ValueError(
@@ -184,7 +221,6 @@ def read_paged_bounds(
                 f"0 .. num_pages - 1 = {num_pages - 1} (k.shape[0] = {num_pages}) for the "
                 f"{len(row)} pages that sequence {i}'s seqused_k = {length} keys use"
             )
-    return bounds_q, lengths_k
 
 
 def _check_cu_seq(name: str, cu: object, q: torch.Tensor) -> None:
@@ -261,25 +297,32 @@ def check_host_bounds(host_bounds: object, cu_seq_q: torch.Tensor, q: torch.Tens
     Returns:
         ``(bounds_q, bounds_k)`` as lists of ints.
     """
-    if not (isinstance(host_bounds, (tuple, list)) and len(host_bounds) == 2):
-        raise TypeError("host_bounds must be a pair (bounds_q, bounds_k): the N + 1 values of cu_seq_q and of "
-                        f"cu_seq_k on the host, got {type(host_bounds).__name__}")
-    bounds = []
-    for name, values in zip(("host_bounds[0]", "host_bounds[1]"), host_bounds):
-        try:
-            bounds.append([int(b) for b in values])
-        except (TypeError, ValueError):
-            raise TypeError(f"{name} must be a sequence of ints (cumulative lengths), got {values!r}") from None
-    bounds_q, bounds_k = bounds
     entries = cu_seq_q.shape[0]
-    if len(bounds_q) != entries or len(bounds_k) != entries:
-        raise ValueError(f"host_bounds must hold the {entries} values of cu_seq_q and of cu_seq_k, got "
-                         f"{len(bounds_q)} and {len(bounds_k)}")
+    bounds_q, bounds_k = _host_lists(host_bounds, "cu_seq_k", (entries, entries))
     for (name, values), total, tensor_name in zip((("cu_seq_q", bounds_q), ("cu_seq_k", bounds_k)),
                                                   (q.shape[0], k.shape[0]), ("Tq", "Tk")):
         _check_bounds(name, values, total, tensor_name)
     _check_query_counts(bounds_q, bounds_k)
     return bounds_q, bounds_k
+
+
+def _host_lists(host_bounds: object, keys: str, entries: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """``host_bounds``'s two lists of ints, of ``entries`` lengths: the values of ``cu_seq_q`` and of
+    ``keys`` (``cu_seq_k`` for packed keys, ``seqused_k`` for a paged cache)."""
+    if not (isinstance(host_bounds, (tuple, list)) and len(host_bounds) == 2):
+        raise TypeError(f"host_bounds must be a pair: the {entries[0]} values of cu_seq_q and the {entries[1]} of "
+                        f"{keys} on the host, got {type(host_bounds).__name__}")
+    lists = []
+    for name, values in zip(("host_bounds[0]", "host_bounds[1]"), host_bounds):
+        try:
+            lists.append([int(b) for b in values])
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+    (first, second), (want_first, want_second) = lists, entries
+    if len(first) != want_first or len(second) != want_second:
+        raise ValueError(f"host_bounds must hold the {want_first} values of cu_seq_q and the {want_second} of {keys}, "
+                         f"got {len(first)} and {len(second)}")
+    return first, second
 
 
 def _check_query_counts(bounds_q: list[int], bounds_k: list[int]) -> None:

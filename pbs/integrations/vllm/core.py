@@ -246,6 +246,15 @@ class PbsRows:
     def max_k(self) -> int:
         return max(k for _, k in self.lengths)
 
+    @property
+    def host_bounds(self) -> tuple[list[int], list[int]]:
+        """``cu_seq_q``'s and ``seqused_k``'s values, known on the host when the step is split: each
+        layer's `pbs.varlen_attention` call reads no length on the device."""
+        bounds = [0]
+        for q_len, _ in self.lengths:
+            bounds.append(bounds[-1] + q_len)
+        return bounds, [k for _, k in self.lengths]
+
 
 def pbs_rows(split: BatchSplit, block_table: torch.Tensor, config: PBSIntegrationConfig, log: "RequestLog") -> PbsRows:
     """The call of `split`'s pbs requests; ``block_table`` is the engine's ``(N, max_pages)`` table
@@ -342,6 +351,7 @@ def attend_rows(
     result = varlen_attention(
         q, key_cache, value_cache, rows.cu_seq_q, None, rows.max_q, rows.max_k, rows.config.pbs,
         scale=scale, out=output[rows.tokens] if in_place else None, block_table=table, seqused_k=rows.seqused_k,
+        host_bounds=rows.host_bounds,
     )
     if not in_place:
         output[rows.tokens] = result
