@@ -122,7 +122,7 @@ class RaggedGeometry:
                       self.block_size, causal=True, segmented=False)
 
     @cached_property
-    def first_masked(self) -> torch.Tensor:
+    def mask_starts(self) -> torch.Tensor:
         """``(N, Tq)`` int64: each query block's first key block that needs the per-token mask
         (the one rule, `pbs.layout.first_masked_key_blocks`, per sequence); the blocks before it
         lie wholly in the block's past."""
@@ -141,9 +141,9 @@ class RaggedGeometry:
 
     def full_counts(self, counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """`pbs.BlockMask.full_counts` of lists ``indices (N, Hq, Tq, Tk)`` with ``counts``: the
-        leading entries before each query block's first masked key block (`first_masked`; the
+        leading entries before each query block's first masked key block (`mask_starts`; the
         ``-1`` padding is below it too and is taken off again)."""
-        first = self.first_masked.to(indices.dtype)[:, None, :, None]
+        first = self.mask_starts.to(indices.dtype)[:, None, :, None]
         below = (indices < first).sum(-1, dtype=torch.int32)
         return below - (indices.shape[-1] - counts.to(torch.int32))
 
@@ -154,7 +154,7 @@ class RaggedGeometry:
         block = torch.arange(self.num_key_blocks, device=self.device)
         counts = self.allowed_counts
         indices = torch.where(block < counts[..., None], block, -1).to(index_dtype)
-        full = torch.minimum(self.first_masked, counts.long()).to(torch.int32)
+        full = torch.minimum(self.mask_starts, counts.long()).to(torch.int32)
         return counts[:, None], indices[:, None], full[:, None]
 
 

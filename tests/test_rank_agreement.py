@@ -58,7 +58,7 @@ CP_CASES = {
     "threshold": ({"config": _mean_pool(0.5)}, {"config": _mean_pool(0.99)},
                   ["config.selector.threshold (", "{odd_rank}: 0.5", ": 0.99"]),
     "scale": ({"config": SMALL, "scale": 0.5}, {"config": SMALL}, ["disagree on scale (", "{odd_rank}: 0.5", ": 0.25"]),
-    "unsupported": ({"config": "pbs_xattention"}, {"config": SMALL},
+    "unsupported": ({"config": {**SMALL, "selector": "sampled_rows"}}, {"config": SMALL},
                     ["rank {odd} of {world} failed its input checks: config cannot be planned context-parallel yet"]),
     "nan": ({"config": SMALL, "q": _with_nan}, {"config": SMALL},
             ["rank {odd} of {world} failed its input checks: q contains NaN"]),
