@@ -107,8 +107,8 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     assert torch.equal(padded_plan(sequences, config)[0].to_dense(), without)
 
 
-@pytest.mark.parametrize("name", ["defaults", "mean_pooling", "vertical_slash"])
-@pytest.mark.parametrize("policy", ["none", "length"])
+@pytest.mark.parametrize("name, policy", [("defaults", "none"), ("defaults", "length"), ("mean_pooling", "length"),
+                                          ("vertical_slash", "length")])
 def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(monkeypatch, name, policy):
     """On CUDA the planners write the lists (forced blocks, the union's merge, the dense rows and the
     full/masked split included) with no bool mask in between; here they run in the interpreter and
