@@ -81,7 +81,7 @@ def test_the_fast_union_runs_each_members_fast_implementation_and_matches_the_re
 def test_the_fast_union_of_three_members_is_the_or_of_their_fast_selections():
     from pbs.planning import build_plan
 
-    q, k, _ = pbs.testing.make_qkv(batch=2, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
+    q, k, _ = pbs.testing.make_qkv(batch=1, heads_q=4, heads_kv=2, seq_len=300, head_dim=32, dtype=torch.float32)
     members = [{"name": "mean_pool", "threshold": 0.7}, {"name": "vertical_slash", "threshold": 0.5},
                {"name": "antidiagonal", "threshold": 0.7}]
     config = pbs.PBSConfig(permuter="none", block_size=32, segment_size=64, backend="reference",
