@@ -82,17 +82,15 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
                           planned=None if decided is None else ~decided)
     mask = member_mask(config.selector, inputs)
     full = mask.known_full_counts
+    dense = None
     if decided is not None:
         selected_blocks = mask.counts.sum((1, 2), dtype=torch.float64)
         allowed_blocks = geometry.allowed_counts.sum(1, dtype=torch.float64) * hq
         dense = policy.sequence_decisions(geometry.len_k, counters, selected_blocks, allowed_blocks)
         mask, full = _dense_rows(mask, full, dense, geometry)
-        if full is None:
-            full = geometry.full_counts(mask.counts, mask.indices)
-        return BlockMask(mask.counts, mask.indices, layout, full), dense
     if full is None:
         full = geometry.full_counts(mask.counts, mask.indices)
-    return BlockMask(mask.counts, mask.indices, layout, full), None
+    return BlockMask(mask.counts, mask.indices, layout, full), dense
 
 
 def _dense_rows(mask: BlockMask, full: torch.Tensor | None, dense: torch.Tensor, geometry: RaggedGeometry
