@@ -250,7 +250,9 @@ def _union_planner(selector, inputs: RaggedInputs) -> BlockMask | torch.Tensor:
     if lines is None or not uses_gpu_planners(inputs.q.device):
         result = None
         for member in selector.selectors:
-            member_selection = member_mask(member, inputs).to_dense()
+            member_selection = select(member, inputs)  # bool here; a list only from a GPU planner
+            if isinstance(member_selection, BlockMask):
+                member_selection = member_selection.to_dense()
             result = member_selection if result is None else result | member_selection
         return result
     others = [member_mask(m, inputs) for m in selector.selectors if m is not lines]
