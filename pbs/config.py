@@ -125,6 +125,13 @@ class PBSConfig(BaseModel):
             outputs (in the rows whose selected blocks hold them) instead of an error. ``True``
             checks everywhere (not inside CUDA graph capture); ``False`` never checks.
         dense_fallback: when ``backend="auto"`` runs dense SDPA instead (`DenseFallback`).
+        precision: the arithmetic of the selected blocks. ``"native"`` (default): the inputs'
+            dtype (bf16/fp16 tensor cores, fp32 accumulation). ``"fp8_qk"``: Q and K in e4m3 with
+            per-block scales (K smoothed by its mean over the tokens first), P.V in the inputs'
+            dtype. ``"fp8"``: P and V in e4m3 too (P with the fixed scale 1/448, V with
+            per-channel scales). `pbs.reference.fp8` defines the scales; the backends that run
+            each precision declare it (`pbs.backends.AttentionBackend.precisions`), and a dense
+            decision of the dense policy runs SDPA in the native precision (`Plan.precision`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -140,6 +147,7 @@ class PBSConfig(BaseModel):
     force_sink_block: bool = True
     check_finite: bool | None = None
     dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
+    precision: Literal["native", "fp8_qk", "fp8"] = "native"
 
     @model_validator(mode="wrap")
     @classmethod
@@ -246,5 +254,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 15K tokens (docs/quality.md, "Lines per layer" and "A second model").
     "vertical_slash_pooled_deep": {"permuter": "none", "selector": {"name": "union", "selectors": [
         {"name": "vertical_slash", "threshold": 0.6}, {"name": "mean_pool", "threshold": 0.9}]}},
+    # The defaults with Q.K^T and P.V in e4m3 (`PBSConfig.precision`; docs/fp8.md gives its
+    # error and quality beside the defaults').
+    "defaults_fp8": {"permuter": "none", "selector": {"name": "union", "selectors": [
+        {"name": "vertical_slash", "threshold": 0.75}, {"name": "mean_pool", "threshold": 0.9}]}, "precision": "fp8"},
 }
 """Named configurations: ``PBSConfig.from_preset(name)``. Fields not named keep their defaults."""

@@ -159,7 +159,7 @@ def check_backend(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
     inputs (the rule planning applies), before anything runs."""
     from pbs.backends import CallSpec, resolve_backend
 
-    resolve_backend(config.backend, CallSpec.of(q, v.shape[-1], config.block_size))
+    resolve_backend(config.backend, CallSpec.of(q, v.shape[-1], config.block_size, precision=config.precision))
 
 
 def run_demo(

@@ -169,7 +169,7 @@ def build_plan(
         k, v = k.gather(), (v.gather() if v is not None else None)
     layout = make_layout(q, k, config)
     spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size, return_lse,
-                       page_size=page_size_of(k))
+                       page_size=page_size_of(k), precision=config.precision)
     backend = resolve_backend(config.backend, spec)
     family = planning_family(backend, q.device)
     key_perm, query_perm = run_permuter(q, k, layout, config, scale, family, summaries)
@@ -198,7 +198,8 @@ def run_planned(
         ``(B, Hq, Nq)`` log-sum-exp of each query's scaled scores over the keys it attends to.
     """
     backend = get_backend(plan.backend)
-    spec = CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size, return_lse, page_size=page_size_of(k_perm))
+    spec = CallSpec.of(q_perm, v_perm.shape[-1], plan.layout.block_size, return_lse, page_size=page_size_of(k_perm),
+                       precision=plan.config.precision)
     reasons = backend_reasons(backend, spec)
     if reasons:
         raise ValueError(
@@ -217,7 +218,8 @@ def full_plan(q: torch.Tensor, k: torch.Tensor, config: PBSConfig, head_dim_v: i
     """The plan of dense attention: nothing permuted, every causally allowed block selected, on the
     backend ``config`` resolves to (for dense attention that returns the log-sum-exp)."""
     layout = make_layout(q, k, config, segmented=False)
-    spec = CallSpec.of(q, head_dim_v, layout.block_size, return_lse, page_size=page_size_of(k))
+    spec = CallSpec.of(q, head_dim_v, layout.block_size, return_lse, page_size=page_size_of(k),
+                       precision=config.precision)
     backend = resolve_backend(config.backend, spec)
     shape = (layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks)
     mask = BlockMask.from_dense(layout.allowed_blocks(q.device).expand(shape), layout)

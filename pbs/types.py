@@ -279,6 +279,12 @@ class Plan:
         return "pbs" if self.fallback is None else f"dense ({self.dense_rule}): {self.fallback}"
 
     @property
+    def precision(self) -> str:
+        """The arithmetic that ran (`pbs.PBSConfig.precision`): the config's for PBS, ``"native"``
+        when the dense policy ran SDPA instead."""
+        return "native" if self.fallback is not None else self.config.precision
+
+    @property
     def layout(self) -> Layout:
         return self.mask.layout
 

@@ -11,6 +11,8 @@
   chosen by ``auto``), a second, independent implementation to compare against.
 
 ``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
+``triton`` and ``reference`` also compute in FP8 (``PBSConfig.precision``: the kernel quantizes
+first, `pbs.kernels.fp8_quant`; the reference fake-quantizes, `pbs.reference.fp8`).
 ``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`), and so
 does ``hopper`` when the page size is 16 or more; ``reference`` takes them too, gathering
 the pages into contiguous tensors first (the oracle); ``flex`` gives a reason against paged calls. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
@@ -56,13 +58,14 @@ def _run_reference(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, to
     """The eager oracle. Paged keys and values are gathered into contiguous tensors first: a copy
     of the sequence's pages, which the kernels avoid, but the oracle should share no page
     arithmetic with them."""
-    from pbs.reference.block_sparse_attn import block_sparse_attention_reference
+    from pbs.reference.fp8 import fp8_block_sparse_attention_reference
 
     plan = call.plan
     k, v = (x.gather() if is_paged(x) else x for x in (call.k, call.v))
     query_positions = plan.query_positions() if call.query_positions is None else call.query_positions
-    result = block_sparse_attention_reference(call.q, k, v, plan.mask, query_positions, plan.key_positions(),
-                                              scale=call.scale, causal=plan.layout.causal, return_lse=call.return_lse)
+    result = fp8_block_sparse_attention_reference(call.q, k, v, plan.mask, query_positions, plan.key_positions(),
+                                                  scale=call.scale, causal=plan.layout.causal,
+                                                  return_lse=call.return_lse, precision=plan.config.precision)
     if call.out is None:
         return result
     out, lse = result if call.return_lse else (result, None)
@@ -75,7 +78,8 @@ def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
     out = block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
-                                 **_kernel_arguments(call), **_paged_arguments(call))
+                                 precision=call.plan.config.precision, **_kernel_arguments(call),
+                                 **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 
@@ -94,6 +98,9 @@ def _run_flex(call: AttentionCall) -> torch.Tensor:
     return flex_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
 
 
+_ALL_PRECISIONS = ("native", "fp8_qk", "fp8")  # pbs.PBSConfig.precision
+
+
 def _no_reasons(spec: CallSpec) -> list[str]:
     return []
 
@@ -101,7 +108,7 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
                                   returns_lse=True, capturable=True))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
-                                  plans_with="triton", returns_lse=True, capturable=True))
+                                  plans_with="triton", returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True,
-                                  capturable=True))
+                                  capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("flex", flex_reasons, _run_flex, plans_with="triton"))

@@ -88,7 +88,24 @@ def _triton_kernel_reasons(spec: CallSpec, interpret: bool) -> tuple[str, ...]:
         reasons.append(f"dtype {spec.dtype} is not float16, bfloat16 or float32")
     if spec.page_size is not None and spec.page_size & (spec.page_size - 1):
         reasons.append(f"page_size {spec.page_size} is not a power of two")
-    return tuple(reasons + _head_dim_reasons(spec))
+    return tuple(reasons + _fp8_reasons(spec) + _head_dim_reasons(spec))
+
+
+def _fp8_reasons(spec: CallSpec) -> list[str]:
+    """Why the Triton kernel cannot run ``spec.precision`` (none for ``"native"``)."""
+    if spec.precision == "native":
+        return []
+    reasons = []
+    if spec.device.type == "cuda" and _capability(spec.device) < (8, 9):
+        reasons.append(f"precision {spec.precision!r} needs e4m3 tensor cores (compute capability 8.9 or newer)")
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"precision {spec.precision!r} quantizes float16 or bfloat16 inputs, not {spec.dtype}")
+    if spec.page_size is not None:
+        reasons.append(f"precision {spec.precision!r} reads contiguous keys and values (K's mean over the tokens, "
+                       f"V's per-channel scales), not a paged cache (page_size {spec.page_size})")
+    if spec.capturable:
+        reasons.append(f"precision {spec.precision!r} is not built for the capturable path (capturable=True)")
+    return reasons
 
 
 def triton_auto_reasons(spec: CallSpec) -> list[str]:

@@ -43,14 +43,17 @@ class CallSpec:
     """The call is one launch over a padded batch inside a CUDA graph (``capturable=True``): each
     query's position comes from `AttentionCall.query_positions` and the result goes to
     `AttentionCall.out`, with no host read (`AttentionBackend.capturable`)."""
+    precision: str = "native"
+    """`pbs.PBSConfig.precision` of the call (`AttentionBackend.precisions`)."""
 
     @classmethod
     def of(cls, q: torch.Tensor, head_dim_v: int, block_size: int, needs_lse: bool = False,
-           page_size: int | None = None, capturable: bool = False) -> "CallSpec":
+           page_size: int | None = None, capturable: bool = False, precision: str = "native") -> "CallSpec":
         device = q.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse, page_size, capturable)
+        return cls(device, q.dtype, q.shape[-1], head_dim_v, block_size, needs_lse, page_size, capturable,
+                   precision)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class AttentionBackend:
         capturable: whether ``run`` takes `AttentionCall.query_positions` and `AttentionCall.out`
             and reads no tensor on the host, so that a padded batch runs in one launch inside a
             CUDA graph (calls with ``CallSpec.capturable`` go to a backend that does).
+        precisions: the `pbs.PBSConfig.precision` values ``run`` computes in (it reads
+            ``call.plan.config.precision``); calls in another go to a backend that declares theirs.
     """
 
     name: str
@@ -103,6 +108,7 @@ class AttentionBackend:
     plans_with: str = "reference"
     returns_lse: bool = False
     capturable: bool = False
+    precisions: tuple[str, ...] = ("native",)
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -172,6 +178,10 @@ def _reasons(backend: AttentionBackend, spec: CallSpec) -> list[str]:
     if spec.capturable and not backend.capturable:
         reasons = [*reasons, "it does not declare capturable (per-query positions and a given out, no host read: "
                              "capturable=True)"]
+    if spec.precision not in backend.precisions:
+        takers = [name for name, b in _BACKENDS.items() if spec.precision in b.precisions]
+        reasons = [*reasons, f"it computes in precision {', '.join(backend.precisions)}, not "
+                             f"config.precision={spec.precision!r} (backends that do: {', '.join(takers) or 'none'})"]
     return reasons
 
 

@@ -308,7 +308,8 @@ def check_backends(configs: Iterable[tuple[str, Any]], option: str, device: str,
         except ValueError as exc:
             raise UsageError(f"{prefix}{exc}") from None
         try:
-            resolve_backend(config.backend, CallSpec(torch.device(device), dtype, 128, 128, config.block_size))
+            resolve_backend(config.backend, CallSpec(torch.device(device), dtype, 128, 128, config.block_size,
+                                                                precision=config.precision))
         except ValueError as exc:
             dtype_name = str(dtype).removeprefix("torch.")
             message = f"{prefix}{exc} (on {device} in {dtype_name})"

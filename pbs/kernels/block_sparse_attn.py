@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pbs.kernels._common import (
     FAR_FUTURE, LOG2_E, descriptor_ready, interpreting, pow2_at_least, tma_descriptor,
 )
+from pbs.kernels.fp8_quant import E4M3_MAX, quantize_blocks, quantize_values_transposed, round_to_e4m3
 from pbs.layout import cdiv
 from pbs.types import BlockMask
 
@@ -48,18 +49,28 @@ _FAR_FUTURE = tl.constexpr(FAR_FUTURE)  # the position of padded key slots (see 
 
 
 @triton.jit
-def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.constexpr):
-    """One flash-attention update from raw scores ``b_s``; ``qk_scale`` = softmax scale * log2(e).
+def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.constexpr, PV_FP8: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """One flash-attention update from raw scores ``b_s``; ``qk_scale`` = softmax scale * log2(e)
+    (times the Q and K block scales under FP8).
 
     The row max is taken before scaling and the scaling is folded into the exponent's FMA, which
-    saves a multiply per score.
+    saves a multiply per score. With ``PV_FP8`` the weights (in [0, 1]) go to the tensor cores as
+    e4m3 times 448 and ``b_v`` is e4m3 (the caller divides the 448 and V's scales out at the end);
+    the row sums stay fp32.
     """
     m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
     b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
+    if PV_FP8:
+        b_w = b_p * E4M3_MAX
+        if INTERPRET:
+            b_w = round_to_e4m3(b_w)  # the interpreter's own cast mis-rounds (pbs.kernels.fp8_quant)
+        acc = tl.dot(b_w.to(tl.float8e4nv), b_v, acc)
+    else:
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -137,6 +148,18 @@ def _list_entry(p_list, it, count, SUB_N: tl.constexpr, INTERPRET: tl.constexpr)
 
 
 @triton.jit
+def _load_values(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_p, stride_h, stride_n, dim,
+                 ROWS: tl.constexpr, COLS: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                 PV_FP8: tl.constexpr):
+    """The ``(ROWS, COLS)`` value tile at slots ``start_n ...`` (`_load_kv_tile`); under ``PV_FP8``
+    from the e4m3 values stored transposed, ``(B, Hk, Dv, N)``, which the tensor cores need."""
+    if PV_FP8:
+        return desc.load([i_b, i_hk, 0, start_n]).reshape(COLS, ROWS).T
+    return _load_kv_tile(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_p, stride_h, stride_n, dim,
+                         ROWS, COLS, PAGE_SIZE, INTERPRET)
+
+
+@triton.jit
 def _block_sparse_attn_fwd(
     q_desc,
     k_desc,
@@ -151,6 +174,18 @@ def _block_sparse_attn_fwd(
     k_ptr,
     v_ptr,
     table_ptr,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_mean_ptr,
+    stride_qsb,
+    stride_qsh,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
+    stride_mb,
+    stride_mh,
     stride_kp,
     stride_kh,
     stride_kn,
@@ -196,6 +231,8 @@ def _block_sparse_attn_fwd(
     INTERPRET: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -232,6 +269,13 @@ def _block_sparse_attn_fwd(
         n_unmasked = tl.load(full_ptr + i_b.to(tl.int64) * stride_fb + i_hq * stride_fh + i_qb * stride_fi)
 
     b_q = q_desc.load([i_b, i_hq, row0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    # Under FP8, every score of a step is scaled by its query block's and key block's scales: the
+    # key block's is read per step, next to its list entry (int32 bits: the same no-async load).
+    qk_scale_q = qk_scale
+    if QK_FP8:
+        q_scale = tl.load(q_scale_ptr + i_b.to(tl.int64) * stride_qsb + i_hq.to(tl.int64) * stride_qsh + i_qb)
+        qk_scale_q = qk_scale * q_scale
+        p_kscale = k_scale_ptr + i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh
     if CAUSAL:
         if QUERIES_PERMUTED:
             p_qpos = qpos_ptr + i_b.to(tl.int64) * stride_qpb + i_hq.to(tl.int64) * stride_qph + o_m * stride_qpn
@@ -251,9 +295,12 @@ def _block_sparse_attn_fwd(
         b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
                             stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
         b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
-        b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
-                            stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET)
-        m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
+        step_scale = qk_scale_q
+        if QK_FP8:
+            step_scale = qk_scale_q * _load_block_index(p_kscale + j, INTERPRET).to(tl.float32, bitcast=True)
+        b_v = _load_values(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
+                           stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET, PV_FP8)
+        m_i, l_i, acc = _online_softmax_step(b_s, step_scale, m_i, l_i, acc, b_v, DOT_PRECISION, PV_FP8, INTERPRET)
 
     # On-diagonal blocks (and a partial last key block): per-token check on original positions.
     if NEEDS_SPLIT:
@@ -278,23 +325,39 @@ def _block_sparse_attn_fwd(
             else:
                 m_keep = (o_slot < seq_len_k)[None, :]
             b_s = tl.where(m_keep, b_s, float("-inf"))
-            b_v = _load_kv_tile(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
-                                stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET)
+            step_scale = qk_scale_q
+            if QK_FP8:
+                step_scale = qk_scale_q * _load_block_index(p_kscale + j, INTERPRET).to(tl.float32, bitcast=True)
+            b_v = _load_values(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
+                               stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET, PV_FP8)
             if PAGE_SIZE != 0:
                 # A page's rows past the sequence's end are another sequence's or stale: their
                 # weight is 0, but 0 * NaN is not.
                 b_v = tl.where((o_slot < seq_len_k)[:, None], b_v, tl.zeros_like(b_v))
-            m_i, l_i, acc = _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(b_s, step_scale, m_i, l_i, acc, b_v, DOT_PRECISION, PV_FP8,
+                                                 INTERPRET)
 
     # Queries with no visible key keep l == 0 and acc == 0: their output is 0 and their LSE -inf.
     # A NaN score leaves l NaN for good (NaN * alpha is NaN). l == 0 is false for NaN, so such a
     # row keeps its NaN in the output and the LSE; l > 0, false for NaN too, took it for "no key".
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    b_o = (acc / l_safe[:, None]).to(b_q.dtype)
-    o_desc.store([i_b, i_hq, row0, 0], b_o.reshape(1, 1, BLOCK_M, HEAD_DIM_V))
+    b_o = acc / l_safe[:, None]
+    if PV_FP8:
+        o_dv = tl.arange(0, HEAD_DIM_V)
+        b_vscale = tl.load(v_scale_ptr + i_b.to(tl.int64) * stride_vsb + i_hk.to(tl.int64) * stride_vsh + o_dv,
+                           mask=o_dv < dim_v, other=1.0)
+        b_o = b_o * (b_vscale / E4M3_MAX)[None, :]
+    o_desc.store([i_b, i_hq, row0, 0], b_o.to(o_desc.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM_V))
     if WRITE_LSE:
         # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
         b_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        if QK_FP8:
+            # K was smoothed: every score of a row is short by scale * q . mean(K).
+            o_d = tl.arange(0, HEAD_DIM)
+            b_mean = tl.load(k_mean_ptr + i_b.to(tl.int64) * stride_mb + i_hk.to(tl.int64) * stride_mh + o_d,
+                             mask=o_d < dim_k, other=0.0)
+            b_shift = tl.sum(b_q.to(tl.float32) * b_mean[None, :], 1) * q_scale
+            b_lse = b_lse + b_shift * (qk_scale * 0.6931471805599453)
         p_lse = lse_ptr + i_b.to(tl.int64) * stride_lb + i_hq.to(tl.int64) * stride_lh + o_m
         tl.store(p_lse, b_lse, mask=o_m < seq_len_q)
 
@@ -362,6 +425,7 @@ def block_sparse_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    precision: str = "native",
 ) -> torch.Tensor:
     """Attention of every query over the key blocks its query block selected (Triton).
 
@@ -386,6 +450,10 @@ def block_sparse_attention(
             ``page_size``), read in place; key slot ``t`` is row ``t % page_size`` of page
             ``block_table[t // page_size]``, ``Nk`` is ``mask.layout.seq_len_k``, ``B`` is 1, and
             the keys must be in their original order (``key_positions`` None).
+        precision: ``"native"``, ``"fp8_qk"`` or ``"fp8"`` (`pbs.PBSConfig.precision`): Q and
+            smoothed K, and with ``"fp8"`` P and V, are quantized to e4m3 first
+            (`pbs.kernels.fp8_quant`, with the scales of its twin `pbs.reference.fp8`); contiguous
+            keys and values only.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order. A query with no selected
@@ -393,6 +461,7 @@ def block_sparse_attention(
     """
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table)
     attach_lse(call, lse)
+    quantize_call(call, precision)
     if config is None:
         config = _select(call)
     _launch(call, config.fitted(mask.layout.block_size))
@@ -440,6 +509,12 @@ class _Call:
     seq_len_k: int
     block_table: torch.Tensor | None = None  # k and v are (num_pages, Hk, page_size, D) views of a paged cache
     lse: torch.Tensor | None = None
+    # Under FP8 (quantize_call): q and k hold e4m3 values, and with pv_fp8 v holds them (B, Hk, Dv, Nk).
+    q_scales: torch.Tensor | None = None  # (B, Hq, Tq) float32
+    k_scales: torch.Tensor | None = None  # (B, Hk, Tk) float32
+    k_mean: torch.Tensor | None = None  # (B, Hk, 1, D) float32
+    v_scales: torch.Tensor | None = None  # (B, Hk, Dv) float32
+    pv_fp8: bool = False
 
     @property
     def page_size(self) -> int:
@@ -457,6 +532,40 @@ def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
         raise ValueError(f"lse must be a contiguous {expected} float32 tensor on {call.q.device}, got "
                          f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
     call.lse = lse
+
+
+PRECISIONS = ("native", "fp8_qk", "fp8")
+"""The `pbs.PBSConfig.precision` values this kernel runs."""
+
+
+def quantize_call(call: _Call, precision: str) -> None:
+    """Replaces the prepared call's Q and K (and for ``"fp8"`` V) with their e4m3 values and scales
+    (`pbs.reference.fp8` defines them); ``"native"`` leaves it as it is."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "native":
+        return
+    if call.q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"precision={precision!r} takes float16 or bfloat16 inputs, got {call.q.dtype}")
+    if call.block_table is not None:
+        raise ValueError(f"precision={precision!r} needs contiguous keys and values (K's mean over the tokens, "
+                         "V's per-channel scales), not a paged cache (block_table)")
+    block_size = call.mask.layout.block_size
+    call.k_mean = call.k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    call.q, call.q_scales = quantize_blocks(call.q, block_size)
+    call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean)
+    if precision == "fp8":
+        call.v_scales = _channel_scales(call.v)
+        call.v = quantize_values_transposed(call.v, call.v_scales)
+        call.pv_fp8 = True
+
+
+def _channel_scales(v: torch.Tensor) -> torch.Tensor:
+    """V's per-channel scales over the tokens (`pbs.reference.fp8.channel_scales`)."""
+    if v.shape[2] == 0:
+        return torch.ones(v.shape[0], v.shape[1], v.shape[3], dtype=torch.float32, device=v.device)
+    amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=2, dtype=torch.float32)
+    return torch.where((amax > 0) | amax.isnan(), amax / 448.0, torch.ones_like(amax))
 
 
 def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table=None) -> _Call:
@@ -520,14 +629,16 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     _block_sparse_attn_fwd[(b * hq * tiles_per_head,)](
         tma_descriptor(TensorDescriptor, call.q, config.block_m, call.head_dim),
         tma_descriptor(TensorDescriptor, call.k, kv_rows, call.head_dim),
-        tma_descriptor(TensorDescriptor, call.v, kv_rows, call.head_dim_v),
+        (tma_descriptor(TensorDescriptor, call.v, call.head_dim_v, config.block_n) if call.pv_fp8 else
+         tma_descriptor(TensorDescriptor, call.v, kv_rows, call.head_dim_v)),
         tma_descriptor(TensorDescriptor, call.out, config.block_m, call.head_dim_v),
         call.counts, call.full_counts, indices, call.qpos, call.kpos,
         call.counts if call.lse is None else call.lse,  # any pointer will do when unused
         call.k, call.v, call.counts if call.block_table is None else call.block_table,
+        *_fp8_arguments(call),
         *(call.k.stride()[:3] if call.page_size else (0, 0, 0)),
         *(call.v.stride()[:3] if call.page_size else (0, 0, 0)),
-        call.k.shape[-1], call.v.shape[-1],
+        call.q.shape[-1], call.out.shape[-1],
         *call.counts.stride(), *call.full_counts.stride(), *indices.stride()[:3],
         *(call.qpos.stride() if call.queries_permuted else (0, 0, 0)),
         *(call.kpos.stride() if call.keys_permuted else (0, 0, 0)),
@@ -545,13 +656,26 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         KEYS_PERMUTED=call.keys_permuted,
         QUERIES_PERMUTED=call.queries_permuted,
         # fp32 inputs: three tf32 products per dot, close to fp32 accuracy at tensor-core speed.
-        DOT_PRECISION="tf32x3" if call.q.dtype == torch.float32 else None,
+        DOT_PRECISION="tf32x3" if call.out.dtype == torch.float32 else None,
         INTERPRET=interpreting(),
         WRITE_LSE=call.lse is not None,
         PAGE_SIZE=call.page_size,
+        QK_FP8=call.q_scales is not None,
+        PV_FP8=call.pv_fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _fp8_arguments(call: _Call) -> tuple:
+    """The scale pointers and strides of the FP8 paths (any pointer where unused). The key scales
+    go as int32 bits: the kernel reads them with the block lists' no-async load."""
+    if call.q_scales is None:
+        return (call.counts,) * 4 + (0,) * 8
+    v_scales = call.v_scales if call.v_scales is not None else call.q_scales
+    return (call.q_scales, call.k_scales.view(torch.int32), v_scales, call.k_mean,
+            *call.q_scales.stride()[:2], *call.k_scales.stride()[:2], *v_scales.stride()[:2],
+            call.k_mean.stride(0), call.k_mean.stride(1))
 
 
 def _select(call: _Call) -> KernelConfig:

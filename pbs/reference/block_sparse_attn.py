@@ -7,6 +7,8 @@ written for clarity and CPU speed, not to skip work: the kernels do that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pbs.reference.logits import grouped_logits
@@ -25,6 +27,7 @@ def block_sparse_attention_reference(
     scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    probs_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over the key blocks its query block selected.
 
@@ -39,6 +42,8 @@ def block_sparse_attention_reference(
         causal: mask pairs with ``key_position > query_position``.
         return_lse: also return the log-sum-exp of each query's scaled scores over the keys it
             attends to.
+        probs_transform: applied to each chunk's ``(B, Hq, M, n)`` softmax rows before they
+            weight the values (`pbs.reference.fp8` quantizes them there); None: none.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` float32 in permuted query order. A query with no selected key gets 0.
@@ -95,6 +100,8 @@ def block_sparse_attention_reference(
         # A row that sees no key is all -inf, whose softmax is NaN: it gets 0. A NaN score leaves
         # its row NaN (output and LSE), as in the kernels.
         probs = logits.softmax(-1).masked_fill_(~keep.any(-1, keepdim=True), 0.0)
+        if probs_transform is not None:
+            probs = probs_transform(probs)
         grouped = probs.view(b, hk, group, m, n_keys)
         chunk_out = torch.einsum("bhgmn,bhnd->bhgmd", grouped, v_finite[:, :, :n_keys])
         if bad_values is not None:

@@ -109,7 +109,8 @@ def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the backend ``config.backend`` resolves to over the padded batch: ``(out
     (N, Hq, Tq*B, Dv), lse (N, Hq, Tq*B) or None)``."""
-    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse, capturable=True)
+    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse, capturable=True,
+                       precision=config.precision)
     backend = resolve_backend(config.backend, spec)
     n, hq = q.shape[:2]
     positions = query_positions[:, None, :].expand(n, hq, -1)

@@ -1,0 +1,169 @@
+"""Quantization of Q, K and V to e4m3 for the FP8 attention kernel, with the scales of
+`pbs.reference.fp8` (its eager twin): per-block Q and smoothed-K scales, per-channel V scales.
+
+One program handles one block of ``block_size`` tokens of one (batch, head): it reads the block
+once for its amax and once more (from L1/L2) to write the e4m3 values, and stores the scale. V is
+written transposed, ``(B, Hk, Dv, N)``, because the tensor cores take an e4m3 right-hand operand
+only with its reduction axis (the tokens, for P.V) contiguous.
+
+Rounding is done in fp32 arithmetic (to the nearest e4m3 value, ties to even) before the cast,
+which then only moves exact values: the hardware cast rounds the same way, but Triton's CPU
+interpreter does not carry a mantissa that rounds up into the exponent, and the CPU tests must
+see the GPU's numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pbs.kernels._common import pow2_at_least
+
+E4M3_MAX = tl.constexpr(448.0)
+_ROWS = 32  # rows per step of a block: a (32, 256) fp32 tile at most in registers
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """``y`` (float32, ``|y| <= 448`` or NaN) rounded to the nearest e4m3 value, ties to even."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    # e4m3 keeps 3 mantissa bits; below its smallest normal (2^-6) the spacing stays 2^-9.
+    exponent = tl.maximum(exponent, 127 - 6)
+    spacing = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+    r = tl.abs(y) / spacing  # exact: a power of two
+    f = tl.floor(r + 0.5)
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    f = tl.where(((f - r) == 0.5) & odd, f - 1.0, f)
+    return tl.where(bits < 0, -f * spacing, f * spacing)  # the sign bit: -0.0 stays -0.0
+
+
+@triton.jit
+def _saturate(y):
+    # tl.minimum would turn NaN into the bound; comparisons leave it NaN.
+    y = tl.where(y > E4M3_MAX, E4M3_MAX, y)
+    return tl.where(y < -E4M3_MAX, -E4M3_MAX, y)
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    x_ptr, mean_ptr, out_ptr, scale_ptr,
+    stride_xb, stride_xh, stride_xn,
+    stride_ob, stride_oh, stride_on,
+    stride_mb, stride_mh,
+    stride_sb, stride_sh,
+    heads, seq_len, dim, num_blocks,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+):
+    i_pid = tl.program_id(0)
+    i_blk = i_pid % num_blocks
+    i_rest = i_pid // num_blocks
+    i_h = i_rest % heads
+    i_b = i_rest // heads
+    o_d = tl.arange(0, COLS)
+    m_d = o_d < dim
+    p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
+    p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+    if SUBTRACT_MEAN:
+        b_mean = tl.load(mean_ptr + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh + o_d, mask=m_d,
+                         other=0.0)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    poisoned = tl.zeros([ROWS], dtype=tl.int32)
+    for r0 in range(0, BLOCK, ROWS):
+        o_n = i_blk * BLOCK + r0 + tl.arange(0, ROWS)
+        m = (o_n < seq_len)[:, None] & m_d[None, :]
+        b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if SUBTRACT_MEAN:
+            b_x = tl.where(m, b_x - b_mean[None, :], 0.0)
+        poisoned = tl.maximum(poisoned, tl.max((b_x != b_x).to(tl.int32), 1))
+        amax = tl.maximum(amax, tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1))
+    block_amax = tl.max(amax, 0)
+    scale = tl.where(block_amax > 0, block_amax / E4M3_MAX, 1.0)
+    scale = tl.where(tl.max(poisoned, 0) > 0, float("nan"), scale)
+    tl.store(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_blk, scale)
+    for r0 in range(0, BLOCK, ROWS):
+        o_n = i_blk * BLOCK + r0 + tl.arange(0, ROWS)
+        m = (o_n < seq_len)[:, None] & m_d[None, :]
+        b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if SUBTRACT_MEAN:
+            b_x = b_x - b_mean[None, :]
+        b_y = round_to_e4m3(_saturate(b_x / scale))
+        tl.store(p_o + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :], b_y.to(tl.float8e4nv), mask=m)
+
+
+@triton.jit
+def _quantize_values_kernel(
+    v_ptr, scale_ptr, out_ptr,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_od,
+    stride_sb, stride_sh,
+    heads, seq_len, dim, num_blocks,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+):
+    i_pid = tl.program_id(0)
+    i_blk = i_pid % num_blocks
+    i_rest = i_pid // num_blocks
+    i_h = i_rest % heads
+    i_b = i_rest // heads
+    o_d = tl.arange(0, COLS)
+    m_d = o_d < dim
+    o_n = i_blk * ROWS + tl.arange(0, ROWS)
+    m = (o_n < seq_len)[:, None] & m_d[None, :]
+    b_scale = tl.load(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_d, mask=m_d,
+                      other=1.0)
+    p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
+    b_v = tl.load(p_v + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_y = round_to_e4m3(_saturate(b_v / b_scale[None, :]))
+    p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+    tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_n[:, None], b_y.to(tl.float8e4nv), mask=m)
+
+
+def e4m3_buffer(shape: tuple[int, ...], device: torch.device, last_multiple: int = 16) -> torch.Tensor:
+    """An uninitialized float8_e4m3fn ``shape`` view whose rows start 16-byte aligned (for TMA):
+    the last dim is allocated rounded up to ``last_multiple``."""
+    padded = -(-shape[-1] // last_multiple) * last_multiple
+    return torch.empty(*shape[:-1], padded, dtype=torch.float8_e4m3fn, device=device)[..., : shape[-1]]
+
+
+def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, H, N, D)`` (any float dtype; last dim contiguous) -> ``(x8, scales)``: e4m3 values of
+    ``x - mean`` (``mean`` ``(B, H, 1, D)`` float32, or None) and ``(B, H, ceil(N / block_size))``
+    float32 scales, as `pbs.reference.fp8.quantize_blocks`."""
+    b, h, n, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_blocks = -(-n // block_size)
+    out = e4m3_buffer((b, h, n, d), x.device)
+    scales = torch.empty(b, h, num_blocks, dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        return out, scales.fill_(1.0)
+    mean_arg = mean if mean is not None else scales
+    _quantize_blocks_kernel[(b * h * num_blocks,)](
+        x, mean_arg, out, scales,
+        *x.stride()[:3], *out.stride()[:3],
+        *((mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)),
+        *scales.stride()[:2],
+        h, n, d, num_blocks,
+        BLOCK=block_size, ROWS=min(_ROWS, block_size), COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
+    )
+    return out, scales
+
+
+def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(B, Hk, N, Dv)`` and its ``(B, Hk, Dv)`` `pbs.reference.fp8.channel_scales` -> the e4m3
+    values ``v / scale`` laid out ``(B, Hk, Dv, N)`` (rows 16-byte aligned)."""
+    b, h, n, d = v.shape
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    out = e4m3_buffer((b, h, d, n), v.device)
+    if v.numel() == 0:
+        return out
+    rows = 64
+    num_blocks = -(-n // rows)
+    _quantize_values_kernel[(b * h * num_blocks,)](
+        v, scales, out, *v.stride()[:3], *out.stride()[:3], *scales.stride()[:2], h, n, d, num_blocks,
+        ROWS=rows, COLS=pow2_at_least(d),
+    )
+    return out

@@ -1,0 +1,183 @@
+"""FP8 (e4m3) compute for the selected blocks, fake-quantized in PyTorch: the FP8 kernel's eager twin.
+
+The scales are the contract the FP8 kernel (`pbs.kernels.fp8_quant` and the ``FP8`` paths of
+`pbs.kernels.block_sparse_attn`) is held to:
+
+* **Q**: one scale per (batch, query head, query block of ``block_size`` slots), ``amax / 448``
+  over the block's rows and channels (448 is e4m3's largest finite value);
+* **K**: first *smoothed*, its mean over the tokens subtracted per (batch, KV head, channel).
+  Every score of a query then moves by the same ``q . mean``, which the softmax cancels, while the
+  channels that carry a large common offset (frequent in real models' keys) stop spending e4m3's
+  range on it. Then one scale per (batch, KV head, key block), like Q;
+* **P** (``precision="fp8"`` only): the unnormalized probabilities ``exp(s - max)`` lie in
+  ``[0, 1]`` and are quantized with the fixed scale ``1 / 448``; the row sums stay in fp32;
+* **V** (``precision="fp8"`` only): one scale per (batch, KV head, channel), ``amax / 448`` over
+  the tokens, since P.V sums over tokens and a per-channel scale factors out of that sum.
+
+A block whose amax is 0 gets the scale 1 (nothing to divide). Values are rounded to the nearest
+e4m3 value (ties to even), and clamped to +-448 first, where a quotient rounds a hair past it.
+
+Cost model of the quantization the kernel path runs before attention: one read of K for its mean,
+then one pass that reads Q, K and V and writes them in e4m3 (half the bytes of bf16), plus scale
+vectors of ``N / block_size`` floats per head; the attention then reads half the K/V bytes.
+
+The log-sum-exp is of the scores the model would see, so the smoothing's row shift
+``scale * q . mean`` is added back (with the quantized ``q``).
+
+NaN spreads further than in native precision, which keeps it to the rows that attend to it: a NaN
+in a block of Q makes that block's scale, and so the block, NaN; a NaN or inf key makes its KV
+head's mean, and so every score of the head, NaN; a NaN in V makes its channel NaN in every row
+of the head (``precision="fp8"``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from pbs.reference.block_sparse_attn import block_sparse_attention_reference
+from pbs.types import BlockMask
+
+E4M3_MAX = 448.0
+"""The largest finite ``torch.float8_e4m3fn`` value."""
+
+Precision = Literal["native", "fp8_qk", "fp8"]
+
+
+def block_scales(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block e4m3 scales along the token axis.
+
+    Args:
+        x: ``(B, H, N, D)``.
+        block_size: tokens per block; a last, partial block covers the remaining tokens.
+
+    Returns:
+        ``(B, H, ceil(N / block_size))`` float32: ``amax / 448`` of each block, 1 where it is 0,
+        NaN where the block holds a NaN.
+    """
+    b, h, n, d = x.shape
+    blocks = -(-n // block_size)
+    padded = torch.zeros(b, h, blocks * block_size, d, dtype=torch.float32, device=x.device)
+    padded[:, :, :n] = x.float().abs()
+    amax = padded.view(b, h, blocks, block_size * d).amax(-1)
+    return _scale_of(amax)
+
+
+def channel_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel e4m3 scales over the tokens: ``(B, H, N, D)`` -> ``(B, H, D)`` float32 (NaN for
+    a channel that holds a NaN)."""
+    if x.shape[-2] == 0:
+        return torch.ones(x.shape[:2] + x.shape[-1:], dtype=torch.float32, device=x.device)
+    return _scale_of(torch.linalg.vector_norm(x, ord=float("inf"), dim=-2, dtype=torch.float32))
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    # amax > 0 is false for NaN, which must stay NaN: it marks the block or channel as poisoned.
+    return torch.where((amax > 0) | amax.isnan(), amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (any float dtype, already divided by its scale) rounded to e4m3 values: float8_e4m3fn."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, H, N, D)`` -> ``(x8, scales)``: e4m3 values and the `block_scales` that restore them
+    (``x ~ x8 * scales`` per block)."""
+    scales = block_scales(x, block_size)
+    per_token = scales.repeat_interleave(block_size, dim=2)[:, :, : x.shape[2], None]
+    return to_e4m3(x.float() / per_token), scales
+
+
+def dequantize_blocks(x8: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 values ``x8 * scale`` of `quantize_blocks`' output."""
+    per_token = scales.repeat_interleave(block_size, dim=2)[:, :, : x8.shape[2], None]
+    return x8.float() * per_token
+
+
+def key_means(k: torch.Tensor) -> torch.Tensor:
+    """The smoothing offset: ``(B, Hk, N, D)`` -> ``(B, Hk, 1, D)`` float32 mean over the tokens."""
+    if k.shape[2] == 0:
+        return k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3], dtype=torch.float32)
+    return k.mean(dim=2, keepdim=True, dtype=torch.float32)
+
+
+def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q and smoothed K as the FP8 kernel computes with them.
+
+    Returns:
+        ``(q_hat, k_hat, mean)``: float32 ``(B, Hq, Nq, D)`` and ``(B, Hk, Nk, D)`` e4m3 values
+        times their block scales (``k_hat`` approximates ``k - mean``), and the ``(B, Hk, 1, D)``
+        key mean.
+    """
+    mean = key_means(k)
+    q8, q_scales = quantize_blocks(q, block_size)
+    k8, k_scales = quantize_blocks(k.float() - mean, block_size)
+    return dequantize_blocks(q8, q_scales, block_size), dequantize_blocks(k8, k_scales, block_size), mean
+
+
+def fake_quantize_values(v: torch.Tensor) -> torch.Tensor:
+    """V as the FP8 P.V product reads it: e4m3 with per-channel scales, as float32."""
+    scales = channel_scales(v)[:, :, None, :]
+    return to_e4m3(v.float() / scales).float() * scales
+
+
+def fake_quantize_probs(probs: torch.Tensor) -> torch.Tensor:
+    """Softmax rows ``(..., N)`` with their unnormalized weights ``exp(s - max)`` quantized with
+    the fixed scale 1/448 (the normalizer stays exact, as the kernel keeps it in fp32).
+
+    A softmax row's largest entry is ``1 / l``, so ``probs / max`` is ``exp(s - max)`` in [0, 1].
+    """
+    row_max = probs.amax(-1, keepdim=True)
+    row_max = torch.where(row_max > 0, row_max, torch.ones_like(row_max))
+    weights = probs / row_max
+    return to_e4m3(weights * E4M3_MAX).float() / E4M3_MAX * row_max
+
+
+def fp8_block_sparse_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    precision: Precision = "fp8",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`pbs.reference.block_sparse_attention_reference` with the FP8 kernel's quantization.
+
+    Args:
+        q, k, v, mask, query_positions, key_positions, scale, causal, return_lse: as
+            `block_sparse_attention_reference` (``q`` ``(B, Hq, Nq, D)``, ``k`` ``(B, Hk, Nk, D)``,
+            ``v`` ``(B, Hk, Nk, Dv)``, in permuted order).
+        precision: ``"fp8_qk"``: Q and smoothed K in e4m3, P.V in float32; ``"fp8"``: P and V in
+            e4m3 too; ``"native"``: no quantization (the plain reference).
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` float32 (and the ``(B, Hq, Nq)`` LSE with ``return_lse``).
+    """
+    if precision not in ("native", "fp8_qk", "fp8"):
+        raise ValueError(f"precision must be 'native', 'fp8_qk' or 'fp8', got {precision!r}")
+    if precision == "native":
+        return block_sparse_attention_reference(q, k, v, mask, query_positions, key_positions, scale, causal,
+                                                return_lse)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    block_size = mask.layout.block_size
+    q_hat, k_hat, mean = fake_quantize_qk(q, k, block_size)
+    pv_fp8 = precision == "fp8"
+    v_used = fake_quantize_values(v) if pv_fp8 else v
+    result = block_sparse_attention_reference(
+        q_hat, k_hat, v_used, mask, query_positions, key_positions, scale, causal, return_lse,
+        probs_transform=fake_quantize_probs if pv_fp8 else None,
+    )
+    if not return_lse:
+        return result
+    out, lse = result
+    b, hq, nq, d = q.shape
+    hk = k.shape[1]
+    # The smoothing moved every score of a row by scale * q_hat . mean; the LSE is of the unshifted ones.
+    shift = torch.einsum("bhgnd,bhd->bhgn", q_hat.view(b, hk, hq // hk, nq, d), mean[:, :, 0]).reshape(b, hq, nq)
+    return out, lse + scale * shift
