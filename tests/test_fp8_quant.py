@@ -85,3 +85,13 @@ def test_empty_inputs_give_empty_values_and_unit_scales():
     x = torch.zeros(1, 2, 0, 64, dtype=torch.float16, device=DEVICE)
     x8, scales = kernel.quantize_blocks(x, 64)
     assert x8.shape == (1, 2, 0, 64) and scales.shape == (1, 2, 0)
+
+
+def test_query_pass_writes_each_rows_shift_from_the_unquantized_queries():
+    q = _inputs(torch.float16, n=150, d=64)  # 3 query heads over one KV head
+    k = _inputs(torch.float16, n=90, d=64)[:, :1] + 2.0
+    mean = twin.key_means(k)
+    shift = torch.empty(2, 3, 150, dtype=torch.float32, device=DEVICE)
+    kernel.quantize_blocks(q, 64, shift_mean=mean, shift=shift)
+    expected = torch.einsum("bhnd,bd->bhn", q.float(), mean[:, 0, 0])
+    torch.testing.assert_close(shift, expected, atol=1e-4, rtol=1e-5)

@@ -177,15 +177,13 @@ def _block_sparse_attn_fwd(
     q_scale_ptr,
     k_scale_ptr,
     v_scale_ptr,
-    k_mean_ptr,
+    lse_shift_ptr,
     stride_qsb,
     stride_qsh,
     stride_ksb,
     stride_ksh,
     stride_vsb,
     stride_vsh,
-    stride_mb,
-    stride_mh,
     stride_kp,
     stride_kh,
     stride_kn,
@@ -352,11 +350,10 @@ def _block_sparse_attn_fwd(
         # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
         b_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         if QK_FP8:
-            # K was smoothed: every score of a row is short by scale * q . mean(K).
-            o_d = tl.arange(0, HEAD_DIM)
-            b_mean = tl.load(k_mean_ptr + i_b.to(tl.int64) * stride_mb + i_hk.to(tl.int64) * stride_mh + o_d,
-                             mask=o_d < dim_k, other=0.0)
-            b_shift = tl.sum(b_q.to(tl.float32) * b_mean[None, :], 1) * q_scale
+            # K was smoothed: every score of a row is short by scale * q . mean(K), which the
+            # quantization pass wrote from the unquantized q (lse_shift_ptr: that (B, Hq, Nq) shift).
+            b_shift = tl.load(lse_shift_ptr + (i_b * (heads_k * group) + i_hq).to(tl.int64) * seq_len_q + o_m,
+                              mask=o_m < seq_len_q, other=0.0)
             b_lse = b_lse + b_shift * (qk_scale * 0.6931471805599453)
         p_lse = lse_ptr + i_b.to(tl.int64) * stride_lb + i_hq.to(tl.int64) * stride_lh + o_m
         tl.store(p_lse, b_lse, mask=o_m < seq_len_q)
@@ -513,6 +510,7 @@ class _Call:
     q_scales: torch.Tensor | None = None  # (B, Hq, Tq) float32
     k_scales: torch.Tensor | None = None  # (B, Hk, Tk) float32
     k_mean: torch.Tensor | None = None  # (B, Hk, 1, D) float32
+    lse_shift: torch.Tensor | None = None  # (B, Hq, Nq) float32: q . k_mean per query, when the LSE is written
     v_scales: torch.Tensor | None = None  # (B, Hk, Dv) float32
     pv_fp8: bool = False
 
@@ -552,7 +550,10 @@ def quantize_call(call: _Call, precision: str) -> None:
                          "V's per-channel scales), not a paged cache (block_table)")
     block_size = call.mask.layout.block_size
     call.k_mean = call.k.mean(dim=2, keepdim=True, dtype=torch.float32)
-    call.q, call.q_scales = quantize_blocks(call.q, block_size)
+    if call.lse is not None:
+        call.lse_shift = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device)
+    call.q, call.q_scales = quantize_blocks(call.q, block_size, shift_mean=call.k_mean if call.lse is not None else None,
+                                            shift=call.lse_shift)
     call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean)
     if precision == "fp8":
         call.v_scales = _channel_scales(call.v)
@@ -671,11 +672,11 @@ def _fp8_arguments(call: _Call) -> tuple:
     """The scale pointers and strides of the FP8 paths (any pointer where unused). The key scales
     go as int32 bits: the kernel reads them with the block lists' no-async load."""
     if call.q_scales is None:
-        return (call.counts,) * 4 + (0,) * 8
+        return (call.counts,) * 4 + (0,) * 6
     v_scales = call.v_scales if call.v_scales is not None else call.q_scales
-    return (call.q_scales, call.k_scales.view(torch.int32), v_scales, call.k_mean,
-            *call.q_scales.stride()[:2], *call.k_scales.stride()[:2], *v_scales.stride()[:2],
-            call.k_mean.stride(0), call.k_mean.stride(1))
+    shift = call.lse_shift if call.lse_shift is not None else call.q_scales
+    return (call.q_scales, call.k_scales.view(torch.int32), v_scales, shift,
+            *call.q_scales.stride()[:2], *call.k_scales.stride()[:2], *v_scales.stride()[:2])
 
 
 def _select(call: _Call) -> KernelConfig:

@@ -53,8 +53,10 @@ def _quantize_blocks_kernel(
     stride_ob, stride_oh, stride_on,
     stride_mb, stride_mh,
     stride_sb, stride_sh,
+    shift_ptr, dot_mean_ptr, stride_db, stride_dh, group,
     heads, seq_len, dim, num_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    WRITE_SHIFT: tl.constexpr,
 ):
     i_pid = tl.program_id(0)
     i_blk = i_pid % num_blocks
@@ -68,12 +70,19 @@ def _quantize_blocks_kernel(
     if SUBTRACT_MEAN:
         b_mean = tl.load(mean_ptr + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh + o_d, mask=m_d,
                          other=0.0)
+    if WRITE_SHIFT:
+        # Each query row's q . mean(K) of its KV head: the smoothing's shift of its scores.
+        b_dot_mean = tl.load(dot_mean_ptr + i_b.to(tl.int64) * stride_db + (i_h // group).to(tl.int64) * stride_dh
+                             + o_d, mask=m_d, other=0.0)
     amax = tl.zeros([ROWS], dtype=tl.float32)
     poisoned = tl.zeros([ROWS], dtype=tl.int32)
     for r0 in range(0, BLOCK, ROWS):
         o_n = i_blk * BLOCK + r0 + tl.arange(0, ROWS)
         m = (o_n < seq_len)[:, None] & m_d[None, :]
         b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if WRITE_SHIFT:
+            tl.store(shift_ptr + (i_b * heads + i_h).to(tl.int64) * seq_len + o_n,
+                     tl.sum(b_x * b_dot_mean[None, :], 1), mask=o_n < seq_len)
         if SUBTRACT_MEAN:
             b_x = tl.where(m, b_x - b_mean[None, :], 0.0)
         poisoned = tl.maximum(poisoned, tl.max((b_x != b_x).to(tl.int32), 1))
@@ -126,11 +135,16 @@ def e4m3_buffer(shape: tuple[int, ...], device: torch.device, last_multiple: int
     return torch.empty(*shape[:-1], padded, dtype=torch.float8_e4m3fn, device=device)[..., : shape[-1]]
 
 
-def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None = None
+def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None = None,
+                    shift_mean: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, H, N, D)`` (any float dtype; last dim contiguous) -> ``(x8, scales)``: e4m3 values of
     ``x - mean`` (``mean`` ``(B, H, 1, D)`` float32, or None) and ``(B, H, ceil(N / block_size))``
-    float32 scales, as `pbs.reference.fp8.quantize_blocks`."""
+    float32 scales, as `pbs.reference.fp8.quantize_blocks`.
+
+    With ``shift_mean`` (the ``(B, Hk, 1, D)`` key mean, ``H % Hk == 0``), also writes each row's
+    ``x . shift_mean[head // (H // Hk)]`` into ``shift`` (contiguous ``(B, H, N)`` float32) from the
+    unquantized ``x``: the smoothing's shift of a query's scores, which its LSE adds back."""
     b, h, n, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -140,13 +154,20 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
     if out.numel() == 0:
         return out, scales.fill_(1.0)
     mean_arg = mean if mean is not None else scales
+    write_shift = shift_mean is not None
+    if write_shift and (shift is None or tuple(shift.shape) != (b, h, n) or not shift.is_contiguous()
+                        or shift.dtype != torch.float32):
+        raise ValueError(f"shift must be a contiguous ({b}, {h}, {n}) float32 tensor when shift_mean is given")
     _quantize_blocks_kernel[(b * h * num_blocks,)](
         x, mean_arg, out, scales,
         *x.stride()[:3], *out.stride()[:3],
         *((mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)),
         *scales.stride()[:2],
+        shift if write_shift else scales, shift_mean if write_shift else scales,
+        *((shift_mean.stride(0), shift_mean.stride(1), h // shift_mean.shape[1]) if write_shift else (0, 0, 1)),
         h, n, d, num_blocks,
         BLOCK=block_size, ROWS=min(_ROWS, block_size), COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
+        WRITE_SHIFT=write_shift,
     )
     return out, scales
 

@@ -22,7 +22,8 @@ then one pass that reads Q, K and V and writes them in e4m3 (half the bytes of b
 vectors of ``N / block_size`` floats per head; the attention then reads half the K/V bytes.
 
 The log-sum-exp is of the scores the model would see, so the smoothing's row shift
-``scale * q . mean`` is added back (with the quantized ``q``).
+``scale * q . mean`` is added back, computed from the unquantized ``q`` (the kernel writes it in
+the pass that quantizes Q).
 
 NaN spreads further than in native precision, which keeps it to the rows that attend to it: a NaN
 in a block of Q makes that block's scale, and so the block, NaN; a NaN or inf key makes its KV
@@ -178,6 +179,8 @@ def fp8_block_sparse_attention_reference(
     out, lse = result
     b, hq, nq, d = q.shape
     hk = k.shape[1]
-    # The smoothing moved every score of a row by scale * q_hat . mean; the LSE is of the unshifted ones.
-    shift = torch.einsum("bhgnd,bhd->bhgn", q_hat.view(b, hk, hq // hk, nq, d), mean[:, :, 0]).reshape(b, hq, nq)
+    # The smoothing moved every score of a row by scale * q . mean; the LSE is of the unshifted
+    # scores, with the shift from the unquantized q (ranks with other keys, hence other means,
+    # merge their LSEs: an error in it would weigh their partial results wrongly).
+    shift = torch.einsum("bhgnd,bhd->bhgn", q.float().view(b, hk, hq // hk, nq, d), mean[:, :, 0]).reshape(b, hq, nq)
     return out, lse + scale * shift

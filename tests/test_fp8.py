@@ -1,0 +1,188 @@
+"""FP8 compute for the selected blocks (`PBSConfig.precision`): the twin's error and invariants
+(`pbs.reference.fp8`), the Triton kernel against the twin, the config and the backends' refusals.
+
+Error bound. e4m3 keeps 3 mantissa bits: a value rounds with a relative error of at most 2^-4
+(6.25%), about 2.6% RMS on Gaussian data. On standard-normal Q and K (scores of unit scale) the
+output's relative (Frobenius) error stays under 8% (it measures 3-4%); on peaked inputs it grows
+with the scores' size, since a score ``s`` moves by about ``|s|`` times that. Native fp16 is about
+30 times closer, so a "quantization" that did nothing would fail the lower bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pbs
+from pbs.kernels.block_sparse_attn import block_sparse_attention
+from pbs.planning import permute_keys_and_values
+from pbs.reference import block_sparse_attention_reference, fp8
+from pbs.testing import make_qkv
+
+pytestmark = pytest.mark.usefixtures("checked_addresses")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dots are wrong
+
+
+def _plan(q, k, *, block=32, segment=64, permuter="none", causal=True, density=0.5, precision="native"):
+    config = pbs.PBSConfig(block_size=block, segment_size=segment, permuter=permuter, causal=causal,
+                           selector={"name": "budget", "density": density}, backend="reference",
+                           check_finite=False, precision=precision)
+    return pbs.plan(q, k, config)
+
+
+def _permuted(plan, q, k, v):
+    kp, vp = permute_keys_and_values(plan.key_permutation, k, v)
+    return plan.query_permutation.apply(q), kp, vp
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _gaussian(seq_len=256, heads_q=4, heads_kv=2, d=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, seq_len, d, generator=gen) for h in (heads_q, heads_kv, heads_kv))
+
+
+@pytest.mark.parametrize("precision", ["fp8_qk", "fp8"])
+def test_twin_error_is_e4m3s_and_not_natives(precision):
+    q, k, v = _gaussian()
+    plan = _plan(q, k, density=1.0)
+    args = (plan.mask, plan.query_positions(), plan.key_positions())
+    truth = block_sparse_attention_reference(q, k, v, *args)
+    half = block_sparse_attention_reference(q.half(), k.half(), v.half(), *args)
+    quantized = fp8.fp8_block_sparse_attention_reference(q, k, v, *args, precision=precision)
+    error = _relative(quantized, truth)
+    assert 10 * _relative(half, truth) < error < 0.08
+
+
+def test_pv_in_fp8_adds_error_to_qk_in_fp8():
+    q, k, v = _gaussian(seed=1)
+    plan = _plan(q, k, density=1.0)
+    args = (plan.mask, plan.query_positions(), plan.key_positions())
+    truth = block_sparse_attention_reference(q, k, v, *args)
+    qk_only = _relative(fp8.fp8_block_sparse_attention_reference(q, k, v, *args, precision="fp8_qk"), truth)
+    both = _relative(fp8.fp8_block_sparse_attention_reference(q, k, v, *args, precision="fp8"), truth)
+    assert qk_only < both < 2 * qk_only
+
+
+def test_smoothing_takes_a_common_key_offset_out_of_the_error():
+    """Every score of a row moves by q . mean(K), which the softmax cancels: a large offset shared
+    by all keys changes nothing in fp32, and, smoothed away, nothing in e4m3 either. Quantized
+    with it, the keys' own spread would drown in the offset's range."""
+    q, k, v = _gaussian(seed=2)
+    shifted = k + 4.0 * torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(3))
+    plan = _plan(q, k, density=1.0)
+    args = (plan.mask, plan.query_positions(), plan.key_positions())
+    truth = block_sparse_attention_reference(q, k, v, *args)
+    torch.testing.assert_close(block_sparse_attention_reference(q, shifted, v, *args), truth, atol=2e-5, rtol=1e-4)
+    smoothed = _relative(fp8.fp8_block_sparse_attention_reference(q, shifted, v, *args, precision="fp8_qk"), truth)
+    plain = fp8.fake_quantize_qk(q, shifted, 32)  # what quantizing without the mean would do:
+    unsmoothed_k = fp8.dequantize_blocks(*fp8.quantize_blocks(shifted, 32), 32)
+    unsmoothed = _relative(block_sparse_attention_reference(plain[0], unsmoothed_k, v, *args), truth)
+    assert smoothed < 0.08 and unsmoothed > 2 * smoothed
+
+
+def test_lse_is_of_the_unsmoothed_scores():
+    q, k, v = _gaussian(seed=4)
+    k = k + 3.0  # a large mean: an LSE that forgot to add the shift back would be off by scale * q . 3
+    plan = _plan(q, k, density=0.6)
+    args = (plan.mask, plan.query_positions(), plan.key_positions())
+    _, lse = block_sparse_attention_reference(q, k, v, *args, return_lse=True)
+    _, lse8 = fp8.fp8_block_sparse_attention_reference(q, k, v, *args, return_lse=True, precision="fp8")
+    # The LSE's error is the scores' (e4m3 moves a score by a few percent of its size).
+    error = (lse8 - lse).abs()
+    assert error.median() < 0.05 and error.max() < 0.5
+    shift = (q.view(1, 2, 2, 256, 64) * 3.0).sum(-1).abs() * 64**-0.5
+    assert shift.median() > 1  # the test would see a missing shift
+
+
+def test_zero_blocks_and_a_nan_block():
+    q, k, v = _gaussian(seed=5)
+    q[:, :, :32] = 0  # a zero query block: scale 1, uniform attention, finite output
+    q[0, 1, 100, 3] = float("nan")  # poisons its query block (rows 96-127 of head 1) only
+    plan = _plan(q.nan_to_num(), k, density=1.0)
+    args = (plan.mask, plan.query_positions(), plan.key_positions())
+    out = fp8.fp8_block_sparse_attention_reference(q, k, v, *args, precision="fp8")
+    assert out[0, 1, 96:128].isnan().all()
+    out[0, 1, 96:128] = 0
+    assert out.isfinite().all()
+
+
+# The kernel against its twin (the Triton interpreter on CPU: fp16 at small shapes; bf16 on the GPU).
+KERNEL_CASES = {
+    "shared_gqa_permuted": dict(seq_len=300, permuter="last_block", density=0.5),
+    "cached_prefix": dict(seq_len=300, seq_len_q=150, permuter="none", density=0.6),
+    "non_causal": dict(seq_len=200, permuter="none", causal=False, density=0.5),
+    "tiles_inside_blocks": dict(seq_len=320, block=128, segment=128, permuter="none", density=0.7, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp8_qk", "fp8"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_matches_its_twin(case, precision):
+    options = dict(KERNEL_CASES[case])
+    seq_len, seq_len_q = options.pop("seq_len"), options.pop("seq_len_q", None)
+    head_dim = options.pop("head_dim", 32)
+    q, k, v = make_qkv(1, 4, 2, seq_len, head_dim, seq_len_q=seq_len_q, seed=7, device=DEVICE)
+    k = k + 2.0  # a common offset, which the smoothing must remove in both
+    plan = _plan(q, k, **options)
+    qp, kp, vp = (x.to(KERNEL_DTYPE) for x in _permuted(plan, q, k, v))
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    causal = plan.layout.causal
+    truth = block_sparse_attention_reference(*(x.float() for x in _permuted(plan, q, k, v)), plan.mask, qpos, kpos,
+                                             causal=causal)
+    twin, twin_lse = fp8.fp8_block_sparse_attention_reference(qp, kp, vp, plan.mask, qpos, kpos, causal=causal,
+                                                              return_lse=True, precision=precision)
+    lse = torch.empty(qp.shape[:3], dtype=torch.float32, device=DEVICE)
+    out = block_sparse_attention(
+        qp, kp, vp, plan.mask, query_positions=None if plan.query_permutation.is_identity else qpos,
+        key_positions=None if plan.key_permutation.is_identity else kpos, causal=causal, lse=lse, precision=precision,
+    )
+    twin_error = _relative(twin, truth)
+    # Q and K are quantized identically (tests/test_fp8_quant.py), so the scores agree to fp32
+    # rounding; the weights P are quantized against the running row max in the kernel and the
+    # final one in the twin, which moves single values by one e4m3 step.
+    assert _relative(out, twin) < (0.02 if precision == "fp8_qk" else 0.25) * twin_error
+    assert _relative(out, truth) < 1.1 * twin_error
+    torch.testing.assert_close(lse, twin_lse, atol=2e-3, rtol=1e-4)
+
+
+def test_backends_that_do_not_compute_fp8_name_the_field():
+    q, k, v = make_qkv(1, 2, 1, 128, 32)
+    for backend in ("flex", "hopper"):
+        with pytest.raises(ValueError, match=r"config.precision='fp8'.*backends that do: triton, reference"):
+            pbs.attention(q, k, v, pbs.PBSConfig(precision="fp8", backend=backend))
+    with pytest.raises(ValueError, match="quantizes float16 or bfloat16 inputs"):
+        pbs.attention(q, k, v, pbs.PBSConfig(precision="fp8", backend="triton"))
+
+
+def test_paged_keys_are_refused_by_the_fp8_kernel():
+    from pbs.backends.registry import CallSpec, backend_reasons, get_backend
+
+    spec = CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, page_size=16, precision="fp8_qk")
+    assert any("not a paged cache" in r for r in backend_reasons(get_backend("triton"), spec))
+    assert not backend_reasons(get_backend("reference"), spec)
+
+
+def test_config_precision_round_trips_and_is_checked():
+    config = pbs.PBSConfig.from_preset("defaults_fp8")
+    assert config.precision == "fp8" and config.selector == pbs.PBSConfig().selector
+    assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
+    with pytest.raises(ValueError, match="precision"):
+        pbs.PBSConfig(precision="int4")
+
+
+def test_plan_reports_the_precision_that_ran():
+    q, k, v = make_qkv(1, 2, 1, 256, 32)
+    config = pbs.PBSConfig(block_size=32, segment_size=64, precision="fp8")
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan.precision == "fp8" and plan.backend == "reference"
+    native = pbs.attention(q, k, v, config.model_copy(update={"precision": "native"}))
+    assert 0 < _relative(out, native) < 0.5
+    dense_config = pbs.PBSConfig(block_size=32, segment_size=64, precision="fp8",
+                                 dense_fallback={"min_seq_len": 10_000, "devices": ["cpu"]})
+    _, dense_plan = pbs.attention(q, k, v, dense_config, return_plan=True)
+    assert dense_plan.ran_dense and dense_plan.precision == "native"
