@@ -60,16 +60,18 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
     the row sums stay fp32.
     """
     m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-    b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None]
     if PV_FP8:
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
         b_w = b_p * E4M3_MAX
         if INTERPRET:
             b_w = round_to_e4m3(b_w)  # the interpreter's own cast mis-rounds (pbs.kernels.fp8_quant)
         acc = tl.dot(b_w.to(tl.float8e4nv), b_v, acc)
     else:
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -393,6 +395,10 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
     """
     if interpret:
         return [KernelConfig(64, 64, 4, 1)]
+    if dtype == torch.float8_e4m3fn and head_dim <= 128:
+        # Quantized Q and K (precision fp8_qk / fp8): 64-row query tiles of 4 warps beat 128x128 by
+        # 1.1x (fp8) on an H100 (docs/fp8.md); the tuner also times the bf16 default.
+        return [KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3)]
     if dtype == torch.float32:
         return [KernelConfig(64, 32, 4, 2)]
     if head_dim <= 64:
@@ -684,7 +690,7 @@ def _select(call: _Call) -> KernelConfig:
     if len(candidates) == 1 or call.q.device.type != "cuda":
         return candidates[0]
     mask_block = call.mask.layout.block_size
-    key = (call.q.device.index, call.q.dtype, call.head_dim, call.head_dim_v, mask_block, call.causal,
+    key = (call.q.device.index, call.q.dtype, call.pv_fp8, call.head_dim, call.head_dim_v, mask_block, call.causal,
            call.q.shape[1] // call.k.shape[1], call.seq_len_k.bit_length(), call.page_size)
     if key not in TUNED_CONFIGS and torch.cuda.is_current_stream_capturing():
         # Timing candidates needs syncs, which a graph capture forbids: the untuned default runs

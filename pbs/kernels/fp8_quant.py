@@ -6,10 +6,10 @@ once for its amax and once more (from L1/L2) to write the e4m3 values, and store
 written transposed, ``(B, Hk, Dv, N)``, because the tensor cores take an e4m3 right-hand operand
 only with its reduction axis (the tokens, for P.V) contiguous.
 
-Rounding is done in fp32 arithmetic (to the nearest e4m3 value, ties to even) before the cast,
-which then only moves exact values: the hardware cast rounds the same way, but Triton's CPU
-interpreter does not carry a mantissa that rounds up into the exponent, and the CPU tests must
-see the GPU's numbers.
+Divisions are IEEE-rounded (``div_rn``: the GPU's default one is approximate), and rounding is
+done in fp32 arithmetic (to the nearest e4m3 value, ties to even) before the cast, which then only
+moves exact values: the hardware cast rounds the same way, but Triton's CPU interpreter does not
+carry a mantissa that rounds up into the exponent, and the CPU tests must see the GPU's numbers.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def round_to_e4m3(y):
     # e4m3 keeps 3 mantissa bits; below its smallest normal (2^-6) the spacing stays 2^-9.
     exponent = tl.maximum(exponent, 127 - 6)
     spacing = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-    r = tl.abs(y) / spacing  # exact: a power of two
+    r = tl.abs(y) * ((254 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)  # / spacing, exactly
     f = tl.floor(r + 0.5)
     odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
     f = tl.where(((f - r) == 0.5) & odd, f - 1.0, f)
@@ -88,7 +88,7 @@ def _quantize_blocks_kernel(
         poisoned = tl.maximum(poisoned, tl.max((b_x != b_x).to(tl.int32), 1))
         amax = tl.maximum(amax, tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1))
     block_amax = tl.max(amax, 0)
-    scale = tl.where(block_amax > 0, block_amax / E4M3_MAX, 1.0)
+    scale = tl.where(block_amax > 0, tl.math.div_rn(block_amax, E4M3_MAX), 1.0)
     scale = tl.where(tl.max(poisoned, 0) > 0, float("nan"), scale)
     tl.store(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_blk, scale)
     for r0 in range(0, BLOCK, ROWS):
@@ -97,7 +97,7 @@ def _quantize_blocks_kernel(
         b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         if SUBTRACT_MEAN:
             b_x = b_x - b_mean[None, :]
-        b_y = round_to_e4m3(_saturate(b_x / scale))
+        b_y = round_to_e4m3(_saturate(tl.math.div_rn(b_x, scale)))
         tl.store(p_o + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :], b_y.to(tl.float8e4nv), mask=m)
 
 
@@ -123,7 +123,7 @@ def _quantize_values_kernel(
                       other=1.0)
     p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
     b_v = tl.load(p_v + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_y = round_to_e4m3(_saturate(b_v / b_scale[None, :]))
+    b_y = round_to_e4m3(_saturate(tl.math.div_rn(b_v, b_scale[None, :])))
     p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
     tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_n[:, None], b_y.to(tl.float8e4nv), mask=m)
 
