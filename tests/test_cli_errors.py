@@ -349,6 +349,16 @@ def test_quality_method_dense_is_not_added_twice(quality_argv):
     assert sum(m.is_dense for m in _quality_methods([*quality_argv, "--method", "dense"])) == 1
 
 
+def test_quality_method_carries_precision_into_its_label(quality_argv):
+    argv = [*quality_argv, "--method", "{}", "--method", '{"precision": "fp8_qk"}', "--method", "defaults_fp8"]
+    dense, native, fp8_qk, fp8 = _quality_methods(argv)
+    assert [m.config.pbs.precision for m in (native, fp8_qk, fp8)] == ["native", "fp8_qk", "fp8"]
+    assert native.config.pbs.selector == fp8.config.pbs.selector  # same selection, so only the label tells them apart
+    assert "fp8" not in native.label
+    assert fp8_qk.label.endswith("(shared, fp8_qk)") and fp8.label.endswith("(shared, fp8)")
+    assert len({m.label for m in (dense, native, fp8_qk, fp8)}) == 4
+
+
 METHOD_MISTAKES = {
     **{name: CONFIG_MISTAKES[name] for name in ("missing-file", "trailing-comma", "flex-on-cpu")},
     "preset-typo": ("pbs_papr", "'pbs_papr' is neither a preset"),

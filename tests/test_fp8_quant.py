@@ -33,7 +33,8 @@ def test_rounding_matches_torchs_cast_at_every_spacing_and_tie():
     out = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
     _round_kernel[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
     expected = values.to(torch.float8_e4m3fn)
-    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    # Compared as values: the GPU's cast writes -0.0 as +0.0, which computes the same.
+    assert torch.equal(out.float(), expected.float())
 
 
 def _inputs(dtype: torch.dtype, n: int = 200, d: int = 72) -> torch.Tensor:
@@ -53,11 +54,10 @@ def test_block_quantization_equals_the_twin(dtype, smoothed):
     expected8, expected_scales = twin.quantize_blocks(x.float() - (mean if smoothed else 0), 64)
     assert scales.shape == (2, 3, 4)  # 200 tokens: three blocks of 64 and a partial one
     assert smoothed or scales[1, 1, 0] == 1.0
-    torch.testing.assert_close(scales, expected_scales, rtol=2e-7, atol=0)
-    mismatched = (x8.float() != expected8.float()).float().mean().item()
-    # On the GPU the division may differ from the CPU's in its last bit, which can move a value
-    # sitting on a rounding boundary by one e4m3 step; in the interpreter they are identical.
-    assert mismatched <= (1e-4 if x.is_cuda else 0.0)
+    assert torch.equal(scales, expected_scales)
+    # Both divide IEEE-rounded (the twin by tensors: PyTorch's CUDA division by a Python scalar is
+    # a reciprocal's product) and round to nearest even: the same bits on CPU and GPU.
+    assert torch.equal(x8.float(), expected8.float())
 
 
 def test_a_nan_poisons_its_block_only():

@@ -139,6 +139,8 @@ def make_method(config: Any, label: str | None = None, family: str | None = None
         f"{_component_label(pbs_config.selector, selector_registry, skip=(field_name,) if field_name else ())}"
     )
     extras = [pbs_config.gqa]
+    if pbs_config.precision != "native":  # the same selection in another arithmetic is another row
+        extras.append(pbs_config.precision)
     if (pbs_config.block_size, pbs_config.segment_size) != (128, 256):
         extras.append(f"B={pbs_config.block_size} S={pbs_config.segment_size}")
     if integration.skip_first_layers:

@@ -572,7 +572,8 @@ def _channel_scales(v: torch.Tensor) -> torch.Tensor:
     if v.shape[2] == 0:
         return torch.ones(v.shape[0], v.shape[1], v.shape[3], dtype=torch.float32, device=v.device)
     amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=2, dtype=torch.float32)
-    return torch.where((amax > 0) | amax.isnan(), amax / 448.0, torch.ones_like(amax))
+    quotient = amax / torch.full_like(amax, 448.0)  # IEEE (a scalar divisor is a reciprocal's product on CUDA)
+    return torch.where((amax > 0) | amax.isnan(), quotient, torch.ones_like(amax))
 
 
 def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table=None) -> _Call:

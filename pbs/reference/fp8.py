@@ -75,7 +75,11 @@ def channel_scales(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     # amax > 0 is false for NaN, which must stay NaN: it marks the block or channel as poisoned.
-    return torch.where((amax > 0) | amax.isnan(), amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal,
+    # one ulp off the IEEE quotient the kernel computes, and on peaked attention one ulp of a scale
+    # moves values across e4m3 rounding boundaries.
+    quotient = amax / torch.full_like(amax, E4M3_MAX)
+    return torch.where((amax > 0) | amax.isnan(), quotient, torch.ones_like(amax))
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
