@@ -675,6 +675,14 @@ def _launch(call: _Call, config: KernelConfig) -> None:
     )
 
 
+def run_prepared(call: _Call, config: KernelConfig | None = None) -> torch.Tensor:
+    """Launches a call made by `prepare_call` (and `attach_lse` / `quantize_call`), with
+    ``config`` or the one `select_config` would pick; returns ``call.out``. Benchmarks time the
+    attention apart from the preparation this way."""
+    _launch(call, (config or _select(call)).fitted(call.mask.layout.block_size))
+    return call.out
+
+
 def _fp8_arguments(call: _Call) -> tuple:
     """The scale pointers and strides of the FP8 paths (any pointer where unused). The key scales
     go as int32 bits: the kernel reads them with the block lists' no-async load."""
