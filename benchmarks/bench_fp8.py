@@ -6,9 +6,10 @@ density one plan is made and run by:
 
 * ``bf16_triton`` / ``bf16_hopper``: the Triton kernel and the Gluon kernel (``auto``'s choice on
   Hopper) in the inputs' precision;
-* ``fp8_qk`` / ``fp8``: the Triton kernel with ``precision="fp8_qk"`` / ``"fp8"``, timed as a user
-  gets it (quantization included) and as attention alone on quantized inputs (``*_attention_ms``);
-  the quantization pass alone is ``quantize_ms``.
+* ``fp8_qk`` / ``fp8`` (and with ``--precisions`` any quantized `PBSConfig.precision`, e.g.
+  ``int8_qk``): the Triton kernel in that precision, timed as a user gets it (quantization
+  included) and as attention alone on quantized inputs (``*_attention_ms``); the quantization pass
+  alone is ``*_quantize_ms``.
 
 Error (``--error-n``, default 4096): each path's output against fp32 attention over the same mask,
 beside cuDNN bf16 dense's error against fp32 dense; on Gaussian inputs and on the structured inputs
@@ -48,7 +49,7 @@ def make_plan(q, k, density: float):
                            selector={"name": "budget", "density": density}, backend="reference", check_finite=False)
     return pbs.plan(q, k, config)
 
-PRECISIONS = ("fp8_qk", "fp8")
+PRECISIONS = ["fp8_qk", "fp8"]  # --precisions replaces them
 
 
 def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
@@ -136,8 +137,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5, 1.0])
     parser.add_argument("--error-n", type=int, default=4096, help="length of the error comparison (0: none)")
+    parser.add_argument("--precisions", nargs="+", default=PRECISIONS,
+                        help="quantized precisions to time (PBSConfig.precision values other than native)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    PRECISIONS[:] = args.precisions
     result = {
         **environment("cuda"),
         "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,

@@ -129,7 +129,10 @@ class PBSConfig(BaseModel):
             dtype (bf16/fp16 tensor cores, fp32 accumulation). ``"fp8_qk"``: Q and K in e4m3 with
             per-block scales (K smoothed by its mean over the tokens first), P.V in the inputs'
             dtype. ``"fp8"``: P and V in e4m3 too (P with the fixed scale 1/448, V with
-            per-channel scales). `pbs.reference.fp8` defines the scales; the backends that run
+            per-channel scales). ``"int8_qk"`` / ``"int8_qk_fp8_pv"``: Q and smoothed K in int8
+            with per-block scales (``amax / 127``: about 4 times e4m3's accuracy on a Gaussian
+            block, at the same tensor-core rate), P.V in the inputs' dtype / in e4m3 as
+            ``"fp8"``. `pbs.reference.fp8` defines the scales; the backends that run
             each precision declare it (`pbs.backends.AttentionBackend.precisions`), and a dense
             decision of the dense policy runs SDPA in the native precision (`Plan.precision`).
     """
@@ -147,7 +150,7 @@ class PBSConfig(BaseModel):
     force_sink_block: bool = True
     check_finite: bool | None = None
     dense_fallback: DenseFallback = Field(default_factory=DenseFallback)
-    precision: Literal["native", "fp8_qk", "fp8"] = "native"
+    precision: Literal["native", "fp8_qk", "fp8", "int8_qk", "int8_qk_fp8_pv"] = "native"
 
     @model_validator(mode="wrap")
     @classmethod

@@ -98,6 +98,16 @@ class Permutation:
         return Permutation(self.indices.to(device), self.inverse.to(device), self.is_identity)
 
 
+PRECISION_FORMATS: dict[str, tuple[str | None, bool]] = {
+    "native": (None, False),
+    "fp8_qk": ("e4m3", False),
+    "fp8": ("e4m3", True),
+    "int8_qk": ("int8", False),
+    "int8_qk_fp8_pv": ("int8", True),
+}
+"""Every `pbs.PBSConfig.precision`: ``(format of Q and K or None, whether P.V runs in e4m3)``."""
+
+
 def block_index_dtype(num_key_blocks: int) -> torch.dtype:
     """The dtype of `BlockMask.indices` for ``num_key_blocks`` key blocks."""
     return torch.int16 if num_key_blocks < 2**15 else torch.int32

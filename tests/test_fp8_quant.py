@@ -95,3 +95,27 @@ def test_query_pass_writes_each_rows_shift_from_the_unquantized_queries():
     kernel.quantize_blocks(q, 64, shift_mean=mean, shift=shift)
     expected = torch.einsum("bhnd,bd->bhn", q.float(), mean[:, 0, 0])
     torch.testing.assert_close(shift, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_int8_block_quantization_equals_the_twin(smoothed):
+    x = _inputs(torch.bfloat16)
+    mean = twin.key_means(x) if smoothed else None
+    x8, scales = kernel.quantize_blocks(x, 64, mean, fmt="int8")
+    expected8, expected_scales = twin.quantize_blocks(x.float() - (mean if smoothed else 0), 64, "int8")
+    assert x8.dtype == torch.int8 and x8.abs().max() == 127
+    assert torch.equal(scales, expected_scales) and torch.equal(x8, expected8)
+
+
+def test_integer_rounding_takes_ties_to_even():
+    values = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 126.5, -126.5], device=DEVICE)
+    out = torch.empty(values.shape, dtype=torch.int8, device=DEVICE)
+    _round_integer_kernel[(1,)](values, out, values.numel(), BLOCK=16)
+    assert out.tolist() == values.round().to(torch.int8).tolist() == [0, 2, 2, 0, -2, -2, 2, 126, -126]
+
+
+@triton.jit
+def _round_integer_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, kernel.round_to_integer(x).to(tl.int8), mask=offsets < n)

@@ -25,7 +25,7 @@ import torch
 
 from pbs.backends.eligibility import flex_reasons, gluon_kernel_reasons, triton_auto_reasons, triton_kernel_reasons
 from pbs.backends.registry import AttentionBackend, AttentionCall, CallSpec, register_backend
-from pbs.types import is_paged
+from pbs.types import PRECISION_FORMATS, is_paged
 
 
 def _kernel_arguments(call: AttentionCall) -> dict:
@@ -98,7 +98,7 @@ def _run_flex(call: AttentionCall) -> torch.Tensor:
     return flex_block_sparse_attention(call.q, call.k, call.v, call.plan.mask, **_kernel_arguments(call))
 
 
-_ALL_PRECISIONS = ("native", "fp8_qk", "fp8")  # pbs.PBSConfig.precision
+_ALL_PRECISIONS = tuple(PRECISION_FORMATS)  # every pbs.PBSConfig.precision
 
 
 def _no_reasons(spec: CallSpec) -> list[str]:

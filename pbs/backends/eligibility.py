@@ -16,6 +16,7 @@ import torch
 
 from pbs.backends.registry import AttentionBackend, CallSpec, family_has_planners
 from pbs.kernels._common import interpreting
+from pbs.types import PRECISION_FORMATS
 
 MAX_HEAD_DIM = 256
 """The largest head dim the Triton kernels take."""
@@ -96,7 +97,9 @@ def _fp8_reasons(spec: CallSpec) -> list[str]:
     if spec.precision == "native":
         return []
     reasons = []
-    if spec.device.type == "cuda" and _capability(spec.device) < (8, 9):
+    qk_format, pv_fp8 = PRECISION_FORMATS.get(spec.precision, (None, False))
+    uses_e4m3 = qk_format == "e4m3" or pv_fp8
+    if uses_e4m3 and spec.device.type == "cuda" and _capability(spec.device) < (8, 9):
         reasons.append(f"precision {spec.precision!r} needs e4m3 tensor cores (compute capability 8.9 or newer)")
     if spec.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"precision {spec.precision!r} quantizes float16 or bfloat16 inputs, not {spec.dtype}")

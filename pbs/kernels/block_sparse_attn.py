@@ -43,7 +43,7 @@ from pbs.kernels._common import (
 )
 from pbs.kernels.fp8_quant import E4M3_MAX, quantize_blocks, quantize_values_transposed, round_to_e4m3
 from pbs.layout import cdiv
-from pbs.types import BlockMask
+from pbs.types import PRECISION_FORMATS, BlockMask
 
 _FAR_FUTURE = tl.constexpr(FAR_FUTURE)  # the position of padded key slots (see pbs.kernels._common)
 
@@ -150,6 +150,14 @@ def _list_entry(p_list, it, count, SUB_N: tl.constexpr, INTERPRET: tl.constexpr)
 
 
 @triton.jit
+def _scores(b_q, b_k, DOT_PRECISION: tl.constexpr, QK_INT8: tl.constexpr):
+    """``q . k^T`` of a tile in fp32: int8 operands accumulate exactly in int32 first."""
+    if QK_INT8:
+        return tl.dot(b_q, b_k.T, out_dtype=tl.int32).to(tl.float32)
+    return tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _load_values(desc, p_cache, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_p, stride_h, stride_n, dim,
                  ROWS: tl.constexpr, COLS: tl.constexpr, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                  PV_FP8: tl.constexpr):
@@ -231,8 +239,9 @@ def _block_sparse_attn_fwd(
     INTERPRET: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    QK_FP8: tl.constexpr,
+    QK_QUANTIZED: tl.constexpr,
     PV_FP8: tl.constexpr,
+    QK_INT8: tl.constexpr,
 ):
     SPLIT_M: tl.constexpr = MASK_BLOCK // BLOCK_M
     SUB_N: tl.constexpr = MASK_BLOCK // BLOCK_N
@@ -272,7 +281,7 @@ def _block_sparse_attn_fwd(
     # Under FP8, every score of a step is scaled by its query block's and key block's scales: the
     # key block's is read per step, next to its list entry (int32 bits: the same no-async load).
     qk_scale_q = qk_scale
-    if QK_FP8:
+    if QK_QUANTIZED:
         q_scale = tl.load(q_scale_ptr + i_b.to(tl.int64) * stride_qsb + i_hq.to(tl.int64) * stride_qsh + i_qb)
         qk_scale_q = qk_scale * q_scale
         p_kscale = k_scale_ptr + i_b.to(tl.int64) * stride_ksb + i_hk.to(tl.int64) * stride_ksh
@@ -294,9 +303,9 @@ def _block_sparse_attn_fwd(
         start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
         b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
                             stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
-        b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
+        b_s = _scores(b_q, b_k, DOT_PRECISION, QK_INT8)
         step_scale = qk_scale_q
-        if QK_FP8:
+        if QK_QUANTIZED:
             step_scale = qk_scale_q * _load_block_index(p_kscale + j, INTERPRET).to(tl.float32, bitcast=True)
         b_v = _load_values(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
                            stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET, PV_FP8)
@@ -311,7 +320,7 @@ def _block_sparse_attn_fwd(
             start_n = j * MASK_BLOCK + (it % SUB_N) * BLOCK_N
             b_k = _load_kv_tile(k_desc, k_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_kp, stride_kh,
                                 stride_kn, dim_k, BLOCK_N, HEAD_DIM, PAGE_SIZE, INTERPRET)
-            b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
+            b_s = _scores(b_q, b_k, DOT_PRECISION, QK_INT8)
             o_slot = start_n + o_n
             if CAUSAL:
                 if KEYS_PERMUTED:
@@ -326,7 +335,7 @@ def _block_sparse_attn_fwd(
                 m_keep = (o_slot < seq_len_k)[None, :]
             b_s = tl.where(m_keep, b_s, float("-inf"))
             step_scale = qk_scale_q
-            if QK_FP8:
+            if QK_QUANTIZED:
                 step_scale = qk_scale_q * _load_block_index(p_kscale + j, INTERPRET).to(tl.float32, bitcast=True)
             b_v = _load_values(v_desc, v_ptr, table_ptr, i_b, i_hk, start_n, seq_len_k, stride_vp, stride_vh,
                                stride_vn, dim_v, BLOCK_N, HEAD_DIM_V, PAGE_SIZE, INTERPRET, PV_FP8)
@@ -351,7 +360,7 @@ def _block_sparse_attn_fwd(
     if WRITE_LSE:
         # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
         b_lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-        if QK_FP8:
+        if QK_QUANTIZED:
             # K was smoothed: every score of a row is short by scale * q . mean(K), which the
             # quantization pass wrote from the unquantized q (lse_shift_ptr: that (B, Hq, Nq) shift).
             b_shift = tl.load(lse_shift_ptr + (i_b * (heads_k * group) + i_hq).to(tl.int64) * seq_len_q + o_m,
@@ -395,7 +404,7 @@ def candidate_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> lis
     """
     if interpret:
         return [KernelConfig(64, 64, 4, 1)]
-    if dtype == torch.float8_e4m3fn and head_dim <= 128:
+    if dtype in (torch.float8_e4m3fn, torch.int8) and head_dim <= 128:
         # Quantized Q and K (precision fp8_qk / fp8): 64-row query tiles of 4 warps beat 128x128 by
         # 1.1x (fp8) on an H100 (docs/fp8.md); the tuner also times the bf16 default.
         return [KernelConfig(64, 128, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3)]
@@ -538,16 +547,17 @@ def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
     call.lse = lse
 
 
-PRECISIONS = ("native", "fp8_qk", "fp8")
+PRECISIONS = tuple(PRECISION_FORMATS)
 """The `pbs.PBSConfig.precision` values this kernel runs."""
 
 
 def quantize_call(call: _Call, precision: str) -> None:
-    """Replaces the prepared call's Q and K (and for ``"fp8"`` V) with their e4m3 values and scales
-    (`pbs.reference.fp8` defines them); ``"native"`` leaves it as it is."""
+    """Replaces the prepared call's Q and K (and where P.V runs in e4m3, V) with their quantized
+    values and scales (`pbs.reference.fp8` defines them); ``"native"`` leaves it as it is."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "native":
+    qk_format, pv_fp8 = PRECISION_FORMATS[precision]
+    if qk_format is None:
         return
     if call.q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"precision={precision!r} takes float16 or bfloat16 inputs, got {call.q.dtype}")
@@ -559,9 +569,9 @@ def quantize_call(call: _Call, precision: str) -> None:
     if call.lse is not None:
         call.lse_shift = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device)
     call.q, call.q_scales = quantize_blocks(call.q, block_size, shift_mean=call.k_mean if call.lse is not None else None,
-                                            shift=call.lse_shift)
-    call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean)
-    if precision == "fp8":
+                                            shift=call.lse_shift, fmt=qk_format)
+    call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean, fmt=qk_format)
+    if pv_fp8:
         call.v_scales = _channel_scales(call.v)
         call.v = quantize_values_transposed(call.v, call.v_scales)
         call.pv_fp8 = True
@@ -668,8 +678,9 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         INTERPRET=interpreting(),
         WRITE_LSE=call.lse is not None,
         PAGE_SIZE=call.page_size,
-        QK_FP8=call.q_scales is not None,
+        QK_QUANTIZED=call.q_scales is not None,
         PV_FP8=call.pv_fp8,
+        QK_INT8=call.q.dtype == torch.int8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,5 +1,6 @@
-"""Quantization of Q, K and V to e4m3 for the FP8 attention kernel, with the scales of
-`pbs.reference.fp8` (its eager twin): per-block Q and smoothed-K scales, per-channel V scales.
+"""Quantization of Q, K and V to e4m3 (and of Q and K to int8) for the quantized attention
+kernel, with the scales of `pbs.reference.fp8` (its eager twin): per-block Q and smoothed-K
+scales, per-channel V scales.
 
 One program handles one block of ``block_size`` tokens of one (batch, head): it reads the block
 once for its amax and once more (from L1/L2) to write the e4m3 values, and stores the scale. V is
@@ -21,6 +22,7 @@ import triton.language as tl
 from pbs.kernels._common import pow2_at_least
 
 E4M3_MAX = tl.constexpr(448.0)
+INT8_MAX = tl.constexpr(127.0)
 _ROWS = 32  # rows per step of a block: a (32, 256) fp32 tile at most in registers
 
 
@@ -40,6 +42,14 @@ def round_to_e4m3(y):
 
 
 @triton.jit
+def round_to_integer(y):
+    """``y`` (float32) rounded to the nearest integer, ties to even (as ``torch.round``)."""
+    f = tl.floor(y + 0.5)
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where(((f - y) == 0.5) & odd, f - 1.0, f)
+
+
+@triton.jit
 def _saturate(y):
     # tl.minimum would turn NaN into the bound; comparisons leave it NaN.
     y = tl.where(y > E4M3_MAX, E4M3_MAX, y)
@@ -56,7 +66,7 @@ def _quantize_blocks_kernel(
     shift_ptr, dot_mean_ptr, stride_db, stride_dh, group,
     heads, seq_len, dim, num_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-    WRITE_SHIFT: tl.constexpr,
+    WRITE_SHIFT: tl.constexpr, INT8: tl.constexpr,
 ):
     i_pid = tl.program_id(0)
     i_blk = i_pid % num_blocks
@@ -88,7 +98,8 @@ def _quantize_blocks_kernel(
         poisoned = tl.maximum(poisoned, tl.max((b_x != b_x).to(tl.int32), 1))
         amax = tl.maximum(amax, tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1))
     block_amax = tl.max(amax, 0)
-    scale = tl.where(block_amax > 0, tl.math.div_rn(block_amax, E4M3_MAX), 1.0)
+    largest = INT8_MAX if INT8 else E4M3_MAX
+    scale = tl.where(block_amax > 0, tl.math.div_rn(block_amax, largest), 1.0)
     scale = tl.where(tl.max(poisoned, 0) > 0, float("nan"), scale)
     tl.store(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_blk, scale)
     for r0 in range(0, BLOCK, ROWS):
@@ -97,8 +108,13 @@ def _quantize_blocks_kernel(
         b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         if SUBTRACT_MEAN:
             b_x = b_x - b_mean[None, :]
-        b_y = round_to_e4m3(_saturate(tl.math.div_rn(b_x, scale)))
-        tl.store(p_o + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :], b_y.to(tl.float8e4nv), mask=m)
+        b_y = tl.math.div_rn(b_x, scale)
+        p_out = p_o + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :]
+        if INT8:
+            b_y = tl.where(b_y > INT8_MAX, INT8_MAX, tl.where(b_y < -INT8_MAX, -INT8_MAX, b_y))
+            tl.store(p_out, round_to_integer(b_y).to(tl.int8), mask=m)
+        else:
+            tl.store(p_out, round_to_e4m3(_saturate(b_y)).to(tl.float8e4nv), mask=m)
 
 
 @triton.jit
@@ -128,19 +144,20 @@ def _quantize_values_kernel(
     tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_n[:, None], b_y.to(tl.float8e4nv), mask=m)
 
 
-def e4m3_buffer(shape: tuple[int, ...], device: torch.device, last_multiple: int = 16) -> torch.Tensor:
-    """An uninitialized float8_e4m3fn ``shape`` view whose rows start 16-byte aligned (for TMA):
-    the last dim is allocated rounded up to ``last_multiple``."""
+def byte_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float8_e4m3fn,
+                last_multiple: int = 16) -> torch.Tensor:
+    """An uninitialized one-byte-per-value (e4m3 or int8) ``shape`` view whose rows start 16-byte
+    aligned (for TMA): the last dim is allocated rounded up to ``last_multiple``."""
     padded = -(-shape[-1] // last_multiple) * last_multiple
-    return torch.empty(*shape[:-1], padded, dtype=torch.float8_e4m3fn, device=device)[..., : shape[-1]]
+    return torch.empty(*shape[:-1], padded, dtype=dtype, device=device)[..., : shape[-1]]
 
 
 def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None = None,
-                    shift_mean: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                    shift_mean: torch.Tensor | None = None, shift: torch.Tensor | None = None, fmt: str = "e4m3",
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, H, N, D)`` (any float dtype; last dim contiguous) -> ``(x8, scales)``: e4m3 values of
-    ``x - mean`` (``mean`` ``(B, H, 1, D)`` float32, or None) and ``(B, H, ceil(N / block_size))``
-    float32 scales, as `pbs.reference.fp8.quantize_blocks`.
+    """``(B, H, N, D)`` (any float dtype; last dim contiguous) -> ``(x8, scales)``: e4m3 (or
+    ``fmt="int8"``: int8) values of ``x - mean`` (``mean`` ``(B, H, 1, D)`` float32, or None) and
+    ``(B, H, ceil(N / block_size))`` float32 scales, as `pbs.reference.fp8.quantize_blocks`.
 
     With ``shift_mean`` (the ``(B, Hk, 1, D)`` key mean, ``H % Hk == 0``), also writes each row's
     ``x . shift_mean[head // (H // Hk)]`` into ``shift`` (contiguous ``(B, H, N)`` float32) from the
@@ -149,7 +166,9 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_blocks = -(-n // block_size)
-    out = e4m3_buffer((b, h, n, d), x.device)
+    if fmt not in ("e4m3", "int8"):
+        raise ValueError(f"fmt must be 'e4m3' or 'int8', got {fmt!r}")
+    out = byte_buffer((b, h, n, d), x.device, torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     scales = torch.empty(b, h, num_blocks, dtype=torch.float32, device=x.device)
     if out.numel() == 0:
         return out, scales.fill_(1.0)
@@ -167,7 +186,7 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
         *((shift_mean.stride(0), shift_mean.stride(1), h // shift_mean.shape[1]) if write_shift else (0, 0, 1)),
         h, n, d, num_blocks,
         BLOCK=block_size, ROWS=min(_ROWS, block_size), COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
-        WRITE_SHIFT=write_shift,
+        WRITE_SHIFT=write_shift, INT8=fmt == "int8",
     )
     return out, scales
 
@@ -178,7 +197,7 @@ def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor) -> torch.T
     b, h, n, d = v.shape
     if v.stride(-1) != 1:
         v = v.contiguous()
-    out = e4m3_buffer((b, h, d, n), v.device)
+    out = byte_buffer((b, h, d, n), v.device)
     if v.numel() == 0:
         return out
     rows = 64

@@ -38,31 +38,37 @@ from typing import Literal
 import torch
 
 from pbs.reference.block_sparse_attn import block_sparse_attention_reference
-from pbs.types import BlockMask
+from pbs.types import PRECISION_FORMATS, BlockMask
 
 E4M3_MAX = 448.0
 """The largest finite ``torch.float8_e4m3fn`` value."""
 
-Precision = Literal["native", "fp8_qk", "fp8"]
+INT8_MAX = 127.0
+"""The largest magnitude of the symmetric int8 grid Q and K use under the ``int8_qk`` precisions."""
+
+Precision = Literal["native", "fp8_qk", "fp8", "int8_qk", "int8_qk_fp8_pv"]
 
 
-def block_scales(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Per-block e4m3 scales along the token axis.
+
+
+def block_scales(x: torch.Tensor, block_size: int, fmt: str = "e4m3") -> torch.Tensor:
+    """Per-block scales along the token axis.
 
     Args:
         x: ``(B, H, N, D)``.
         block_size: tokens per block; a last, partial block covers the remaining tokens.
+        fmt: ``"e4m3"`` (scale ``amax / 448``) or ``"int8"`` (``amax / 127``).
 
     Returns:
-        ``(B, H, ceil(N / block_size))`` float32: ``amax / 448`` of each block, 1 where it is 0,
-        NaN where the block holds a NaN.
+        ``(B, H, ceil(N / block_size))`` float32: ``amax / 448`` (or ``/ 127``) of each block, 1
+        where it is 0, NaN where the block holds a NaN.
     """
     b, h, n, d = x.shape
     blocks = -(-n // block_size)
     padded = torch.zeros(b, h, blocks * block_size, d, dtype=torch.float32, device=x.device)
     padded[:, :, :n] = x.float().abs()
     amax = padded.view(b, h, blocks, block_size * d).amax(-1)
-    return _scale_of(amax)
+    return _scale_of(amax, INT8_MAX if fmt == "int8" else E4M3_MAX)
 
 
 def channel_scales(x: torch.Tensor) -> torch.Tensor:
@@ -73,12 +79,12 @@ def channel_scales(x: torch.Tensor) -> torch.Tensor:
     return _scale_of(torch.linalg.vector_norm(x, ord=float("inf"), dim=-2, dtype=torch.float32))
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+def _scale_of(amax: torch.Tensor, largest: float = E4M3_MAX) -> torch.Tensor:
     # amax > 0 is false for NaN, which must stay NaN: it marks the block or channel as poisoned.
     # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal,
     # one ulp off the IEEE quotient the kernel computes, and on peaked attention one ulp of a scale
     # moves values across e4m3 rounding boundaries.
-    quotient = amax / torch.full_like(amax, E4M3_MAX)
+    quotient = amax / torch.full_like(amax, largest)
     return torch.where((amax > 0) | amax.isnan(), quotient, torch.ones_like(amax))
 
 
@@ -87,12 +93,19 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, H, N, D)`` -> ``(x8, scales)``: e4m3 values and the `block_scales` that restore them
-    (``x ~ x8 * scales`` per block)."""
-    scales = block_scales(x, block_size)
+def to_int8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (already divided by its scale) rounded to the nearest integer (ties to even) in
+    [-127, 127]: int8. NaN gives an arbitrary integer (its block's NaN scale restores the NaN)."""
+    return x.float().clamp(-INT8_MAX, INT8_MAX).round().to(torch.int8)
+
+
+def quantize_blocks(x: torch.Tensor, block_size: int, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, H, N, D)`` -> ``(x8, scales)``: e4m3 (or ``fmt="int8"``: int8) values and the
+    `block_scales` that restore them (``x ~ x8 * scales`` per block)."""
+    scales = block_scales(x, block_size, fmt)
     per_token = scales.repeat_interleave(block_size, dim=2)[:, :, : x.shape[2], None]
-    return to_e4m3(x.float() / per_token), scales
+    quotient = x.float() / per_token
+    return (to_int8(quotient) if fmt == "int8" else to_e4m3(quotient)), scales
 
 
 def dequantize_blocks(x8: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -108,8 +121,9 @@ def key_means(k: torch.Tensor) -> torch.Tensor:
     return k.mean(dim=2, keepdim=True, dtype=torch.float32)
 
 
-def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q and smoothed K as the FP8 kernel computes with them.
+def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int, fmt: str = "e4m3",
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q and smoothed K as the quantized kernel computes with them (``fmt`` ``"e4m3"`` or ``"int8"``).
 
     Returns:
         ``(q_hat, k_hat, mean)``: float32 ``(B, Hq, Nq, D)`` and ``(B, Hk, Nk, D)`` e4m3 values
@@ -117,8 +131,8 @@ def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple
         key mean.
     """
     mean = key_means(k)
-    q8, q_scales = quantize_blocks(q, block_size)
-    k8, k_scales = quantize_blocks(k.float() - mean, block_size)
+    q8, q_scales = quantize_blocks(q, block_size, fmt)
+    k8, k_scales = quantize_blocks(k.float() - mean, block_size, fmt)
     return dequantize_blocks(q8, q_scales, block_size), dequantize_blocks(k8, k_scales, block_size), mean
 
 
@@ -159,20 +173,22 @@ def fp8_block_sparse_attention_reference(
             `block_sparse_attention_reference` (``q`` ``(B, Hq, Nq, D)``, ``k`` ``(B, Hk, Nk, D)``,
             ``v`` ``(B, Hk, Nk, Dv)``, in permuted order).
         precision: ``"fp8_qk"``: Q and smoothed K in e4m3, P.V in float32; ``"fp8"``: P and V in
-            e4m3 too; ``"native"``: no quantization (the plain reference).
+            e4m3 too; ``"int8_qk"`` / ``"int8_qk_fp8_pv"``: Q and smoothed K in int8 (scales
+            ``amax / 127``), P.V in float32 / e4m3; ``"native"``: no quantization (the plain
+            reference).
 
     Returns:
         ``(B, Hq, Nq, Dv)`` float32 (and the ``(B, Hq, Nq)`` LSE with ``return_lse``).
     """
-    if precision not in ("native", "fp8_qk", "fp8"):
-        raise ValueError(f"precision must be 'native', 'fp8_qk' or 'fp8', got {precision!r}")
-    if precision == "native":
+    if precision not in PRECISION_FORMATS:
+        raise ValueError(f"precision must be one of {list(PRECISION_FORMATS)}, got {precision!r}")
+    qk_format, pv_fp8 = PRECISION_FORMATS[precision]
+    if qk_format is None:
         return block_sparse_attention_reference(q, k, v, mask, query_positions, key_positions, scale, causal,
                                                 return_lse)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     block_size = mask.layout.block_size
-    q_hat, k_hat, mean = fake_quantize_qk(q, k, block_size)
-    pv_fp8 = precision == "fp8"
+    q_hat, k_hat, mean = fake_quantize_qk(q, k, block_size, qk_format)
     v_used = fake_quantize_values(v) if pv_fp8 else v
     result = block_sparse_attention_reference(
         q_hat, k_hat, v_used, mask, query_positions, key_positions, scale, causal, return_lse,
