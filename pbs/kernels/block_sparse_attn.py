@@ -152,9 +152,12 @@ def _list_entry(p_list, it, count, SUB_N: tl.constexpr, INTERPRET: tl.constexpr)
 @triton.jit
 def _scores(b_q, b_k, DOT_PRECISION: tl.constexpr, QK_INT8: tl.constexpr):
     """``q . k^T`` of a tile in fp32: int8 operands accumulate exactly in int32 first."""
+    # One return: the compiler types every return statement, pruned branch or not.
     if QK_INT8:
-        return tl.dot(b_q, b_k.T, out_dtype=tl.int32).to(tl.float32)
-    return tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
+        b_s = tl.dot(b_q, b_k.T, out_dtype=tl.int32).to(tl.float32)
+    else:
+        b_s = tl.dot(b_q, b_k.T, input_precision=DOT_PRECISION)
+    return b_s
 
 
 @triton.jit
