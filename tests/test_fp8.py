@@ -1,4 +1,4 @@
-"""FP8 compute for the selected blocks (`PBSConfig.precision`): the twin's error and invariants
+"""FP8 and INT8 compute for the selected blocks (`PBSConfig.precision`): the twin's error and invariants
 (`pbs.reference.fp8`), the Triton kernel against the twin, the config and the backends' refusals.
 
 Error bound. e4m3 keeps 3 mantissa bits: a value rounds with a relative error of at most 2^-4
