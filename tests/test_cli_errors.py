@@ -350,7 +350,7 @@ def test_quality_method_dense_is_not_added_twice(quality_argv):
 
 
 def test_quality_method_carries_precision_into_its_label(quality_argv):
-    argv = [*quality_argv, "--method", "{}", "--method", '{"precision": "fp8_qk"}', "--method", "defaults_fp8"]
+    argv = [*quality_argv, "--method", "{}", "--method", '{"precision": "fp8_qk"}', "--method", "fp8"]
     dense, native, fp8_qk, fp8 = _quality_methods(argv)
     assert [m.config.pbs.precision for m in (native, fp8_qk, fp8)] == ["native", "fp8_qk", "fp8"]
     assert native.config.pbs.selector == fp8.config.pbs.selector  # same selection, so only the label tells them apart

@@ -194,9 +194,10 @@ def test_paged_keys_are_refused_by_the_fp8_kernel():
 
 
 def test_config_precision_round_trips_and_is_checked():
-    config = pbs.PBSConfig.from_preset("defaults_fp8")
-    assert config.precision == "fp8" and config.selector == pbs.PBSConfig().selector
-    assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
+    for preset, precision in (("fp8", "fp8"), ("quantized", "int8_qk_fp8_pv")):
+        config = pbs.PBSConfig.from_preset(preset)
+        assert config.precision == precision and config.selector == pbs.PBSConfig().selector
+        assert pbs.PBSConfig.model_validate_json(config.model_dump_json()) == config
     with pytest.raises(ValueError, match="precision"):
         pbs.PBSConfig(precision="int4")
 
