@@ -360,7 +360,7 @@ def test_markdown_names_the_quick_plan_only_when_no_option_changed_it(report):
     def note(settings):
         meta = {**report.meta, "settings": settings}
         text = markdown_tables(qresults.QualityReport(meta=meta, methods=report.methods, results=report.results))
-        return "The quick plan (`pbs quality` with no options)" in text
+        return "The quick plan's samples" in text
 
     assert note({"plan": "quick", "options_given": []})
     assert not note({"plan": "quick", "options_given": ["lengths", "texts"]})

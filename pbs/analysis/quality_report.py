@@ -64,8 +64,10 @@ def markdown_tables(report: QualityReport, summary: list[dict[str, Any]] | None 
     ]
     settings = meta.get("settings", {})
     if settings.get("plan") == "quick" and not settings.get("options_given"):  # older reports lack the key
-        lines += ["", "The quick plan (`pbs quality` with no options): one document and one copy probe per text set; "
-                      "`pbs quality --full` runs the full sweep of methods, texts and lengths (hours on a CPU)."]
+        # The methods are not among the plan's options: a run with --methods still has the quick samples.
+        lines += ["", "The quick plan's samples (no text, length or probe option given): one document and one copy "
+                      "probe per text set; `pbs quality --full` runs the full sweep of methods, texts and lengths "
+                      "(hours on a CPU)."]
     for text_set in dict.fromkeys(e["set"] for e in summary):
         entries = [e for e in summary if e["set"] == text_set]
         lengths = list(dict.fromkeys(k for e in entries for k in e["loss"]))
