@@ -57,6 +57,14 @@ def _saturate(y):
 
 
 @triton.jit
+def _program_block(heads, num_blocks):
+    """``(batch, head, block)`` of this program: blocks fastest, then heads, then the batch."""
+    i_pid = tl.program_id(0)
+    i_rest = i_pid // num_blocks
+    return i_rest // heads, i_rest % heads, i_pid % num_blocks
+
+
+@triton.jit
 def _quantize_blocks_kernel(
     x_ptr, mean_ptr, out_ptr, scale_ptr,
     stride_xb, stride_xh, stride_xn,
@@ -68,11 +76,7 @@ def _quantize_blocks_kernel(
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
     WRITE_SHIFT: tl.constexpr, INT8: tl.constexpr,
 ):
-    i_pid = tl.program_id(0)
-    i_blk = i_pid % num_blocks
-    i_rest = i_pid // num_blocks
-    i_h = i_rest % heads
-    i_b = i_rest // heads
+    i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
     m_d = o_d < dim
     p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
@@ -126,11 +130,7 @@ def _quantize_values_kernel(
     heads, seq_len, dim, num_blocks,
     ROWS: tl.constexpr, COLS: tl.constexpr,
 ):
-    i_pid = tl.program_id(0)
-    i_blk = i_pid % num_blocks
-    i_rest = i_pid // num_blocks
-    i_h = i_rest % heads
-    i_b = i_rest // heads
+    i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
     m_d = o_d < dim
     o_n = i_blk * ROWS + tl.arange(0, ROWS)
