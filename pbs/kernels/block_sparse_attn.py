@@ -60,18 +60,16 @@ def _online_softmax_step(b_s, qk_scale, m_i, l_i, acc, b_v, DOT_PRECISION: tl.co
     the row sums stay fp32.
     """
     m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+    b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None]
     if PV_FP8:
-        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(b_p, 1)
         b_w = b_p * E4M3_MAX
         if INTERPRET:
             b_w = round_to_e4m3(b_w)  # the interpreter's own cast mis-rounds (pbs.kernels.fp8_quant)
         acc = tl.dot(b_w.to(tl.float8e4nv), b_v, acc)
     else:
-        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -281,7 +279,7 @@ def _block_sparse_attn_fwd(
         n_unmasked = tl.load(full_ptr + i_b.to(tl.int64) * stride_fb + i_hq * stride_fh + i_qb * stride_fi)
 
     b_q = q_desc.load([i_b, i_hq, row0, 0]).reshape(BLOCK_M, HEAD_DIM)
-    # Under FP8, every score of a step is scaled by its query block's and key block's scales: the
+    # Quantized, every score of a step is scaled by its query block's and key block's scales: the
     # key block's is read per step, next to its list entry (int32 bits: the same no-async load).
     qk_scale_q = qk_scale
     if QK_QUANTIZED:
