@@ -130,9 +130,9 @@ class PBSConfig(BaseModel):
             per-block scales (K smoothed by its mean over the tokens first), P.V in the inputs'
             dtype. ``"fp8"``: P and V in e4m3 too (P with the fixed scale 1/448, V with
             per-channel scales). ``"int8_qk"`` / ``"int8_qk_fp8_pv"``: Q and smoothed K in int8
-            with per-block scales (``amax / 127``: about 4 times e4m3's accuracy on a Gaussian
-            block, at the same tensor-core rate), P.V in the inputs' dtype / in e4m3 as
-            ``"fp8"``. `pbs.reference.fp8` defines the scales; the backends that run
+            with per-block scales (``amax / 127``: about a third of e4m3's output error on
+            Gaussian inputs; the int32-to-fp32 conversion of the scores makes the kernel a few
+            percent slower than e4m3), P.V in the inputs' dtype / in e4m3 as ``"fp8"``. `pbs.reference.fp8` defines the scales; the backends that run
             each precision declare it (`pbs.backends.AttentionBackend.precisions`), and a dense
             decision of the dense policy runs SDPA in the native precision (`Plan.precision`).
     """
