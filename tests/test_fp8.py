@@ -193,6 +193,29 @@ def test_paged_keys_are_refused_by_the_fp8_kernel():
     assert not backend_reasons(get_backend("reference"), spec)
 
 
+def test_auto_runs_the_reference_on_a_gpu_for_native_eager_calls_only():
+    from pbs.backends.eligibility import reference_auto_reasons
+    from pbs.backends.registry import CallSpec
+
+    def spec(device, **fields):
+        return CallSpec(torch.device(device), torch.bfloat16, 128, 128, 128, **fields)
+
+    assert reference_auto_reasons(spec("cuda")) == []
+    assert reference_auto_reasons(spec("cpu", precision="fp8", capturable=True)) == []
+    quantized = reference_auto_reasons(spec("cuda", precision="fp8"))
+    assert "precision 'fp8'" in quantized[0] and "backend='reference'" in quantized[-1]
+    assert any("CUDA graph" in r for r in reference_auto_reasons(spec("cuda", capturable=True)))
+
+
+@pytest.mark.gpu
+def test_a_capturable_fp8_call_is_refused_before_anything_runs():
+    q, k, v = (torch.randn(256, h, 128, dtype=torch.bfloat16, device="cuda") for h in (8, 2, 2))
+    cu_seq = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"no backend can run this call.*not built for the capturable path.*"
+                                         r"auto does not capture the reference"):
+        pbs.varlen_attention(q, k, v, cu_seq, cu_seq, 256, 256, pbs.PBSConfig(precision="fp8"), capturable=True)
+
+
 def test_config_precision_round_trips_and_is_checked():
     for preset, precision in (("fp8", "fp8"), ("quantized", "int8_qk_fp8_pv")):
         config = pbs.PBSConfig.from_preset(preset)

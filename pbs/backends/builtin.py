@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from pbs.backends.eligibility import flex_reasons, gluon_kernel_reasons, triton_auto_reasons, triton_kernel_reasons
+from pbs.backends.eligibility import (flex_reasons, gluon_kernel_reasons, reference_auto_reasons, triton_auto_reasons,
+                                      triton_kernel_reasons)
 from pbs.backends.registry import AttentionBackend, AttentionCall, CallSpec, register_backend
 from pbs.types import PRECISION_FORMATS, is_paged
 
@@ -109,6 +110,6 @@ register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, a
                                   returns_lse=True, capturable=True))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
                                   plans_with="triton", returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
-register_backend(AttentionBackend("reference", _no_reasons, _run_reference, auto_priority=100, returns_lse=True,
-                                  capturable=True, precisions=_ALL_PRECISIONS))
+register_backend(AttentionBackend("reference", _no_reasons, _run_reference, reference_auto_reasons, auto_priority=100,
+                                  returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("flex", flex_reasons, _run_flex, plans_with="triton"))

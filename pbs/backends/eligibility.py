@@ -119,6 +119,23 @@ def triton_auto_reasons(spec: CallSpec) -> list[str]:
     return []
 
 
+def reference_auto_reasons(spec: CallSpec) -> list[str]:
+    """Why ``auto`` passes over the reference on a GPU although it could run ``spec``: it is the
+    fallback of native eager calls only. A quantized or capturable call that no kernel takes
+    raises with every kernel's reason instead of running the oracle (dense ``(N, Hq, T, T)``
+    masks, and FP8 fake-quantized in float32) where a kernel's speed was asked for."""
+    if spec.device.type != "cuda":
+        return []
+    reasons = []
+    if spec.precision != "native":
+        reasons.append(f"auto does not run precision {spec.precision!r} on the reference on a GPU")
+    if spec.capturable:
+        reasons.append("auto does not capture the reference in a CUDA graph")
+    if reasons:
+        reasons.append("name backend='reference' to run it")
+    return reasons
+
+
 def gluon_kernel_reasons(spec: CallSpec) -> list[str]:
     """Why the warp-specialized Gluon kernel (`pbs.kernels.hopper_attn`) cannot run ``spec``: it
     runs on Hopper GPUs, fp16/bf16, head dims 64 or 128 (the same for values), mask block 128, and

@@ -104,14 +104,20 @@ def _dense_rows(mask: BlockMask, full: torch.Tensor | None, dense: torch.Tensor,
     return mask, None if full is None else torch.where(rows, every_full, full)
 
 
+def capturable_backend(config: PBSConfig, q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+    """The backend ``config.backend`` resolves to for a capturable call on ``q``'s device and
+    dtype; a ``ValueError`` with every backend's reason when none can run it."""
+    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse, capturable=True,
+                       precision=config.precision)
+    return resolve_backend(config.backend, spec)
+
+
 def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
                   query_positions: torch.Tensor, scale: float, return_lse: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the backend ``config.backend`` resolves to over the padded batch: ``(out
     (N, Hq, Tq*B, Dv), lse (N, Hq, Tq*B) or None)``."""
-    spec = CallSpec.of(q, v.shape[-1], config.block_size, needs_lse=return_lse, capturable=True,
-                       precision=config.precision)
-    backend = resolve_backend(config.backend, spec)
+    backend = capturable_backend(config, q, v, return_lse)
     n, hq = q.shape[:2]
     positions = query_positions[:, None, :].expand(n, hq, -1)
     nothing_moved = (Permutation.identity(n, k.shape[1], k.shape[2], k.device),
@@ -133,6 +139,7 @@ def capturable_varlen_attention(
     ``max_q``/``max_k`` only; no tensor is read on the host, except by ``check_finite`` (a scan
     of the queries and of the keys and values of the sequences that have queries, as the eager
     call reads them; never inside a capture)."""
+    capturable_backend(config, q, v, return_lse)  # refused before anything is launched
     geometry, q_pad, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
                                               block_table, seqused_k)
     if check_finite:
