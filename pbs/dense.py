@@ -358,6 +358,7 @@ class DensePolicy:
     def sequence_decisions(
         self, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
         selected_blocks: torch.Tensor | None = None, allowed_blocks: torch.Tensor | None = None,
+        length_only: bool = False,
     ) -> torch.Tensor | None:
         """The three rules per sequence, on the device, with no host read (for CUDA graphs): ``(N,)``
         bool, or None where the policy does not apply (a named backend, a device outside
@@ -371,12 +372,13 @@ class DensePolicy:
                 each sequence, summed over its query heads (float64); None before planning (the
                 decisions of the length and probe rules, which spare the planning of those
                 sequences).
+            length_only: the length rule's decisions alone (before the probe's inputs exist).
         """
         if not self.applies(len_k.device):
             return None
         fallback = self.fallback
         dense = len_k < fallback.min_seq_len
-        if fallback.max_density is None:
+        if length_only or fallback.max_density is None:
             return dense
         if probe_counters is not None:
             kept, visible = probe_counters

@@ -156,6 +156,32 @@ def test_a_row_limit_leaves_the_rows_past_it_empty_without_ranking_them():
     assert (counts[1, :, 1:] == 0).all() and (indices[1, :, 1:] == -1).all() and (full_counts[1, :, 1:] > 0).all()
 
 
+def test_rows_sorted_at_their_own_width_class_give_the_full_width_lists():
+    # A padded batch whose entries' own key blocks (0, 10, 40, 100, 130 of Tk 130) fall in every
+    # width class from 256 down to 32: the lists equal those of rows sorted at Tk's width, and
+    # each row's list is written up to Tk (-1 past its count) by the one launch that takes it.
+    from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
+
+    own = torch.tensor([0, 10, 40, 100, 130], dtype=torch.int32)
+    tq, tk = 4, 130
+    layout = pbs.Layout(5, 2, 2, tq * 16, tk * 16, 16, 16, segmented=False)
+    rows = torch.arange(tq)[None, :, None] + own[:, None, None] - tq  # each entry's last tq query blocks
+    cols = torch.arange(tk)[None, None, :]
+    allowed = (cols <= rows) & (cols < own[:, None, None]) & (rows >= 0)
+    diagonal = allowed & (cols == rows)
+    scores = torch.randn(5, 2, tq, tk)
+    results = []
+    for limits in (None, own):
+        counts, indices = empty_block_mask_tensors(layout, scores.device)
+        indices.fill_(7)  # poisoned: every entry must be written
+        threshold_select_rows(scores, layout, 0.9, counts, indices, head_offset=0, key_inverse=None,
+                              from_logits=True, candidates=allowed, diagonal=diagonal, key_limits=limits)
+        results.append((counts, indices))
+    (full_counts, full_indices), (counts, indices) = results
+    assert torch.equal(counts, full_counts) and torch.equal(indices, full_indices)
+    assert (counts[0] == 0).all() and (indices[0] == -1).all() and (counts[1:] > 0).all()
+
+
 def test_the_lengths_are_sequence_lengths_not_the_maxima():
     # The same sequence planned with larger maxima (more padding) gets the same mask.
     sequences = make_sequences([(129, 129), (40, 200)])

@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from pbs.backends.planners import pooled_logits
 from pbs.backends.registry import planner_for, planners_of, register_planner
 from pbs.ragged_layout import RaggedGeometry
 from pbs.reference.logits import grouped_logits
@@ -84,13 +85,14 @@ def mean_pool(selector, inputs: "RaggedInputs") -> BlockMask | torch.Tensor:
     step = _head_chunk(hq, group, n * tq * tk)
     for h0 in range(0, hq, step):
         h1 = min(hq, h0 + step)
-        logits = grouped_logits(q_bar[:, h0:h1], k_bar[:, h0 // group: h1 // group])
         if kernel:
+            logits = pooled_logits(q_bar, k_bar, h0, h1)
             threshold_select_rows(logits, layout, selector.threshold, counts, indices, head_offset=h0,
                                   key_inverse=None, from_logits=True, logit_scale=scale,
                                   candidates=geometry.allowed, diagonal=inputs.forced,
-                                  row_limits=inputs.row_limits)
+                                  row_limits=inputs.row_limits, key_limits=inputs.key_limits)
             continue
+        logits = grouped_logits(q_bar[:, h0:h1], k_bar[:, h0 // group: h1 // group])
         scores = (logits * scale).masked_fill_(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
         selected[:, h0:h1] = select_by_cumulative_threshold(scores, candidates, selector.threshold)
     return BlockMask(counts, indices, layout) if kernel else selected
@@ -231,6 +233,12 @@ class RaggedInputs:
         """``(N,)`` int32: query blocks to plan per sequence (its own, 0 when not planned)."""
         bs = self.geometry.block_size
         return (self.lengths[:, 0] + bs - 1) // bs
+
+    @cached_property
+    def key_limits(self) -> torch.Tensor:
+        """``(N,)`` int32: each sequence's own key blocks."""
+        bs = self.geometry.block_size
+        return (self.lengths[:, 1] + bs - 1) // bs
 
 
 register_planner("selector", "mean_pool", RAGGED)(mean_pool)

@@ -45,11 +45,16 @@ def _block_means_kernel(
     i_hx = i_h // group  # input head of this output head (per-head GQA keys)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < dim
+    first = i_t * BLOCK_SIZE
+    p_out = out_ptr + (i_bh.to(tl.int64) * num_blocks + i_t) * dim + o_d
+    if LENGTHS:
+        if first >= seq_len:  # a padded block past this entry's rows: nothing to read
+            tl.store(p_out, tl.zeros([BLOCK_D], dtype=tl.float32), mask=m_d)
+            return
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     p_x = x_ptr + i_hx.to(tl.int64) * stride_xh
     if PAGE_SIZE == 0:
         p_x += i_b.to(tl.int64) * stride_xb
-    first = i_t * BLOCK_SIZE
     for r0 in range(0, BLOCK_SIZE, ROWS):
         o_r = first + r0 + tl.arange(0, ROWS)
         m_r = o_r < seq_len
@@ -66,7 +71,6 @@ def _block_means_kernel(
         rows = tl.load(p_x + row_offset[:, None] + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
         acc += tl.sum(rows.to(tl.float32), 0)
     count = tl.minimum(seq_len - first, BLOCK_SIZE)
-    p_out = out_ptr + (i_bh.to(tl.int64) * num_blocks + i_t) * dim + o_d
     tl.store(p_out, tl.where(count > 0, acc / tl.maximum(count, 1), 0.0), mask=m_d)
 
 

@@ -41,6 +41,8 @@ def _threshold_select_kernel(
     diagonal_ptr,
     stride_sets_b,
     row_limit_ptr,
+    key_limit_ptr,
+    narrower_than,
     inverse_ptr,
     stride_inv_b,
     stride_inv_h,
@@ -60,6 +62,7 @@ def _threshold_select_kernel(
     FORCE_SINK: tl.constexpr,
     FORCED_FIRST: tl.constexpr,
     ROW_LIMIT: tl.constexpr,
+    KEY_LIMIT: tl.constexpr,
 ):
     i_row = tl.program_id(0)  # (b, local head, query block) of this chunk, row-major
     i_q = i_row % num_query_blocks
@@ -70,6 +73,15 @@ def _threshold_select_kernel(
     m_j = o_j < num_key_blocks
     out_row = (i_b.to(tl.int64) * heads_total + i_h) * num_query_blocks + i_q
     p_list = indices_ptr + out_row * num_key_blocks
+    if KEY_LIMIT:
+        # A padded batch ranked in width classes: this launch takes the entries whose own key
+        # blocks number in (narrower_than, TK_PAD], and writes the rest of each row's list (-1).
+        own = tl.load(key_limit_ptr + i_b)
+        if (own > TK_PAD) | (own <= narrower_than):
+            return
+        for j0 in range(TK_PAD, num_key_blocks, TK_PAD):
+            tl.store(p_list + j0 + o_j, tl.full([TK_PAD], -1, indices_ptr.dtype.element_ty),
+                     mask=j0 + o_j < num_key_blocks)
     if ROW_LIMIT:
         # A padded batch: rows past the entry's own query blocks (or of an entry that is not
         # planned) get an empty list without ranking a padded row of scores.
@@ -152,6 +164,7 @@ def threshold_select_rows(
     logit_scale: float = 1.0,
     forced_first: bool = False,
     row_limits: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> None:
     """Selects the blocks of query heads ``[head_offset, head_offset + hc)`` into ``counts``/``indices``.
 
@@ -177,6 +190,11 @@ def threshold_select_rows(
             ``row_limits[b]`` query blocks only; its later rows get empty lists (a padded batch,
             whose rows past a sequence's queries, or of a sequence that is not planned, are not
             ranked). None: every row.
+        key_limits: ``(B,)`` int32: batch entry ``b``'s own key blocks (a padded batch, whose
+            candidates past them are all false). Its rows are then sorted at the power-of-two
+            width that holds them rather than at ``Tk``'s (one launch per width class, from
+            ``Tk``'s down to an eighth of it), as the eager path sorts each sequence alone.
+            None: every row at ``Tk``'s width.
     """
     b, hc, tq, tk = scores.shape
     if b * hc * tq == 0 or tk == 0:
@@ -185,19 +203,26 @@ def threshold_select_rows(
     inverse = key_inverse if key_inverse is not None else counts
     key_group = layout.heads_q // key_inverse.shape[1] if key_inverse is not None else 1
     tk_pad = max(16, triton.next_power_of_2(tk))
-    _threshold_select_kernel[(b * hc * tq,)](
-        scores, candidates.contiguous().view(torch.int8), diagonal.contiguous().view(torch.int8),
-        tq * tk if candidates.dim() == 3 else 0,
-        row_limits if row_limits is not None else counts,
-        inverse, inverse.stride(0) if key_inverse is not None else 0,
-        inverse.stride(1) if key_inverse is not None else 0, key_group,
-        counts, indices,
-        hc, head_offset, layout.heads_q, tq, tk,
-        float(threshold), float(logit_scale) * LOG2_E if from_logits else 1.0, layout.block_size,
-        TK_PAD=tk_pad,
-        FROM_LOGITS=from_logits,
-        FORCE_SINK=key_inverse is not None,
-        FORCED_FIRST=forced_first,
-        ROW_LIMIT=row_limits is not None,
-        num_warps=max(1, min(8, tk_pad // 256)),
-    )
+    widths = [tk_pad]
+    if key_limits is not None:
+        widths = [w for w in (tk_pad, tk_pad // 2, tk_pad // 4, tk_pad // 8) if w >= 16]
+    sets_stride = tq * tk if candidates.dim() == 3 else 0
+    candidates, diagonal = candidates.contiguous().view(torch.int8), diagonal.contiguous().view(torch.int8)
+    for width, narrower in zip(widths, [*widths[1:], -1]):  # -1: the narrowest takes entries of no keys too
+        _threshold_select_kernel[(b * hc * tq,)](
+            scores, candidates, diagonal, sets_stride,
+            row_limits if row_limits is not None else counts,
+            key_limits if key_limits is not None else counts, narrower,
+            inverse, inverse.stride(0) if key_inverse is not None else 0,
+            inverse.stride(1) if key_inverse is not None else 0, key_group,
+            counts, indices,
+            hc, head_offset, layout.heads_q, tq, tk,
+            float(threshold), float(logit_scale) * LOG2_E if from_logits else 1.0, layout.block_size,
+            TK_PAD=width,
+            FROM_LOGITS=from_logits,
+            FORCE_SINK=key_inverse is not None,
+            FORCED_FIRST=forced_first,
+            ROW_LIMIT=row_limits is not None,
+            KEY_LIMIT=key_limits is not None,
+            num_warps=max(1, min(8, width // 256)),
+        )

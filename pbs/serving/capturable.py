@@ -74,7 +74,11 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
         return (BlockMask(counts.expand(shape).contiguous(), indices.expand(*shape, -1).contiguous(), layout,
                           full.expand(shape).contiguous()),
                 torch.ones(geometry.batch, dtype=torch.bool, device=q.device))
-    pooled = (block_means(q, geometry.len_q, geometry.block_size), block_means(k, geometry.len_k, geometry.block_size))
+    by_length = policy.sequence_decisions(geometry.len_k, None, length_only=True)
+    len_q, len_k = ((geometry.len_q, geometry.len_k) if by_length is None else
+                    (torch.where(by_length, 0, geometry.len_q), torch.where(by_length, 0, geometry.len_k)))
+    # The sequences dense by length are not pooled (their blocks average nothing: zeros).
+    pooled = (block_means(q, len_q, geometry.block_size), block_means(k, len_k, geometry.block_size))
     probe_args = policy.probe_arguments(scale)
     counters = None if probe_args is None else probe_counters(geometry, *pooled, probe_args)
     decided = policy.sequence_decisions(geometry.len_k, counters)
