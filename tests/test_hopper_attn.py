@@ -22,7 +22,8 @@ from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False, lse: bool = False) -> dict:
+def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False, lse: bool = False,
+                   skip_empty: bool = False) -> dict:
     """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
     ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches; ``lse``: the
     variant that also writes the log-sum-exp."""
@@ -42,7 +43,7 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
         call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
         if lse:
             call.lse = torch.empty(q.shape[:3], dtype=torch.float32)
-        grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages)
+        grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages, skip_empty=skip_empty)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
     cubin = compiled.asm["cubin"]
@@ -55,14 +56,14 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, stages, dense, lse",
-    [(128, True, 2, False, False), (128, True, 3, False, False), (64, False, 2, False, False),
-     (128, True, 3, True, False), (128, True, 3, False, True)],
-    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse"],
+    "head_dim, causal, stages, dense, lse, skip_empty",
+    [(128, True, 2, False, False, False), (128, True, 3, False, False, False), (64, False, 2, False, False, False),
+     (128, True, 3, True, False, False), (128, True, 3, False, True, False), (128, True, 3, False, True, True)],
+    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-skip-empty"],
 )
-def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse):
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, skip_empty):
     report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
-                                   stages=stages, dense=dense, lse=lse)
+                                   stages=stages, dense=dense, lse=lse, skip_empty=skip_empty)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
@@ -151,6 +152,33 @@ def test_gpu_hopper_arbitrary_masks_and_empty_rows(causal):
     dense[:, 1, :] = True  # every block, future ones included: a long masked tail (full_counts)
     out = check_kernel(plan, q, k, v, torch.bfloat16, mask=BlockMask.from_dense(dense.cuda(), layout), kernel="hopper")
     assert out[:, 0, 3 * 128 : 4 * 128].abs().max() == 0
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_hopper_leaves_the_rows_of_empty_lists_unwritten_when_they_are_unread():
+    from pbs.kernels.hopper_attn import hopper_block_sparse_attention
+
+    q, k, v = _gpu_inputs(2, 4, 2, 2048, 128, seed=5)
+    plan = make_plan(q, k, block=128, segment=256, permuter="random", causal=True)
+    layout = plan.layout
+    dense = torch.rand(layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks,
+                       generator=torch.Generator().manual_seed(1)) < 0.5
+    dense[..., 0] = True
+    dense[0, :, 9:] = False  # batch entry 0's last query blocks: empty lists (a padded sequence)
+    dense[1, 2, 4] = False
+    mask = BlockMask.from_dense(dense.cuda(), layout)
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, qpos, kpos)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    written = hopper_block_sparse_attention(*args, lse=lse)
+    out = torch.full_like(written, 7.0)
+    lse_unread = torch.full_like(lse, 7.0)
+    hopper_block_sparse_attention(*args, out=out, lse=lse_unread, empty_rows_unread=True)
+    empty = (mask.counts == 0).repeat_interleave(128, -1)  # (B, Hq, Nq)
+    assert empty.sum() == 4 * 7 * 128 + 128
+    assert (out[empty] == 7.0).all() and (lse_unread[empty] == 7.0).all()
+    assert torch.equal(out[~empty], written[~empty]) and torch.equal(lse_unread[~empty], lse[~empty])
 
 
 @pytest.mark.gpu

@@ -89,7 +89,8 @@ def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
 
     lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
     out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
-                                        **_kernel_arguments(call), **_paged_arguments(call))
+                                        empty_rows_unread=call.empty_rows_unread, **_kernel_arguments(call),
+                                        **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 

@@ -74,6 +74,9 @@ class AttentionCall:
     query_positions: torch.Tensor | None = None
     """``(B, Hq, Nq)`` original position of every query slot, in place of the plan's: a padded
     batch's sequences each have their own causal offset (``capturable=True``)."""
+    empty_rows_unread: bool = False
+    """The caller reads no output (or LSE) row of a query block whose list is empty (a padded
+    batch's blocks past a sequence's queries): a backend may leave them unwritten."""
 
 
 @dataclass(frozen=True)

@@ -189,8 +189,29 @@ def _page_of(table_ptr, key, seq_len_k, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
+def _is_empty_tile(rank, ptrs, strides, dims):
+    """Whether tile ``rank`` (below the tile count) has an empty list."""
+    i_b, i_hk, i_hq, i_t = _tile_coords(rank, dims[1], dims[4], dims[0])
+    inside = rank < dims[5]
+    count = gl.load(ptrs[0] + i_b.to(gl.int64) * strides[0] + i_hq * strides[1] + i_t * strides[2], mask=inside,
+                    other=1)
+    return inside & (count == 0)
+
+
+@gluon.jit
+def _skip_empty_tiles(rank, ptrs, strides, dims):
+    """``rank``, or the next rank drawn from the tile counter whose list is not empty (or past the
+    last tile): the caller reads no row of an empty tile, so none is published to the consumers."""
+    empty = _is_empty_tile(rank, ptrs, strides, dims)
+    while empty:
+        rank = gl.atomic_add(ptrs[5], 1)
+        empty = _is_empty_tile(rank, ptrs, strides, dims)
+    return rank
+
+
+@gluon.jit
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
-              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr):
+              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, SKIP_EMPTY: gl.constexpr):
     q_desc, k_desc, v_desc, v_last_desc = descs
     table_ptr = ptrs[9]
     seq_len_k = dims[3]
@@ -209,6 +230,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
         # A closed gate: publish the end mark at once, and the whole CTA exits.
         if not _gate_open(ptrs, dims):
             rank = num_tiles
+    if SKIP_EMPTY:
+        rank = _skip_empty_tiles(rank, ptrs, strides, dims)
     while rank < num_tiles:
         _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
@@ -274,6 +297,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
             kv_i += 1
         t += 1
         rank = gl.atomic_add(tile_counter_ptr, 1)
+        if SKIP_EMPTY:
+            rank = _skip_empty_tiles(rank, ptrs, strides, dims)
     _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)  # the end mark
 
 
@@ -415,10 +440,10 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
-               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr):
+               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, SKIP_EMPTY: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
-        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE)
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, SKIP_EMPTY)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                   PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE)
@@ -435,6 +460,7 @@ def _hopper_block_sparse_attn_fwd(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    SKIP_EMPTY: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
@@ -474,13 +500,13 @@ def _hopper_block_sparse_attn_fwd(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE)),
+                          PAGE_SIZE, SKIP_EMPTY)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE)),
+                          PAGE_SIZE, SKIP_EMPTY)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE)),
+                          PAGE_SIZE, SKIP_EMPTY)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -493,9 +519,10 @@ def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return tma_descriptor(TensorDescriptor, x, rows, x.shape[-1], layout=layout)
 
 
-def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, tuple, dict]:
+def launch_arguments(call, sm_count: int, stages: int = STAGES, skip_empty: bool = False) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
-    (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU."""
+    (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU. ``skip_empty``:
+    tiles with an empty list are not computed (`hopper_block_sparse_attention`)."""
     tile_counter = torch.zeros(1, dtype=torch.int32, device=call.out.device)
     return _arguments(
         call.q, call.k, call.v, call.out, call.scale, call.causal, sm_count, stages,
@@ -505,7 +532,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES) -> tuple[tuple, 
                       *(call.kpos.stride() if call.keys_permuted else (0, 0, 0))),
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
-        lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k,
+        lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k, skip_empty=skip_empty,
     )
 
 
@@ -547,7 +574,7 @@ def gluon_page_size_ok(page_size: int) -> bool:
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
                keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
-               seq_len_k=None) -> tuple[tuple, tuple, dict]:
+               seq_len_k=None, skip_empty=False) -> tuple[tuple, tuple, dict]:
     """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
     ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
     ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block."""
@@ -594,6 +621,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         GATED=gated,
         WRITE_LSE=lse is not None,
         PAGE_SIZE=page_size,
+        SKIP_EMPTY=skip_empty and not dense,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
@@ -602,9 +630,9 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     return (min(num_tiles, sm_count),), args, kwargs
 
 
-def launch_hopper(call, sm_count: int, stages: int = STAGES) -> None:
+def launch_hopper(call, sm_count: int, stages: int = STAGES, skip_empty: bool = False) -> None:
     """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
-    grid, args, kwargs = launch_arguments(call, sm_count, stages)
+    grid, args, kwargs = launch_arguments(call, sm_count, stages, skip_empty)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
 
 
@@ -612,11 +640,17 @@ def hopper_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    empty_rows_unread: bool = False,
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
     (no tile ``config``; ``lse`` the same optional float32 buffer; ``block_table`` the same paged
     cache, of a ``page_size`` that `gluon_page_size_ok` accepts), same result, on inputs the kernel
     supports (the caller checks).
+
+    ``empty_rows_unread``: the caller reads no row of a query block whose list is empty (a padded
+    batch's blocks past a sequence's queries), so those rows of ``out`` and ``lse`` are left as
+    they are and their tiles cost no more than a look at their count (the producer passes over
+    them), instead of zeros written after a load of their queries.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order.
@@ -627,7 +661,7 @@ def hopper_block_sparse_attention(
 
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table)
     attach_lse(call, lse)
-    launch_hopper(call, sm_count(q.device))
+    launch_hopper(call, sm_count(q.device), skip_empty=empty_rows_unread)
     return call.out
 
 

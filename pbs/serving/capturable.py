@@ -129,7 +129,9 @@ def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
     plan = Plan(*nothing_moved, mask=mask, config=config, backend=backend.name)
     # Token-major like the padded inputs, so that unpadding copies whole token rows.
     out = torch.empty(n, q.shape[2], hq, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-    result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions))
+    # The rows past each sequence's queries (empty lists) are dropped by write_packed.
+    result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions,
+                                       empty_rows_unread=True))
     return result if return_lse else (result, None)
 
 
