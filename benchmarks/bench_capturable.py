@@ -6,7 +6,9 @@ Protocol: the mixed batch of `benchmarks/bench_varlen.py` (structured prompts of
 work that a graph removes is a larger share. Each batch is captured once at its maxima; the graph
 is replayed with the same lengths (what is timed) and, for the correctness line, with the prompts
 in another order (new lengths per slot). Timed with CUDA events after warm-up, L2 flushed
-(`benchmarks.common.time_ms`):
+(`benchmarks.common.time_ms`); the eager call and the graph are timed in alternation, ``ROUNDS``
+times, and ``graph_over_eager`` is the median of the rounds' ratios, so that the card's clock
+drift over a run (its kernels run for seconds at a time) does not favour whichever is timed first:
 
 * ``eager``: `pbs.varlen_attention` as it runs by default (per sequence, host read of the lengths);
 * ``capturable``: the same call with ``capturable=True``, run eagerly;
@@ -21,6 +23,7 @@ in another order (new lengths per slot). Timed with CUDA events after warm-up, L
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from pbs.dense import dense_attention_sdpa  # noqa: E402
 from pbs.serving import capturable  # noqa: E402
 
 BATCHES = {"long": [16384, 32768, 65536, 131072], "short": [1024, 2048, 3072, 4096]}
+ROUNDS = 5
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -76,13 +80,18 @@ def measure(lengths: list[int]) -> dict:
     def capturable():
         return pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len, out=out, capturable=True)
 
-    eager_ms = time_ms(lambda: pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len))
+    def eager():
+        return pbs.varlen_attention(q, k, v, cu, cu, max_len, max_len)
+
     capturable_ms = time_ms(capturable)
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     graph = graph_of(capturable)
-    graph_ms = time_ms(graph.replay)
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+    rounds = [(time_ms(eager, repeats=1), time_ms(graph.replay, repeats=1)) for _ in range(ROUNDS)]
+    eager_ms = statistics.median(e for e, _ in rounds)
+    graph_ms = statistics.median(g for _, g in rounds)
+    ratio = statistics.median(g / e for e, g in rounds)
     cudnn_ms = time_ms(lambda: [dense_attention_sdpa(*view, scale=scale) for view in views])
 
     # Correctness: the prompts in reverse order through the same graph (each slot gets new lengths).
@@ -97,7 +106,7 @@ def measure(lengths: list[int]) -> dict:
     stages = stage_times(q2, k2, v2, cu2, max_len, reversed_views)
     row = {
         "lengths": lengths, "stages_ms": stages, "eager_ms": eager_ms, "capturable_ms": capturable_ms, "graph_ms": graph_ms,
-        "cudnn_per_prompt_ms": cudnn_ms, "graph_over_eager": graph_ms / eager_ms,
+        "rounds_eager_graph_ms": rounds, "cudnn_per_prompt_ms": cudnn_ms, "graph_over_eager": ratio,
         "graph_over_cudnn": graph_ms / cudnn_ms, "graph_extra_peak_gib": peak_gib,
         "replay_new_lengths_max_abs_diff_vs_capturable_eager": (replayed.float() - expected.float()).abs().max().item(),
         "replay_share_within_2e-2_of_eager": agree,
