@@ -145,8 +145,8 @@ def pooled_logits(q_bar: torch.Tensor, k_bar: torch.Tensor, h0: int, h1: int) ->
     heads ``[h0, h1)`` against their KV heads' pooled keys ``k_bar (B, Hk, Tk, D)``.
 
     Each query head's pooled keys are gathered first (``(B, h, Tk, D)``, small next to the
-    scores): one batched GEMM per head runs on the tensor-core GEMMs, where the grouped einsum's
-    ``(group * Tq) x Tk`` products ran on a SIMT kernel (2.4x slower on an H200).
+    scores), so that K is never expanded to every query head. The eager and the ragged
+    (capturable) planners share it.
     """
     group = q_bar.shape[1] // k_bar.shape[1]
     heads = torch.arange(h0, h1, device=k_bar.device) // group
