@@ -355,8 +355,20 @@ def test_quality_method_carries_precision_into_its_label(quality_argv):
     assert [m.config.pbs.precision for m in (native, fp8_qk, fp8)] == ["native", "fp8_qk", "fp8"]
     assert native.config.pbs.selector == fp8.config.pbs.selector  # same selection, so only the label tells them apart
     assert "fp8" not in native.label
-    assert fp8_qk.label.endswith("(shared, fp8_qk)") and fp8.label.endswith("(shared, fp8)")
+    # Labelled by the names they are known by; the family (the curve) stays the components'.
+    assert native.label == "defaults (vertical_slash_pooled)"
+    assert fp8_qk.label == "defaults, precision fp8_qk" and fp8.label == "fp8 (precision fp8)"
+    assert fp8_qk.family.endswith("(shared, fp8_qk)") and fp8.family.endswith("(shared, fp8)")
     assert len({m.label for m in (dense, native, fp8_qk, fp8)}) == 4
+
+
+def test_quality_method_labels_name_presets_and_leave_other_configs_to_their_components(quality_argv):
+    argv = [*quality_argv, "--method", "pbs_paper", "--method", '{"selector": {"name": "mean_pool", "threshold": 0.8}}',
+            "--method", '{"pbs": {}, "skip_first_layers": 2}']
+    _, paper, other, integration = _quality_methods(argv)
+    assert paper.label == "pbs_paper"
+    assert other.label == other.family + " @ 0.8" and "mean_pool" in other.label
+    assert integration.label.endswith("skip 2)")  # an integration field set: not the plain defaults
 
 
 METHOD_MISTAKES = {

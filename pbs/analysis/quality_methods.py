@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pbs.components import permuter_registry, selector_registry
-from pbs.config import DEFAULT_PRESET, PBSConfig
+from pbs.config import DEFAULT_PRESET, PRESETS, PBSConfig
 from pbs.integrations.dispatch import PBSIntegrationConfig
 
 DEFAULT_THRESHOLDS = (0.8, 0.9, 0.95)
@@ -127,8 +127,13 @@ def coerce_integration(config: Any) -> PBSIntegrationConfig:
     return PBSIntegrationConfig(pbs=PBSConfig.coerce(config), min_seq_len=1)
 
 
-def make_method(config: Any, label: str | None = None, family: str | None = None) -> Method:
-    """A `Method` from a config (see `coerce_integration`), ``"dense"`` or ``None``."""
+def make_method(config: Any, label: str | None = None, family: str | None = None, *,
+                named: bool = False) -> Method:
+    """A `Method` from a config (see `coerce_integration`), ``"dense"`` or ``None``.
+
+    ``named``: a config a user gave (``--method``, a ``--methods`` item) is labelled by the name it is
+    known by, where it has one (`known_label`: the defaults or a preset, in any precision), rather
+    than by its components; its family stays the components'."""
     if config is None or config == "dense":
         return DENSE if label is None else Method(label, family or "dense", None, None)
     integration = coerce_integration(config)
@@ -149,9 +154,32 @@ def make_method(config: Any, label: str | None = None, family: str | None = None
         extras.append(f"{len(integration.layer_overrides)} overrides")
     auto_family = f"{name} ({', '.join(extras)})"
     family = family or auto_family
+    if label is None and named:
+        label = known_label(integration)
     if label is None:
         label = family if threshold is None else f"{family} @ {threshold:g}"
     return Method(label=label, family=family, threshold=threshold, config=integration)
+
+
+def known_label(integration: PBSIntegrationConfig) -> str | None:
+    """The name a plain config (no integration field set) is known by: ``DEFAULTS_LABEL``, a preset's
+    name, or either with the precision it computes in (``"defaults, precision int8_qk"``,
+    ``"fp8 (precision fp8)"``); None for any other config."""
+    if integration != coerce_integration(integration.pbs):
+        return None
+    precision = integration.pbs.precision
+    native = coerce_integration(integration.pbs.model_copy(update={"precision": "native"}))
+    named = [("defaults", PBSConfig()), *((name, PBSConfig.from_preset(name)) for name in PRESETS
+                                         if name != DEFAULT_PRESET)]
+    for name, config in named:
+        if integration == coerce_integration(config):
+            if name == "defaults":
+                return DEFAULTS_LABEL
+            return name if precision == "native" else f"{name} (precision {precision})"
+    for name, config in named:
+        if native == coerce_integration(config):
+            return f"{name}, precision {precision}"
+    return None
 
 
 # (permuter, selector, gqa) of the default report; the threshold field comes from the selector.
@@ -215,9 +243,9 @@ def load_methods(path: str | Path) -> list[Method]:
     methods = []
     for item in data:
         if isinstance(item, dict) and "config" in item:
-            methods.append(make_method(item["config"], item.get("label"), item.get("family")))
+            methods.append(make_method(item["config"], item.get("label"), item.get("family"), named=True))
         else:
-            methods.append(make_method(item))
+            methods.append(make_method(item, named=True))
     return methods
 
 

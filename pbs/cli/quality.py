@@ -276,7 +276,7 @@ def _methods(args: argparse.Namespace, device: str, sweep: bool | None = None) -
                 methods.append(DENSE)
             continue
         where = "--method" if len(args.method) == 1 else f"--method (the {_ordinal(i + 1)})"
-        methods.append(check(config_option(text, where, make_method), where))
+        methods.append(check(config_option(text, where, lambda value: make_method(value, named=True)), where))
     try:
         check_unique_labels(methods)
     except ValueError as exc:
@@ -290,8 +290,8 @@ def _method_from_item(item: Any) -> Any:
     from pbs.analysis.quality_methods import make_method
 
     if isinstance(item, dict) and "config" in item:
-        return make_method(_preset_or_config(item["config"]), item.get("label"), item.get("family"))
-    return make_method(_preset_or_config(item))
+        return make_method(_preset_or_config(item["config"]), item.get("label"), item.get("family"), named=True)
+    return make_method(_preset_or_config(item), named=True)
 
 
 def _preset_or_config(value: Any) -> Any:
