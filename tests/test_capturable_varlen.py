@@ -157,19 +157,19 @@ def test_a_row_limit_leaves_the_rows_past_it_empty_without_ranking_them():
 
 
 def test_rows_sorted_at_their_own_width_class_give_the_full_width_lists():
-    # A padded batch whose entries' own key blocks (0, 10, 40, 100, 130 of Tk 130) fall in every
-    # width class from 256 down to 32: the lists equal those of rows sorted at Tk's width, and
+    # A padded batch whose entries' own key blocks (0, 10, 20, 40, 100 of Tk 100) fall in every
+    # width class from 128 down to 16: the lists equal those of rows sorted at Tk's width, and
     # each row's list is written up to Tk (-1 past its count) by the one launch that takes it.
     from pbs.kernels.threshold_select import empty_block_mask_tensors, threshold_select_rows
 
-    own = torch.tensor([0, 10, 40, 100, 130], dtype=torch.int32)
-    tq, tk = 4, 130
-    layout = pbs.Layout(5, 2, 2, tq * 16, tk * 16, 16, 16, segmented=False)
+    own = torch.tensor([0, 10, 20, 40, 100], dtype=torch.int32)
+    tq, tk = 2, 100
+    layout = pbs.Layout(5, 1, 1, tq * 16, tk * 16, 16, 16, segmented=False)
     rows = torch.arange(tq)[None, :, None] + own[:, None, None] - tq  # each entry's last tq query blocks
     cols = torch.arange(tk)[None, None, :]
     allowed = (cols <= rows) & (cols < own[:, None, None]) & (rows >= 0)
     diagonal = allowed & (cols == rows)
-    scores = torch.randn(5, 2, tq, tk)
+    scores = torch.randn(5, 1, tq, tk)
     results = []
     for limits in (None, own):
         counts, indices = empty_block_mask_tensors(layout, scores.device)
