@@ -349,6 +349,37 @@ def test_what_capturable_runs_comes_from_the_registries(monkeypatch):
         pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, {**config, "backend": "auto"}, capturable=True)
 
 
+def test_a_backend_declaring_ragged_rows_writes_the_packed_output_itself(monkeypatch):
+    """A backend that declares ``ragged_rows`` gets the caller's packed ``out`` and ``cu_seq_q``
+    (`AttentionCall.row_starts`), and its LSE is returned as it is, with no copy back; the result
+    is the eager call's."""
+    import dataclasses
+
+    from pbs.backends import registry
+    from pbs.serving.capturable import write_packed
+
+    config = {**SMALL, "backend": "reference"}
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences(LENGTHS, heads_q=8, heads_kv=2))
+    eager, eager_lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse=True)
+    reference = registry._BACKENDS["reference"]
+    calls = []
+
+    def run_ragged(call):
+        calls.append(call)
+        o_pad, lse_pad = reference.run(dataclasses.replace(call, out=None, row_starts=None))
+        return call.out, write_packed(call.out, o_pad, lse_pad, call.row_starts)
+
+    monkeypatch.setitem(registry._BACKENDS, "reference", dataclasses.replace(reference, run=run_ragged,
+                                                                             ragged_rows=True))
+    out = torch.full_like(q, float("nan"))
+    returned, lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse=True,
+                                         capturable=True, out=out)
+    assert len(calls) == 1 and calls[0].out is out and torch.equal(calls[0].row_starts, cu_seq_q)
+    assert returned is out
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, eager_lse, rtol=0, atol=1e-5)
+
+
 def test_outside_a_capture_the_lengths_are_still_checked():
     q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(make_sequences([(20, 20), (5, 30)]))
     with pytest.raises(ValueError, match="max_k must be at least the longest key sequence, 30"):

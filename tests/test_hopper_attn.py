@@ -23,10 +23,11 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 
 
 def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False, lse: bool = False,
-                   skip_empty: bool = False) -> dict:
+                   ragged: bool = False) -> dict:
     """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
     ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches; ``lse``: the
-    variant that also writes the log-sum-exp."""
+    variant that also writes the log-sum-exp; ``ragged``: a ragged batch written packed
+    (``row_starts``), as the capturable path launches it."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
@@ -43,7 +44,8 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
         call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
         if lse:
             call.lse = torch.empty(q.shape[:3], dtype=torch.float32)
-        grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages, skip_empty=skip_empty)
+        row_starts = torch.tensor([0, 1000], dtype=torch.int32) if ragged else None
+        grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages, row_starts=row_starts)
     with sm90_driver():
         compiled = hopper_attn._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
     cubin = compiled.asm["cubin"]
@@ -56,14 +58,14 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, stages, dense, lse, skip_empty",
+    "head_dim, causal, stages, dense, lse, ragged",
     [(128, True, 2, False, False, False), (128, True, 3, False, False, False), (64, False, 2, False, False, False),
      (128, True, 3, True, False, False), (128, True, 3, False, True, False), (128, True, 3, False, True, True)],
-    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-skip-empty"],
+    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-ragged"],
 )
-def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, skip_empty):
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, ragged):
     report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
-                                   stages=stages, dense=dense, lse=lse, skip_empty=skip_empty)
+                                   stages=stages, dense=dense, lse=lse, ragged=ragged)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
@@ -156,29 +158,35 @@ def test_gpu_hopper_arbitrary_masks_and_empty_rows(causal):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_hopper_leaves_the_rows_of_empty_lists_unwritten_when_they_are_unread():
+def test_gpu_hopper_writes_a_ragged_batch_packed_from_its_own_rows():
+    """``row_starts``: each entry's real rows, and only they, land at their packed offsets, equal to
+    the padded launch's rows (the same tiles, computed alike), the LSE likewise; an entry with no
+    rows takes nothing. The packed buffers start as NaN, so every element must be written."""
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
-    q, k, v = _gpu_inputs(2, 4, 2, 2048, 128, seed=5)
+    q, k, v = _gpu_inputs(3, 4, 2, 2048, 128, seed=5)
     plan = make_plan(q, k, block=128, segment=256, permuter="random", causal=True)
     layout = plan.layout
     dense = torch.rand(layout.batch, layout.heads_q, layout.num_query_blocks, layout.num_key_blocks,
                        generator=torch.Generator().manual_seed(1)) < 0.5
-    dense[..., 0] = True
-    dense[0, :, 9:] = False  # batch entry 0's last query blocks: empty lists (a padded sequence)
-    dense[1, 2, 4] = False
+    dense[..., 0] = True  # padded rows' lists too: the kernel must pass over them by the lengths alone
     mask = BlockMask.from_dense(dense.cuda(), layout)
-    qpos, kpos = plan.query_positions(), plan.key_positions()
-    args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, qpos, kpos)
+    args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, plan.query_positions(), plan.key_positions())
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    written = hopper_block_sparse_attention(*args, lse=lse)
-    out = torch.full_like(written, 7.0)
-    lse_unread = torch.full_like(lse, 7.0)
-    hopper_block_sparse_attention(*args, out=out, lse=lse_unread, empty_rows_unread=True)
-    empty = (mask.counts == 0).repeat_interleave(128, -1)  # (B, Hq, Nq)
-    assert empty.sum() == 4 * 7 * 128 + 128
-    assert (out[empty] == 7.0).all() and (lse_unread[empty] == 7.0).all()
-    assert torch.equal(out[~empty], written[~empty]) and torch.equal(lse_unread[~empty], lse[~empty])
+    padded = hopper_block_sparse_attention(*args, lse=lse)
+    lengths = [1000, 0, 2048]
+    starts = torch.tensor([0, 1000, 1000, 3048], dtype=torch.int32, device="cuda")
+    packed = torch.full((3048, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    packed_lse = torch.full((4, 3048), float("nan"), device="cuda")
+    returned = hopper_block_sparse_attention(*args, out=packed, lse=packed_lse, row_starts=starts)
+    assert returned is packed
+    expected = torch.cat([padded[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
+    expected_lse = torch.cat([lse[b, :, :n] for b, n in enumerate(lengths)], dim=1)
+    assert torch.equal(packed, expected) and torch.equal(packed_lse, expected_lse)
+    with pytest.raises(ValueError, match=r"out must be a \(Tq, 4, 128\)"):
+        hopper_block_sparse_attention(*args, row_starts=starts)
+    with pytest.raises(ValueError, match=r"row_starts must be a \(4,\) int32"):
+        hopper_block_sparse_attention(*args, out=packed, row_starts=starts.long())
 
 
 @pytest.mark.gpu

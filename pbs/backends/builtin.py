@@ -87,9 +87,10 @@ def _run_triton(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
 def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
-    lse = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device) if call.return_lse else None
+    rows = call.q.shape[:3] if call.row_starts is None else (call.q.shape[1], call.out.shape[0])
+    lse = torch.empty(rows, dtype=torch.float32, device=call.q.device) if call.return_lse else None
     out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
-                                        empty_rows_unread=call.empty_rows_unread, **_kernel_arguments(call),
+                                        row_starts=call.row_starts, **_kernel_arguments(call),
                                         **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
@@ -108,7 +109,7 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 
 
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
-                                  returns_lse=True, capturable=True))
+                                  returns_lse=True, capturable=True, ragged_rows=True))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
                                   plans_with="triton", returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("reference", _no_reasons, _run_reference, reference_auto_reasons, auto_priority=100,

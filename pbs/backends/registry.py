@@ -74,9 +74,12 @@ class AttentionCall:
     query_positions: torch.Tensor | None = None
     """``(B, Hq, Nq)`` original position of every query slot, in place of the plan's: a padded
     batch's sequences each have their own causal offset (``capturable=True``)."""
-    empty_rows_unread: bool = False
-    """The caller reads no output (or LSE) row of a query block whose list is empty (a padded
-    batch's blocks past a sequence's queries): a backend may leave them unwritten."""
+    row_starts: torch.Tensor | None = None
+    """``(B + 1,)`` int32 cumulative query rows of a ragged batch padded into ``q`` (``cu_seq_q``),
+    for a backend that declares ``ragged_rows``: entry ``b`` has ``row_starts[b + 1] -
+    row_starts[b]`` real rows from row 0, only they are computed, ``out`` is the packed ``(Tq, Hq,
+    Dv)`` they are written to (row ``r`` of entry ``b`` at ``row_starts[b] + r``), and the LSE
+    returned is ``(Hq, Tq)``."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class AttentionBackend:
             CUDA graph (calls with ``CallSpec.capturable`` go to a backend that does).
         precisions: the `pbs.PBSConfig.precision` values ``run`` computes in (it reads
             ``call.plan.config.precision``); calls in another go to a backend that declares theirs.
+        ragged_rows: whether ``run`` takes `AttentionCall.row_starts`: a padded batch computed on
+            its real rows only and written packed (the capturable path then neither spends work on
+            the padding nor copies the rows back).
     """
 
     name: str
@@ -112,6 +118,7 @@ class AttentionBackend:
     returns_lse: bool = False
     capturable: bool = False
     precisions: tuple[str, ...] = ("native",)
+    ragged_rows: bool = False
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}

@@ -537,11 +537,12 @@ class _Call:
 
 
 def attach_lse(call: _Call, lse: torch.Tensor | None) -> None:
-    """Checks an LSE buffer (contiguous ``(B, Hq, Nq)`` float32 on ``q``'s device) and gives it to
-    the prepared call; None leaves the call without one."""
+    """Checks an LSE buffer (contiguous float32 on ``q``'s device, shaped as the output's rows: ``(B,
+    Hq, Nq)``, or ``(1, Hq, Tq)`` for a packed output) and gives it to the prepared call; None leaves
+    the call without one."""
     if lse is None:
         return
-    expected = tuple(call.q.shape[:3])
+    expected = tuple(call.out.shape[:3])
     if tuple(lse.shape) != expected or lse.dtype != torch.float32 or lse.device != call.q.device or not lse.is_contiguous():
         raise ValueError(f"lse must be a contiguous {expected} float32 tensor on {call.q.device}, got "
                          f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
@@ -587,9 +588,11 @@ def _channel_scales(v: torch.Tensor) -> torch.Tensor:
     return torch.where((amax > 0) | amax.isnan(), quotient, torch.ones_like(amax))
 
 
-def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table=None) -> _Call:
+def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table=None,
+                 packed_out: bool = False) -> _Call:
     """The checked, TMA-ready arguments of one `block_sparse_attention` call, which both kernels
-    launch on (a ``block_table`` only the Triton one)."""
+    launch on (a ``block_table`` only the Triton one). ``packed_out``: ``out`` is a ragged batch's
+    packed output viewed as ``(1, Hq, Tq, Dv)`` (the Gluon kernel's ``row_starts``)."""
     b, hq, nq, d = q.shape
     dv = v.shape[-1]
     if block_table is not None:
@@ -604,7 +607,9 @@ def prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, o
         k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     q, k, v = (descriptor_ready(x) for x in (q, k, v))
-    if out is None:
+    if packed_out:
+        assert out is not None and out.shape[:2] == (1, hq) and out.shape[3] == dv and out.stride(-1) == 1
+    elif out is None:
         out = torch.empty(b, hq, nq, dv, dtype=q.dtype, device=q.device)
     elif descriptor_ready(out) is not out or out.shape != (b, hq, nq, dv) or out.dtype != q.dtype:
         raise ValueError(f"out must be a ({b}, {hq}, {nq}, {dv}) {q.dtype} tensor with 16-byte aligned rows")

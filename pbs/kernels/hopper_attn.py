@@ -189,29 +189,43 @@ def _page_of(table_ptr, key, seq_len_k, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _is_empty_tile(rank, ptrs, strides, dims):
-    """Whether tile ``rank`` (below the tile count) has an empty list."""
-    i_b, i_hk, i_hq, i_t = _tile_coords(rank, dims[1], dims[4], dims[0])
-    inside = rank < dims[5]
-    count = gl.load(ptrs[0] + i_b.to(gl.int64) * strides[0] + i_hq * strides[1] + i_t * strides[2], mask=inside,
-                    other=1)
-    return inside & (count == 0)
+def _ragged_tiles(starts_ptr, b, batch):
+    """Query tiles of entry ``b`` of a ragged batch (0 past the last entry)."""
+    inside = b < batch
+    first_row = gl.load(starts_ptr + b, mask=inside, other=0)
+    end_row = gl.load(starts_ptr + b + 1, mask=inside, other=0)
+    return (end_row - first_row + BLOCK - 1) // BLOCK
 
 
 @gluon.jit
-def _skip_empty_tiles(rank, ptrs, strides, dims):
-    """``rank``, or the next rank drawn from the tile counter whose list is not empty (or past the
-    last tile): the caller reads no row of an empty tile, so none is published to the consumers."""
-    empty = _is_empty_tile(rank, ptrs, strides, dims)
-    while empty:
-        rank = gl.atomic_add(ptrs[5], 1)
-        empty = _is_empty_tile(rank, ptrs, strides, dims)
-    return rank
+def _ragged_rank(draw, b, first, ptrs, dims):
+    """``(rank, b, first)``: the rank in the padded tile order (`_tile_coords`) of the ``draw``-th
+    tile of a ragged batch, whose entry ``b`` has only its first ``cdiv(rows_b, BLOCK)`` query
+    tiles (``row_starts``), the entry it fell in and that entry's first draw. The tiles past an
+    entry's rows get no draw at all, so nothing is spent on them. A CTA's draws only grow (one
+    global counter), so the entry is found by walking forward from the last one: each CTA reads
+    every entry's start once per launch."""
+    starts_ptr = ptrs[10]
+    heads_k, group, tiles_per_head, num_tiles, batch = dims[0], dims[1], dims[4], dims[5], dims[9]
+    heads_q = heads_k * group
+    tiles = _ragged_tiles(starts_ptr, b, batch) * heads_q
+    while (b < batch) & (draw >= first + tiles):
+        first += tiles
+        b += 1
+        tiles = _ragged_tiles(starts_ptr, b, batch) * heads_q
+    rank = num_tiles  # past the last entry: the end mark
+    if b < batch:
+        # Real tiles are the last ``own`` of each padded head run (heaviest first: i_t = own - 1 .. 0).
+        own = tiles // heads_q
+        local = draw - first
+        i_hk = local // (group * own)
+        rank = ((b * heads_k + i_hk) * tiles_per_head + tiles_per_head - own) * group + local % (group * own)
+    return rank, b, first
 
 
 @gluon.jit
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
-              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr):
     q_desc, k_desc, v_desc, v_last_desc = descs
     table_ptr = ptrs[9]
     seq_len_k = dims[3]
@@ -226,12 +240,14 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
     # of them (the hardware's own balance for a non-persistent grid), while CTAs running at the
     # same time still work on neighbouring ranks, which share K/V in L2.
     rank = gl.atomic_add(tile_counter_ptr, 1)
+    ragged_b = 0
+    ragged_first = 0
+    if RAGGED:
+        rank, ragged_b, ragged_first = _ragged_rank(rank, ragged_b, ragged_first, ptrs, dims)
     if GATED:
         # A closed gate: publish the end mark at once, and the whole CTA exits.
         if not _gate_open(ptrs, dims):
             rank = num_tiles
-    if SKIP_EMPTY:
-        rank = _skip_empty_tiles(rank, ptrs, strides, dims)
     while rank < num_tiles:
         _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
@@ -297,8 +313,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
             kv_i += 1
         t += 1
         rank = gl.atomic_add(tile_counter_ptr, 1)
-        if SKIP_EMPTY:
-            rank = _skip_empty_tiles(rank, ptrs, strides, dims)
+        if RAGGED:
+            rank, ragged_b, ragged_first = _ragged_rank(rank, ragged_b, ragged_first, ptrs, dims)
     _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)  # the end mark
 
 
@@ -306,7 +322,8 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
 def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-              QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr):
+              QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr,
+              RAGGED: gl.constexpr):
     q_desc, k_desc, v_desc, _ = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
@@ -406,14 +423,22 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
         o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
         o_d = gl.arange(0, HEAD_DIM, layout=o_cols)
-        p_out = (o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
-                 + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0))
-        gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < seq_len_q, 1))
+        if RAGGED:
+            # Entry i_b's rows go to the packed output from its first row on (stride_ob unused).
+            first_row = gl.load(ptrs[10] + i_b)
+            rows = gl.load(ptrs[10] + i_b + 1) - first_row
+            o_base = o_ptr + first_row.to(gl.int64) * stride_on + i_hq.to(gl.int64) * stride_oh
+            lse_base = ptrs[8] + first_row.to(gl.int64) + i_hq.to(gl.int64) * stride_lh
+        else:
+            rows = seq_len_q
+            o_base = o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
+            lse_base = ptrs[8] + i_b.to(gl.int64) * stride_lb + i_hq.to(gl.int64) * stride_lh
+        p_out = o_base + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0)
+        gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < rows, 1))
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
             lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero)) * 0.6931471805599453)
-            p_lse = ptrs[8] + i_b.to(gl.int64) * stride_lb + i_hq.to(gl.int64) * stride_lh + o_m
-            gl.store(p_lse, lse, mask=o_m < seq_len_q)
+            gl.store(lse_base + o_m, lse, mask=o_m < rows)
         t += 1
         rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
 
@@ -440,27 +465,27 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
-               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, SKIP_EMPTY: gl.constexpr):
+               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
-        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, SKIP_EMPTY)
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, RAGGED)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE)
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
     q_desc, k_desc, v_desc, v_last_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
-    tile_counter_ptr, gate_ptr, lse_ptr, table_ptr,
+    tile_counter_ptr, gate_ptr, lse_ptr, table_ptr, row_starts_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
-    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
+    heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit, batch,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    SKIP_EMPTY: gl.constexpr,
+    RAGGED: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
@@ -491,22 +516,23 @@ def _hopper_block_sparse_attn_fwd(
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
     ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr,
-            table_ptr)
+            table_ptr, row_starts_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
                stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
                stride_lb, stride_lh)
-    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit)
+    dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
+            batch)
     gl.warp_specialize(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, SKIP_EMPTY)),
+                          PAGE_SIZE, RAGGED)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, SKIP_EMPTY)),
+                          PAGE_SIZE, RAGGED)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, SKIP_EMPTY)),
+                          PAGE_SIZE, RAGGED)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -519,10 +545,11 @@ def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
     return tma_descriptor(TensorDescriptor, x, rows, x.shape[-1], layout=layout)
 
 
-def launch_arguments(call, sm_count: int, stages: int = STAGES, skip_empty: bool = False) -> tuple[tuple, tuple, dict]:
+def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torch.Tensor | None = None
+                     ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
-    (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU. ``skip_empty``:
-    tiles with an empty list are not computed (`hopper_block_sparse_attention`)."""
+    (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU. ``row_starts``:
+    a ragged batch written packed (`hopper_block_sparse_attention`)."""
     tile_counter = torch.zeros(1, dtype=torch.int32, device=call.out.device)
     return _arguments(
         call.q, call.k, call.v, call.out, call.scale, call.causal, sm_count, stages,
@@ -532,7 +559,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES, skip_empty: bool
                       *(call.kpos.stride() if call.keys_permuted else (0, 0, 0))),
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
-        lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k, skip_empty=skip_empty,
+        lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k, row_starts=row_starts,
     )
 
 
@@ -574,7 +601,7 @@ def gluon_page_size_ok(page_size: int) -> bool:
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
                keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
-               seq_len_k=None, skip_empty=False) -> tuple[tuple, tuple, dict]:
+               seq_len_k=None, row_starts=None) -> tuple[tuple, tuple, dict]:
     """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
     ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
     ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block."""
@@ -604,11 +631,12 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
         tile_counter if lse is None else lse,  # any pointer will do when unused
         tile_counter if block_table is None else block_table,
+        tile_counter if row_starts is None else row_starts,
         *list_strides,
         out.stride(0), out.stride(1), out.stride(2),
         *((0, 0) if lse is None else lse.stride()[:2]),
         hk, hq // hk, nq, nk, tiles_per_head, num_tiles, nk - nq,
-        scale * LOG2_E, gate_limit,
+        scale * LOG2_E, gate_limit, b,
     )
     kwargs = dict(
         HEAD_DIM=d,
@@ -621,7 +649,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         GATED=gated,
         WRITE_LSE=lse is not None,
         PAGE_SIZE=page_size,
-        SKIP_EMPTY=skip_empty and not dense,
+        RAGGED=row_starts is not None,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
@@ -630,9 +658,9 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     return (min(num_tiles, sm_count),), args, kwargs
 
 
-def launch_hopper(call, sm_count: int, stages: int = STAGES, skip_empty: bool = False) -> None:
+def launch_hopper(call, sm_count: int, stages: int = STAGES, row_starts: torch.Tensor | None = None) -> None:
     """Run the kernel on a prepared call (`pbs.kernels.block_sparse_attn._Call`)."""
-    grid, args, kwargs = launch_arguments(call, sm_count, stages, skip_empty)
+    grid, args, kwargs = launch_arguments(call, sm_count, stages, row_starts)
     _hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
 
 
@@ -640,29 +668,42 @@ def hopper_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    empty_rows_unread: bool = False,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
     (no tile ``config``; ``lse`` the same optional float32 buffer; ``block_table`` the same paged
     cache, of a ``page_size`` that `gluon_page_size_ok` accepts), same result, on inputs the kernel
     supports (the caller checks).
 
-    ``empty_rows_unread``: the caller reads no row of a query block whose list is empty (a padded
-    batch's blocks past a sequence's queries), so those rows of ``out`` and ``lse`` are left as
-    they are and their tiles cost no more than a look at their count (the producer passes over
-    them), instead of zeros written after a load of their queries.
+    ``row_starts``: ``(B + 1,)`` int32 on ``q``'s device, the cumulative query rows of a ragged
+    batch padded into ``q`` (``cu_seq_q``): entry ``b`` holds ``row_starts[b + 1] - row_starts[b]``
+    real rows from row 0. Only their tiles are drawn (the padding costs nothing), and they are
+    written packed: ``out`` is then the ``(Tq, Hq, Dv)`` packed output (required), row ``r`` of
+    entry ``b`` at ``row_starts[b] + r``, and ``lse`` a contiguous ``(Hq, Tq)``.
 
     Returns:
-        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order.
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order; with ``row_starts``, ``out``.
     """
-    from pbs.kernels.block_sparse_attn import prepare_call
+    from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
-    from pbs.kernels.block_sparse_attn import attach_lse
-
-    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table)
+    packed_out = packed_lse = None
+    if row_starts is not None:
+        hq, dv = q.shape[1], v.shape[-1]
+        if (out is None or out.dim() != 3 or out.shape[1:] != (hq, dv) or out.dtype != q.dtype
+                or out.device != q.device or out.stride(-1) != 1):
+            raise ValueError(f"row_starts writes the packed output: out must be a (Tq, {hq}, {dv}) {q.dtype} tensor "
+                             f"on {q.device} with unit stride along Dv, got "
+                             f"{None if out is None else (tuple(out.shape), out.dtype, out.device)}")
+        if row_starts.dtype != torch.int32 or row_starts.shape != (q.shape[0] + 1,) or row_starts.device != q.device:
+            raise ValueError(f"row_starts must be a ({q.shape[0] + 1},) int32 tensor on {q.device}, got "
+                             f"{tuple(row_starts.shape)} {row_starts.dtype} on {row_starts.device}")
+        packed_out, out = out, out.transpose(0, 1)[None]  # (1, Hq, Tq, Dv): the kernel's strides
+        packed_lse, lse = lse, None if lse is None else lse[None]
+    call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table,
+                        packed_out=packed_out is not None)
     attach_lse(call, lse)
-    launch_hopper(call, sm_count(q.device), skip_empty=empty_rows_unread)
-    return call.out
+    launch_hopper(call, sm_count(q.device), row_starts=row_starts)
+    return call.out if packed_out is None else packed_out
 
 
 def launch_hopper_dense(

@@ -11,7 +11,9 @@ own shapes, and every decision that depends on the lengths is taken on the devic
    device; a sequence that decides dense gets every allowed block (dense attention on the
    block-sparse kernel, as paged calls run it eagerly);
 3. one launch of a backend that declares ``capturable`` attends all sequences, each query reading
-   its own causal offset from the query positions, and the rows are scattered back to the packing.
+   its own causal offset from the query positions; a backend that also declares ``ragged_rows``
+   (the Gluon kernel) computes only each sequence's own rows and writes them packed, another's
+   rows are scattered back to the packing.
 
 What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
 them in place); the planners' grids are sized by the maxima, though rows past a sequence's queries,
@@ -117,22 +119,28 @@ def capturable_backend(config: PBSConfig, q: torch.Tensor, v: torch.Tensor, retu
 
 
 def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-                  query_positions: torch.Tensor, scale: float, return_lse: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One launch of the backend ``config.backend`` resolves to over the padded batch: ``(out
-    (N, Hq, Tq*B, Dv), lse (N, Hq, Tq*B) or None)``."""
+                  query_positions: torch.Tensor, scale: float, out: torch.Tensor, cu_seq_q: torch.Tensor,
+                  return_lse: bool) -> torch.Tensor | None:
+    """One launch of the backend ``config.backend`` resolves to over the padded batch, its rows
+    written to the packed ``out (Tq, Hq, Dv)``; returns the packed LSE ``(Hq, Tq)``, or None.
+
+    A backend that declares ``ragged_rows`` computes only each sequence's own rows and writes them
+    packed itself; another computes the padded batch, whose rows are then copied to the packing."""
     backend = capturable_backend(config, q, v, return_lse)
     n, hq = q.shape[:2]
     positions = query_positions[:, None, :].expand(n, hq, -1)
     nothing_moved = (Permutation.identity(n, k.shape[1], k.shape[2], k.device),
                      Permutation.identity(n, hq, q.shape[2], q.device))
     plan = Plan(*nothing_moved, mask=mask, config=config, backend=backend.name)
+    if backend.ragged_rows:
+        result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions,
+                                           row_starts=cu_seq_q.to(torch.int32)))
+        return result[1] if return_lse else None
     # Token-major like the padded inputs, so that unpadding copies whole token rows.
-    out = torch.empty(n, q.shape[2], hq, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-    # The rows past each sequence's queries (empty lists) are dropped by write_packed.
-    result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions,
-                                       empty_rows_unread=True))
-    return result if return_lse else (result, None)
+    o_pad = torch.empty(n, q.shape[2], hq, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=o_pad, query_positions=positions))
+    o_pad, lse_pad = result if return_lse else (result, None)
+    return write_packed(out, o_pad, lse_pad, cu_seq_q)
 
 
 def capturable_varlen_attention(
@@ -151,8 +159,9 @@ def capturable_varlen_attention(
     if check_finite:
         check_all_finite({"q": q, "k": k_pad[geometry.len_q > 0], "v": v_pad[geometry.len_q > 0]})
     mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
-    o_pad, lse_pad = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, return_lse)
-    return out, write_packed(out, o_pad, lse_pad, cu_seq_q)
+    lse = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, out, cu_seq_q,
+                        return_lse)
+    return out, lse
 
 
 def pad_batch(
