@@ -57,14 +57,21 @@ def stage_times(q, k, v, cu, max_len, views) -> dict:
     config = pbs.PBSConfig()
     scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
-    geometry, q_pad, k_pad, v_pad = capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size)
-    mask, _ = capturable.plan_ragged(config, geometry, q_pad, k_pad, scale)
+    # The Gluon kernel (ragged_rows) reads the packed queries: only K and V are padded then.
+    packed = capturable.capturable_backend(config, q, v, False).ragged_rows
+    starts = cu if packed else None
+
+    def pad():
+        return capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size, packed_queries=packed)
+
+    geometry, queries, k_pad, v_pad = pad()
+    mask, _ = capturable.plan_ragged(config, geometry, queries, k_pad, scale, starts)
     positions = geometry.query_positions()
     return {
-        "pad_ms": time_ms(lambda: capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size)),
-        "plan_ms": time_ms(lambda: capturable.plan_ragged(config, geometry, q_pad, k_pad, scale)),
+        "pad_ms": time_ms(pad),
+        "plan_ms": time_ms(lambda: capturable.plan_ragged(config, geometry, queries, k_pad, scale, starts)),
         # The launch and the rows' way to the packed output (written by the kernel, or copied).
-        "attention_ms": time_ms(lambda: capturable.attend_padded(config, q_pad, k_pad, v_pad, mask, positions,
+        "attention_ms": time_ms(lambda: capturable.attend_padded(config, queries, k_pad, v_pad, mask, positions,
                                                                  scale, out, cu, False)),
         "eager_plan_per_prompt_ms": time_ms(lambda: [pbs.plan(*view[:2]) for view in views]),
     }

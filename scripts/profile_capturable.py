@@ -43,12 +43,15 @@ def attention_split(lengths: list[int], q, k, v, cu, config, scale: float) -> No
     from pbs.types import BlockMask
 
     max_len = max(lengths)
-    geometry, q_pad, k_pad, v_pad = capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size)
-    mask, _ = capturable.plan_ragged(config, geometry, q_pad, k_pad, scale)
+    packed = capturable.capturable_backend(config, q, v, False).ragged_rows
+    geometry, queries, k_pad, v_pad = capturable.pad_batch(q, k, v, cu, cu, max_len, max_len, config.block_size,
+                                                           packed_queries=packed)
+    q_pad = capturable.pad_packed(q, cu, geometry.padded_len_q)
+    mask, _ = capturable.plan_ragged(config, geometry, queries, k_pad, scale, cu if packed else None)
     positions = geometry.query_positions()
     out = torch.empty_like(q)
-    padded_ms = time_ms(lambda: capturable.attend_padded(config, q_pad, k_pad, v_pad, mask, positions, scale, out, cu,
-                                                         False))
+    padded_ms = time_ms(lambda: capturable.attend_padded(config, queries, k_pad, v_pad, mask, positions, scale, out,
+                                                         cu, False))
     alone = []
     for b, length in enumerate(lengths):
         tiles = cdiv(length, config.block_size)

@@ -31,13 +31,17 @@ CONFIGS = {
 LENGTHS = [(96, 96), (32, 160), (1, 300), (0, 0), (129, 129), (127, 400), (128, 128), (16, 17)]
 
 
-def padded_plan(sequences, config):
+def padded_plan(sequences, config, packed_queries: bool = False):
+    """`plan_ragged` of the packed ``sequences``: queries padded, or with ``packed_queries`` read
+    packed (as the capturable path hands them when the backend declares ``ragged_rows``)."""
     q, k, v, cu_seq_q, cu_seq_k, max_q, max_k = pack(sequences)
     config = pbs.PBSConfig.coerce(config)
     len_q, len_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_seq_q, cu_seq_k))
     geometry = ragged_geometry(len_q, len_k, max_q, max_k, config.block_size)
-    q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
     k_pad = pad_packed(k, cu_seq_k, geometry.padded_len_k)
+    if packed_queries:
+        return plan_ragged(config, geometry, q, k_pad, q.shape[-1] ** -0.5, cu_seq_q)
+    q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
     return plan_ragged(config, geometry, q_pad, k_pad, q.shape[-1] ** -0.5)
 
 
@@ -102,14 +106,26 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     torch_ops = planners.line_scores_torch(selector, geometry, q_pad, k_pad, 0.25, slice(0, 4))
     torch.testing.assert_close(kernel, torch_ops, rtol=0, atol=1e-6)
     assert kernel[:, 2].abs().sum() == 0  # the empty sequence
+    # The packed queries read in place (the Gluon kernel's ragged_rows path) score alike, and pool alike.
+    packed = line_scores(q, k_pad, geometry.layout(4, 2), 0.25, selector.last_rows, lengths=lengths,
+                         q_row_starts=cu_seq_q)
+    assert torch.equal(packed, kernel)
+    from pbs.kernels.block_means import block_means
+
+    pooled = block_means(q_pad, 16, lengths=len_q)
+    assert pooled.abs().sum() > 0
+    assert torch.equal(block_means(q, 16, lengths=len_q, row_starts=cu_seq_q, padded_rows=geometry.padded_len_q),
+                       pooled)
     without = padded_plan(sequences, config)[0].to_dense()
     monkeypatch.setattr(planners, "uses_gpu_planners", lambda device: True)
     assert torch.equal(padded_plan(sequences, config)[0].to_dense(), without)
 
 
+@pytest.mark.parametrize("packed_queries", [False, True], ids=["padded-q", "packed-q"])
 @pytest.mark.parametrize("name, policy", [("defaults", "none"), ("defaults", "length"), ("mean_pooling", "length"),
                                           ("vertical_slash", "length")])
-def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(monkeypatch, name, policy):
+def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(monkeypatch, name, policy,
+                                                                               packed_queries):
     """On CUDA the planners write the lists (forced blocks, the union's merge, the dense rows and the
     full/masked split included) with no bool mask in between; here they run in the interpreter and
     give the CPU path's mask and split. With the length rule on, the sequences it sends to dense
@@ -126,7 +142,7 @@ def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(m
     member_mask = capturable.member_mask
     monkeypatch.setattr(capturable, "member_mask", lambda s, inputs: seen.append(inputs.planned) or member_mask(s, inputs))
     monkeypatch.setattr(planners, "uses_gpu_planners", lambda device: True)
-    mask, dense = padded_plan(sequences, config)
+    mask, dense = padded_plan(sequences, config, packed_queries)
     assert torch.equal(mask.to_dense(), cpu_mask.to_dense())
     assert torch.equal(mask.counts, cpu_mask.counts)
     assert torch.equal(mask.full_counts, cpu_mask.full_counts)
@@ -350,9 +366,9 @@ def test_what_capturable_runs_comes_from_the_registries(monkeypatch):
 
 
 def test_a_backend_declaring_ragged_rows_writes_the_packed_output_itself(monkeypatch):
-    """A backend that declares ``ragged_rows`` gets the caller's packed ``out`` and ``cu_seq_q``
-    (`AttentionCall.row_starts`), and its LSE is returned as it is, with no copy back; the result
-    is the eager call's."""
+    """A backend that declares ``ragged_rows`` gets the caller's packed queries and ``out`` and
+    ``cu_seq_q`` (`AttentionCall.row_starts`), and its LSE is returned as it is, with no copy back;
+    the result is the eager call's."""
     import dataclasses
 
     from pbs.backends import registry
@@ -366,7 +382,8 @@ def test_a_backend_declaring_ragged_rows_writes_the_packed_output_itself(monkeyp
 
     def run_ragged(call):
         calls.append(call)
-        o_pad, lse_pad = reference.run(dataclasses.replace(call, out=None, row_starts=None))
+        q_pad = pad_packed(call.q, call.row_starts, call.plan.mask.layout.seq_len_q)  # it reads them packed
+        o_pad, lse_pad = reference.run(dataclasses.replace(call, q=q_pad, out=None, row_starts=None))
         return call.out, write_packed(call.out, o_pad, lse_pad, call.row_starts)
 
     monkeypatch.setitem(registry._BACKENDS, "reference", dataclasses.replace(reference, run=run_ragged,
@@ -374,7 +391,7 @@ def test_a_backend_declaring_ragged_rows_writes_the_packed_output_itself(monkeyp
     out = torch.full_like(q, float("nan"))
     returned, lse = pbs.varlen_attention(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config, return_lse=True,
                                          capturable=True, out=out)
-    assert len(calls) == 1 and calls[0].out is out and torch.equal(calls[0].row_starts, cu_seq_q)
+    assert len(calls) == 1 and calls[0].out is out and calls[0].q is q and torch.equal(calls[0].row_starts, cu_seq_q)
     assert returned is out
     torch.testing.assert_close(out, eager, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse, eager_lse, rtol=0, atol=1e-5)

@@ -159,9 +159,10 @@ def test_gpu_hopper_arbitrary_masks_and_empty_rows(causal):
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_hopper_writes_a_ragged_batch_packed_from_its_own_rows():
-    """``row_starts``: each entry's real rows, and only they, land at their packed offsets, equal to
-    the padded launch's rows (the same tiles, computed alike), the LSE likewise; an entry with no
-    rows takes nothing. The packed buffers start as NaN, so every element must be written."""
+    """``row_starts``: the packed queries read in place, each entry's real rows, and only they,
+    landing at their packed offsets, equal to the padded launch's rows (the same tiles, computed
+    alike), the LSE likewise; an entry with no rows takes nothing. The packed buffers start as NaN,
+    so every element must be written."""
     from pbs.kernels.hopper_attn import hopper_block_sparse_attention
 
     q, k, v = _gpu_inputs(3, 4, 2, 2048, 128, seed=5)
@@ -178,15 +179,19 @@ def test_gpu_hopper_writes_a_ragged_batch_packed_from_its_own_rows():
     starts = torch.tensor([0, 1000, 1000, 3048], dtype=torch.int32, device="cuda")
     packed = torch.full((3048, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     packed_lse = torch.full((4, 3048), float("nan"), device="cuda")
-    returned = hopper_block_sparse_attention(*args, out=packed, lse=packed_lse, row_starts=starts)
+    packed_q = torch.cat([args[0][b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])  # (3048, 4, 128)
+    ragged = (packed_q, *args[1:])
+    returned = hopper_block_sparse_attention(*ragged, out=packed, lse=packed_lse, row_starts=starts)
     assert returned is packed
     expected = torch.cat([padded[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
     expected_lse = torch.cat([lse[b, :, :n] for b, n in enumerate(lengths)], dim=1)
     assert torch.equal(packed, expected) and torch.equal(packed_lse, expected_lse)
     with pytest.raises(ValueError, match=r"out must be a \(Tq, 4, 128\)"):
-        hopper_block_sparse_attention(*args, row_starts=starts)
+        hopper_block_sparse_attention(*ragged, row_starts=starts)
     with pytest.raises(ValueError, match=r"row_starts must be a \(4,\) int32"):
-        hopper_block_sparse_attention(*args, out=packed, row_starts=starts.long())
+        hopper_block_sparse_attention(*ragged, out=packed, row_starts=starts.long())
+    with pytest.raises(ValueError, match=r"q must be \(Tq, 4, D\)"):
+        hopper_block_sparse_attention(*args, out=packed, row_starts=starts)
 
 
 @pytest.mark.gpu

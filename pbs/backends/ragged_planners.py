@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from pbs.backends.padding import pad_packed
 from pbs.backends.planners import pooled_logits
 from pbs.backends.registry import planner_for, planners_of, register_planner
 from pbs.ragged_layout import RaggedGeometry
@@ -37,14 +38,18 @@ _SCORE_ELEMENTS = 1 << 26
 """Float32 scores held at once per head chunk (256 MiB)."""
 
 
-def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_means(x: torch.Tensor, lengths: torch.Tensor, block_size: int, row_starts: torch.Tensor | None = None,
+                padded_rows: int | None = None) -> torch.Tensor:
     """``(N, H, T, D)`` float32 means of the blocks of padded ``x (N, H, T * block_size, D)``; a
     sequence's partial last block averages the tokens it has (zeros past it are summed, not
-    counted), and blocks past its end are 0."""
+    counted), and blocks past its end are 0. With ``row_starts`` (``cu_seq``), ``x`` is the packed
+    ``(total, H, D)`` batch of ``padded_rows`` rows per padded entry (read in place on CUDA)."""
     if uses_gpu_planners(x.device):
         from pbs.kernels.block_means import block_means as block_means_kernel
 
-        return block_means_kernel(x, block_size, lengths=lengths)
+        return block_means_kernel(x, block_size, lengths=lengths, row_starts=row_starts, padded_rows=padded_rows)
+    if row_starts is not None:
+        x = pad_packed(x, row_starts, padded_rows)
     n, h, rows, d = x.shape
     blocks = rows // block_size
     # Summed in the token-major order of the padded buffers (`pad_packed`), with no float32 copy.
@@ -166,17 +171,19 @@ def vertical_slash(selector, inputs: "RaggedInputs", extra: BlockMask | None = N
     Elsewhere PyTorch operations, a chunk of heads at a time, give the ``(N, Hq, Tq, Tk)`` bool
     selection before the forced blocks (``extra`` ORed in).
     """
-    geometry, q, k, scale = inputs.geometry, inputs.q, inputs.k, inputs.scale
-    n, hq = q.shape[:2]
+    geometry, k, scale = inputs.geometry, inputs.k, inputs.scale
+    n, hq = geometry.batch, inputs.heads_q
     bs = geometry.block_size
-    if uses_gpu_planners(q.device):
+    if uses_gpu_planners(k.device):
         from pbs.kernels.vertical_slash import kept_line_blocks, line_scores, lines_to_block_mask
 
         layout = geometry.layout(hq, k.shape[1])
-        scores = line_scores(q, k, layout, scale, selector.last_rows, lengths=inputs.lengths)
+        scores = line_scores(inputs.q, k, layout, scale, selector.last_rows, lengths=inputs.lengths,
+                             q_row_starts=inputs.q_row_starts)
         keys_blocks, prefix = kept_line_blocks(scores, selector.threshold, selector.vertical_threshold, bs)
         return lines_to_block_mask(keys_blocks, prefix, layout, inputs.force_sink_block, extra,
                                    lengths=inputs.lengths)
+    q = inputs.padded_q
     group = hq // k.shape[1]
     rows = min(selector.last_rows, q.shape[2])
     selected = torch.empty(n, hq, geometry.num_query_blocks, geometry.num_key_blocks, dtype=torch.bool,
@@ -197,13 +204,16 @@ class RaggedInputs:
 
     Attributes:
         geometry: the padded batch's block geometry, lengths on the device.
-        q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)``, padded with zeros.
+        q: ``(N, Hq, Tq * B, D)`` and k: ``(N, Hkv, Tk * B, D)``, padded with zeros; with
+            ``q_row_starts``, ``q`` is the packed ``(total, Hq, D)`` queries (`padded_q` pads them
+            for a planner that reads the padded layout).
         pooled: their block means ``(q_bar (N, Hq, Tq, D), k_bar (N, Hkv, Tk, D))`` float32.
         scale: softmax scale.
         force_sink_block: the config's ``force_sink_block`` (the forced blocks are the diagonal
             and, with it, the sink block 0).
         planned: ``(N,)`` bool, the sequences to plan (None: all): the others are already decided
             dense and their rows replaced, so a planner may leave them empty.
+        q_row_starts: ``(N + 1,)`` int32 (``cu_seq_q``) when ``q`` is packed, else None.
     """
 
     geometry: RaggedGeometry
@@ -213,6 +223,18 @@ class RaggedInputs:
     scale: float
     force_sink_block: bool = True
     planned: torch.Tensor | None = None
+    q_row_starts: torch.Tensor | None = None
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]  # (N, Hq, rows, D) padded or (total, Hq, D) packed
+
+    @cached_property
+    def padded_q(self) -> torch.Tensor:
+        """``(N, Hq, Tq * B, D)``: ``q``, padded here once if it is packed."""
+        if self.q_row_starts is None:
+            return self.q
+        return pad_packed(self.q, self.q_row_starts, self.geometry.padded_len_q)
 
     @cached_property
     def forced(self) -> torch.Tensor:
@@ -255,7 +277,7 @@ def _union_planner(selector, inputs: RaggedInputs) -> BlockMask | torch.Tensor:
     """The members' union; on CUDA a ``vertical_slash`` member's compaction takes the others'
     lists in (as the eager path's union does), with no bool mask in between."""
     lines = next((m for m in selector.selectors if m.name == "vertical_slash"), None)
-    if lines is None or not uses_gpu_planners(inputs.q.device):
+    if lines is None or not uses_gpu_planners(inputs.k.device):
         result = None
         for member in selector.selectors:
             member_selection = select(member, inputs)  # bool here; a list only from a GPU planner
@@ -281,7 +303,7 @@ def member_mask(selector, inputs: RaggedInputs) -> BlockMask:
         return result
     geometry = inputs.geometry
     result = (result | inputs.forced[:, None]) & geometry.allowed[:, None]
-    return BlockMask.from_dense(result, geometry.layout(inputs.q.shape[1], inputs.k.shape[1]))
+    return BlockMask.from_dense(result, geometry.layout(inputs.heads_q, inputs.k.shape[1]))
 
 
 def _strided_rows(x: torch.Tensor, stride: int, reverse: bool) -> torch.Tensor:
@@ -306,7 +328,7 @@ def antidiagonal(selector, inputs: RaggedInputs) -> torch.Tensor:
     geometry, stride = inputs.geometry, selector.stride
     bs, tq, tk = geometry.block_size, geometry.num_query_blocks, geometry.num_key_blocks
     per_block = bs // stride
-    q_r = _strided_rows(inputs.q, stride, reverse=True)
+    q_r = _strided_rows(inputs.padded_q, stride, reverse=True)
     k_r = _strided_rows(inputs.k, stride, reverse=False)
     n, hq = q_r.shape[:2]
     device = q_r.device

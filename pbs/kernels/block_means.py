@@ -18,6 +18,7 @@ def _block_means_kernel(
     idx_ptr,
     table_ptr,
     lengths_ptr,
+    starts_ptr,
     out_ptr,
     stride_xb,
     stride_xh,
@@ -35,6 +36,7 @@ def _block_means_kernel(
     GATHER: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     LENGTHS: tl.constexpr,
+    ROW_STARTS: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -53,7 +55,9 @@ def _block_means_kernel(
             return
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     p_x = x_ptr + i_hx.to(tl.int64) * stride_xh
-    if PAGE_SIZE == 0:
+    if ROW_STARTS:
+        p_x += tl.load(starts_ptr + i_b).to(tl.int64) * stride_xn  # a packed batch: this entry's first row
+    elif PAGE_SIZE == 0:
         p_x += i_b.to(tl.int64) * stride_xb
     for r0 in range(0, BLOCK_SIZE, ROWS):
         o_r = first + r0 + tl.arange(0, ROWS)
@@ -76,7 +80,8 @@ def _block_means_kernel(
 
 def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None = None, *,
                 block_table: torch.Tensor | None = None, seq_len: int | None = None,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, row_starts: torch.Tensor | None = None,
+                padded_rows: int | None = None) -> torch.Tensor:
     """Mean of every ``block_size`` rows (a partial last block averages what it has), in fp32.
 
     Args:
@@ -92,6 +97,10 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
         lengths: ``(B,)`` integer rows of each batch entry, on the device: ``x`` is then a padded
             batch (`pbs.serving.ragged`) whose entry ``b`` averages only its first ``lengths[b]``
             rows (its partial last block what it has, blocks past it 0). No host read.
+        row_starts: ``(B + 1,)`` int32 on the device, with ``lengths`` and ``padded_rows``: ``x`` is
+            then the packed ``(T, Hx, D)`` batch read in place, entry ``b`` from row
+            ``row_starts[b]`` (``cu_seq``), and the result is that of the padded batch of
+            ``padded_rows`` rows per entry, with no padded copy made.
 
     Returns:
         ``(B, H, ceil(N / block_size), D)`` float32 (``H = Hx`` without ``indices``).
@@ -103,6 +112,11 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
         page_size, table = x.shape[1], block_table
         x = x.permute(0, 2, 1, 3)  # (num_pages, Hx, page_size, D): strides (page, head, row)
         b, hx, n, d = 1, x.shape[1], seq_len, x.shape[3]
+    elif row_starts is not None:
+        if lengths is None or padded_rows is None:
+            raise ValueError("block_means of a packed batch (row_starts) needs lengths and padded_rows")
+        x = x.transpose(0, 1)[None]  # (1, Hx, T, D): the row stride is the token's
+        b, hx, n, d = lengths.shape[0], x.shape[1], padded_rows, x.shape[3]
     else:
         b, hx, n, d = x.shape
     if x.stride(-1) != 1:
@@ -116,11 +130,12 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
     rows = max(1, min(block_size, 4096 // block_d))
     idx = indices if indices is not None else out
     _block_means_kernel[(num_blocks, b * heads)](
-        x, idx, out if table is None else table, lengths if lengths is not None else out, out,
+        x, idx, out if table is None else table, lengths if lengths is not None else out,
+        row_starts if row_starts is not None else out, out,
         x.stride(0), x.stride(1), x.stride(2),
         idx.stride(0) if indices is not None else 0, idx.stride(1) if indices is not None else 0,
         heads, heads // hx, n, d, num_blocks,
         BLOCK_SIZE=block_size, ROWS=rows, BLOCK_D=block_d, GATHER=indices is not None, PAGE_SIZE=page_size,
-        LENGTHS=lengths is not None, num_warps=4,
+        LENGTHS=lengths is not None, ROW_STARTS=row_starts is not None, num_warps=4,
     )
     return out

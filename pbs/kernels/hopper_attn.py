@@ -253,10 +253,17 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
         row0 = i_t * BLOCK
 
+        q_b = i_b
+        q_row = row0
+        if RAGGED:
+            # The packed queries, viewed as (1, Hq, Tq, D): the entry's rows from its first one (rows
+            # past its end read the next entry's queries or TMA's zeros; they are never stored).
+            q_b = 0
+            q_row = gl.load(ptrs[10] + i_b) + row0
         mbarrier.wait(q_empty, (t & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [i_b, i_hq, row0, 0], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [i_b, i_hq, row0 + HALF, 0], q_ready, q_smem.index(1))
+        _tma_load(q_desc, [q_b, i_hq, q_row, 0], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_b, i_hq, q_row + HALF, 0], q_ready, q_smem.index(1))
 
         for it in range(count):
             start_n = _block_start(p_list, it, DENSE)
@@ -560,6 +567,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torc
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
         lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k, row_starts=row_starts,
+        padded_rows=call.mask.layout.seq_len_q,
     )
 
 
@@ -601,11 +609,13 @@ def gluon_page_size_ok(page_size: int) -> bool:
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
                keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
-               seq_len_k=None, row_starts=None) -> tuple[tuple, tuple, dict]:
+               seq_len_k=None, row_starts=None, padded_rows=None) -> tuple[tuple, tuple, dict]:
     """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
     ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
     ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block."""
     b, hq, nq, d = q.shape
+    if row_starts is not None:  # q is the packed (1, Hq, Tq, D) view: the tiles are the padded batch's
+        b, nq = row_starts.shape[0] - 1, padded_rows
     hk, nk = k.shape[1], k.shape[2]
     page_size = 0
     v_last = None
@@ -676,29 +686,36 @@ def hopper_block_sparse_attention(
     supports (the caller checks).
 
     ``row_starts``: ``(B + 1,)`` int32 on ``q``'s device, the cumulative query rows of a ragged
-    batch padded into ``q`` (``cu_seq_q``): entry ``b`` holds ``row_starts[b + 1] - row_starts[b]``
-    real rows from row 0. Only their tiles are drawn (the padding costs nothing), and they are
-    written packed: ``out`` is then the ``(Tq, Hq, Dv)`` packed output (required), row ``r`` of
-    entry ``b`` at ``row_starts[b] + r``, and ``lse`` a contiguous ``(Hq, Tq)``.
+    batch (``cu_seq_q``) whose padded geometry is ``mask.layout``'s (``B`` entries of ``Nq`` rows):
+    entry ``b`` holds ``row_starts[b + 1] - row_starts[b]`` real rows. ``q`` is then the packed
+    ``(Tq, Hq, D)`` queries, read in place; only the real rows' tiles are drawn (the padding costs
+    nothing), and they are written packed: ``out`` is the ``(Tq, Hq, Dv)`` packed output
+    (required), row ``r`` of entry ``b`` at ``row_starts[b] + r``, and ``lse`` a contiguous
+    ``(Hq, Tq)``. ``query_positions`` stay ``(B, Hq, Nq)``, by padded row.
 
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order; with ``row_starts``, ``out``.
     """
     from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
-    packed_out = packed_lse = None
+    packed_out = None
     if row_starts is not None:
         hq, dv = q.shape[1], v.shape[-1]
+        if q.dim() != 3 or q.shape[1] != mask.layout.heads_q:
+            raise ValueError(f"row_starts reads the packed queries: q must be (Tq, {mask.layout.heads_q}, D), got "
+                             f"{tuple(q.shape)}")
         if (out is None or out.dim() != 3 or out.shape[1:] != (hq, dv) or out.dtype != q.dtype
                 or out.device != q.device or out.stride(-1) != 1):
             raise ValueError(f"row_starts writes the packed output: out must be a (Tq, {hq}, {dv}) {q.dtype} tensor "
                              f"on {q.device} with unit stride along Dv, got "
                              f"{None if out is None else (tuple(out.shape), out.dtype, out.device)}")
-        if row_starts.dtype != torch.int32 or row_starts.shape != (q.shape[0] + 1,) or row_starts.device != q.device:
-            raise ValueError(f"row_starts must be a ({q.shape[0] + 1},) int32 tensor on {q.device}, got "
+        entries = mask.layout.batch + 1
+        if row_starts.dtype != torch.int32 or row_starts.shape != (entries,) or row_starts.device != q.device:
+            raise ValueError(f"row_starts must be a ({entries},) int32 tensor on {q.device}, got "
                              f"{tuple(row_starts.shape)} {row_starts.dtype} on {row_starts.device}")
-        packed_out, out = out, out.transpose(0, 1)[None]  # (1, Hq, Tq, Dv): the kernel's strides
-        packed_lse, lse = lse, None if lse is None else lse[None]
+        # (1, Hq, Tq, D) views: the kernel's strides, the token's stride between rows.
+        q, packed_out, out = q.transpose(0, 1)[None], out, out.transpose(0, 1)[None]
+        lse = None if lse is None else lse[None]
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table,
                         packed_out=packed_out is not None)
     attach_lse(call, lse)

@@ -42,22 +42,27 @@ an H100 (docs/notes.md, "Planning the default selector on the GPU")."""
 
 
 @triton.jit
-def _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows,
-               ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows,
+               ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PACKED_Q: tl.constexpr):
     o_r = tl.arange(0, ROWS)
     o_d = tl.arange(0, D_PAD)
-    ptrs = q_ptr + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh + (rows_start + o_r)[:, None] * stride_qn
+    if PACKED_Q:  # a packed batch (line_scores' q_row_starts): entry b's rows from its first one
+        entry = tl.load(q_starts_ptr + b).to(tl.int64) * stride_qn
+    else:
+        entry = b.to(tl.int64) * stride_qb
+    ptrs = q_ptr + entry + hq.to(tl.int64) * stride_qh + (rows_start + o_r)[:, None] * stride_qn
     return tl.load(ptrs + o_d[None, :], mask=(o_r[:, None] < rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
 
 
 @triton.jit
-def _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows, query_offset,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _program_rows(q_ptr, q_starts_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows, query_offset,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PACKED_Q: tl.constexpr):
     """This program's (batch, query head), its last rows' queries and their original positions."""
     pid_bh = tl.program_id(0)
     b = pid_bh // heads_q
     hq = pid_bh % heads_q
-    q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
+    q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM,
+                   D_PAD, PACKED_Q)
     row_pos = rows_start + query_offset + tl.arange(0, ROWS)
     return pid_bh, b, hq, q, row_pos
 
@@ -108,14 +113,15 @@ def _scores(q, k_ptr, table_ptr, b, hk, stride_kb, stride_kh, stride_kn, cols, k
 @triton.jit
 def _row_stats(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, rows_start, rows, lens_ptr, last_rows, seq_len_k, query_offset, keys_per_split,
-               splits, qk_scale,
+               heads_q, group, rows_start, rows, lens_ptr, q_starts_ptr, last_rows, seq_len_k, query_offset,
+               keys_per_split, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr):
+               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr,
+               PACKED_Q: tl.constexpr):
     rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, tl.program_id(0) // heads_q, rows_start, rows,
                                                           seq_len_k, query_offset, last_rows, RAGGED)
-    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows,
-                                              query_offset, ROWS, HEAD_DIM, D_PAD)
+    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, q_starts_ptr, stride_qb, stride_qh, stride_qn, heads_q,
+                                              rows_start, rows, query_offset, ROWS, HEAD_DIM, D_PAD, PACKED_Q)
     split = tl.program_id(1)
     o_r = tl.arange(0, ROWS)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -151,11 +157,11 @@ def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.co
 @triton.jit
 def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-               heads_q, group, launch_rows_start, launch_rows, lens_ptr, last_rows, line_len, query_offset_0,
-               key_tiles, total_tiles, splits, qk_scale,
+               heads_q, group, launch_rows_start, launch_rows, lens_ptr, q_starts_ptr, last_rows, line_len,
+               query_offset_0, key_tiles, total_tiles, splits, qk_scale,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-               PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr, PACKED_Q: tl.constexpr):
     # Persistent: each program walks (head, key tile) pairs; a tile's probabilities stay in registers.
     pid = tl.program_id(0)
     o_r = tl.arange(0, ROWS)
@@ -175,7 +181,8 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
         col0 = (tile % key_tiles) * BLOCK_N
         # A ragged sequence's tiles past its keys score nothing (its lines there stay 0).
         if col0 < seq_len_k:
-            q = _load_rows(q_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM, D_PAD)
+            q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS,
+                           HEAD_DIM, D_PAD, PACKED_Q)
             first_row_pos = rows_start + query_offset
             cols = col0 + o_n
             s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
@@ -272,7 +279,8 @@ def _lines_to_blocks(vertical_blocks_ptr, prefix_ptr, counts_ptr, indices_ptr, f
 
 
 def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, last_rows: int,
-                block_table: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+                block_table: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                q_row_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Vertical and slash scores of the last ``last_rows`` queries: ``(2, B, Hq, Nk)`` float32.
 
     Index 0 holds each key's mean attention from those rows, index 1 each offset's; both equal
@@ -289,8 +297,17 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
             sequences (`pbs.serving.ragged`) and entry ``b`` holds ``len_q`` queries and ``len_k``
             keys (rows from 0); its scores are those of the sequence alone, 0 past ``len_k``, and
             both its lines are divided by its own row count. No host read.
+        q_row_starts: ``(B + 1,)`` int32 on the device, with ``lengths``: ``q`` is then the packed
+            ``(Tq, Hq, D)`` queries read in place, entry ``b`` from row ``q_row_starts[b]``
+            (``cu_seq_q``), and ``layout`` gives the padded batch's ``B`` and ``Nq``.
     """
-    b, hq, nq, d = q.shape
+    if q_row_starts is not None:
+        if lengths is None:
+            raise ValueError("line_scores of packed queries (q_row_starts) needs the lengths of the padded batch")
+        q = q.transpose(0, 1)[None]  # (1, Hq, Tq, D): the row stride is the token's
+        b, hq, nq, d = layout.batch, q.shape[1], layout.seq_len_q, q.shape[3]
+    else:
+        b, hq, nq, d = q.shape
     if block_table is None:
         hk, nk = k.shape[1], k.shape[2]
         page_size, table = 0, k
@@ -308,9 +325,11 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     qk_scale = scale * LOG2_E
     ragged = lengths is not None
     lens = lengths if ragged else part_lengths_placeholder(q.device)
-    common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows, lens, last_rows)
+    q_starts = lens if q_row_starts is None else q_row_starts
+    common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows, lens, q_starts,
+              last_rows)
     meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee,
-                PAGE_SIZE=page_size, RAGGED=ragged)
+                PAGE_SIZE=page_size, RAGGED=ragged, PACKED_Q=q_row_starts is not None)
     # Enough programs to fill the GPU: split the keys of each head's rows.
     splits = max(1, min(triton.cdiv(nk, 4 * block_n), triton.cdiv(264, b * hq)))
     keys_per_split = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n

@@ -53,8 +53,9 @@ def check_capturable_config(config: PBSConfig) -> None:
 
 
 def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k: torch.Tensor,
-                scale: float) -> tuple[BlockMask, torch.Tensor | None]:
-    """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)``, ``k (N, Hkv, Tk*B, D)``,
+                scale: float, q_row_starts: torch.Tensor | None = None) -> tuple[BlockMask, torch.Tensor | None]:
+    """The block mask of every sequence of padded ``q (N, Hq, Tq*B, D)`` (or, with
+    ``q_row_starts``, the packed ``(Tq, Hq, D)`` queries starting there), ``k (N, Hkv, Tk*B, D)``,
     and the per-sequence dense decisions (None where the policy does not apply).
 
     The length and probe rules are decided first, so that the planners skip the sequences they
@@ -80,12 +81,13 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     len_q, len_k = ((geometry.len_q, geometry.len_k) if by_length is None else
                     (torch.where(by_length, 0, geometry.len_q), torch.where(by_length, 0, geometry.len_k)))
     # The sequences dense by length are not pooled (their blocks average nothing: zeros).
-    pooled = (block_means(q, len_q, geometry.block_size), block_means(k, len_k, geometry.block_size))
+    pooled = (block_means(q, len_q, geometry.block_size, q_row_starts, geometry.padded_len_q),
+              block_means(k, len_k, geometry.block_size))
     probe_args = policy.probe_arguments(scale)
     counters = None if probe_args is None else probe_counters(geometry, *pooled, probe_args)
     decided = policy.sequence_decisions(geometry.len_k, counters)
     inputs = RaggedInputs(geometry, q, k, pooled, scale, config.force_sink_block,
-                          planned=None if decided is None else ~decided)
+                          planned=None if decided is None else ~decided, q_row_starts=q_row_starts)
     mask = member_mask(config.selector, inputs)
     full = mask.known_full_counts
     dense = None
@@ -124,13 +126,14 @@ def attend_padded(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
     """One launch of the backend ``config.backend`` resolves to over the padded batch, its rows
     written to the packed ``out (Tq, Hq, Dv)``; returns the packed LSE ``(Hq, Tq)``, or None.
 
-    A backend that declares ``ragged_rows`` computes only each sequence's own rows and writes them
-    packed itself; another computes the padded batch, whose rows are then copied to the packing."""
+    A backend that declares ``ragged_rows`` takes the packed queries ``q (Tq, Hq, D)``, computes
+    only each sequence's own rows and writes them packed itself; another takes them padded,
+    ``(N, Hq, rows, D)``, and its rows are then copied to the packing."""
     backend = capturable_backend(config, q, v, return_lse)
-    n, hq = q.shape[:2]
+    n, hq = mask.layout.batch, mask.layout.heads_q
     positions = query_positions[:, None, :].expand(n, hq, -1)
     nothing_moved = (Permutation.identity(n, k.shape[1], k.shape[2], k.device),
-                     Permutation.identity(n, hq, q.shape[2], q.device))
+                     Permutation.identity(n, hq, mask.layout.seq_len_q, q.device))
     plan = Plan(*nothing_moved, mask=mask, config=config, backend=backend.name)
     if backend.ragged_rows:
         result = backend.run(AttentionCall(q, k, v, plan, scale, return_lse, out=out, query_positions=positions,
@@ -153,13 +156,14 @@ def capturable_varlen_attention(
     ``max_q``/``max_k`` only; no tensor is read on the host, except by ``check_finite`` (a scan
     of the queries and of the keys and values of the sequences that have queries, as the eager
     call reads them; never inside a capture)."""
-    capturable_backend(config, q, v, return_lse)  # refused before anything is launched
-    geometry, q_pad, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
-                                              block_table, seqused_k)
+    # Refused before anything is launched; a backend that declares ragged_rows reads the packed queries.
+    packed_queries = capturable_backend(config, q, v, return_lse).ragged_rows
+    geometry, queries, k_pad, v_pad = pad_batch(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, config.block_size,
+                                                block_table, seqused_k, packed_queries=packed_queries)
     if check_finite:
         check_all_finite({"q": q, "k": k_pad[geometry.len_q > 0], "v": v_pad[geometry.len_q > 0]})
-    mask, _ = plan_ragged(config, geometry, q_pad, k_pad, scale)
-    lse = attend_padded(config, q_pad, k_pad, v_pad, mask, geometry.query_positions(), scale, out, cu_seq_q,
+    mask, _ = plan_ragged(config, geometry, queries, k_pad, scale, cu_seq_q if packed_queries else None)
+    lse = attend_padded(config, queries, k_pad, v_pad, mask, geometry.query_positions(), scale, out, cu_seq_q,
                         return_lse)
     return out, lse
 
@@ -167,10 +171,11 @@ def capturable_varlen_attention(
 def pad_batch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor | None,
     max_q: int, max_k: int, block_size: int, block_table: torch.Tensor | None = None,
-    seqused_k: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None, packed_queries: bool = False,
 ) -> tuple[RaggedGeometry, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The geometry and the padded ``(N, H, rows, D)`` q, k, v of a packed (or, with
-    ``block_table`` and ``seqused_k``, paged) batch, with the lengths read on the device."""
+    ``block_table`` and ``seqused_k``, paged) batch, with the lengths read on the device;
+    ``packed_queries``: ``q`` is returned as it is (packed), not padded."""
     len_q = (cu_seq_q[1:] - cu_seq_q[:-1]).long()
     if block_table is not None:
         assert seqused_k is not None
@@ -179,7 +184,7 @@ def pad_batch(
         assert cu_seq_k is not None
         len_k = (cu_seq_k[1:] - cu_seq_k[:-1]).long()
     geometry = ragged_geometry(len_q, len_k, max_q, max_k, block_size)
-    q_pad = pad_packed(q, cu_seq_q, geometry.padded_len_q)
+    q_pad = q if packed_queries else pad_packed(q, cu_seq_q, geometry.padded_len_q)
     if block_table is not None:
         k_pad, v_pad = (pad_paged(cache, block_table, len_k, geometry.padded_len_k) for cache in (k, v))
     else:
