@@ -86,14 +86,14 @@ def counts_for(n: int) -> tuple[int, int, int]:
 
 
 def path_of(q, k, v) -> str:
-    config = pbs.PBSConfig()
+    """What the defaults ran on these inputs, by the dense rule the returned plan names."""
     _, plan = pbs.attention(q, k, v, return_plan=True)
-    if plan is None:
-        if k.shape[2] < config.dense_fallback.min_seq_len:
-            return "dense (length)"
+    if plan.dense_rule == "length":
+        return "dense (length)"
+    if plan.dense_rule == "probe":
         # On Hopper the probe's dense path is the Gluon kernel, started before the probe is read.
         return "dense (probe, Gluon)" if not gated_dense_reasons(CallSpec.of(q, v.shape[-1], 128)) else "dense (probe, SDPA)"
-    if plan.fallback:
+    if plan.dense_rule == "planned_density":
         return "dense (density)"
     return f"sparse (density {plan.density:.3f})"
 
