@@ -75,11 +75,12 @@ class AttentionCall:
     """``(B, Hq, Nq)`` original position of every query slot, in place of the plan's: a padded
     batch's sequences each have their own causal offset (``capturable=True``)."""
     row_starts: torch.Tensor | None = None
-    """``(B + 1,)`` int32 cumulative query rows of a ragged batch padded into ``q`` (``cu_seq_q``),
-    for a backend that declares ``ragged_rows``: entry ``b`` has ``row_starts[b + 1] -
-    row_starts[b]`` real rows from row 0, only they are computed, ``out`` is the packed ``(Tq, Hq,
-    Dv)`` they are written to (row ``r`` of entry ``b`` at ``row_starts[b] + r``), and the LSE
-    returned is ``(Hq, Tq)``."""
+    """``(B + 1,)`` int32 cumulative query rows of a ragged batch (``cu_seq_q``), for a backend
+    that declares ``ragged_rows``: ``q`` is then the packed ``(Tq, Hq, D)`` queries, the padded
+    geometry (``B`` entries of ``Nq`` rows) is ``plan.mask.layout``'s, entry ``b`` has
+    ``row_starts[b + 1] - row_starts[b]`` real rows, only they are computed, ``out`` is the packed
+    ``(Tq, Hq, Dv)`` they are written to (row ``r`` of entry ``b`` at ``row_starts[b] + r``), and
+    the LSE returned is ``(Hq, Tq)``."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,9 @@ class AttentionBackend:
             CUDA graph (calls with ``CallSpec.capturable`` go to a backend that does).
         precisions: the `pbs.PBSConfig.precision` values ``run`` computes in (it reads
             ``call.plan.config.precision``); calls in another go to a backend that declares theirs.
-        ragged_rows: whether ``run`` takes `AttentionCall.row_starts`: a padded batch computed on
-            its real rows only and written packed (the capturable path then neither spends work on
-            the padding nor copies the rows back).
+        ragged_rows: whether ``run`` takes `AttentionCall.row_starts`: a ragged batch's packed
+            queries read in place, its real rows only computed and written packed (the capturable
+            path then neither pads the queries nor copies the rows back).
     """
 
     name: str

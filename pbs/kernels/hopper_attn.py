@@ -556,7 +556,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torc
                      ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the launch for a prepared call
     (`pbs.kernels.block_sparse_attn._Call`); also used to compile it without a GPU. ``row_starts``:
-    a ragged batch written packed (`hopper_block_sparse_attention`)."""
+    a ragged batch read and written packed (`hopper_block_sparse_attention`)."""
     tile_counter = torch.zeros(1, dtype=torch.int32, device=call.out.device)
     return _arguments(
         call.q, call.k, call.v, call.out, call.scale, call.causal, sm_count, stages,
@@ -704,10 +704,10 @@ def hopper_block_sparse_attention(
         if q.dim() != 3 or q.shape[1] != mask.layout.heads_q:
             raise ValueError(f"row_starts reads the packed queries: q must be (Tq, {mask.layout.heads_q}, D), got "
                              f"{tuple(q.shape)}")
-        if (out is None or out.dim() != 3 or out.shape[1:] != (hq, dv) or out.dtype != q.dtype
+        if (out is None or out.dim() != 3 or out.shape != (q.shape[0], hq, dv) or out.dtype != q.dtype
                 or out.device != q.device or out.stride(-1) != 1):
-            raise ValueError(f"row_starts writes the packed output: out must be a (Tq, {hq}, {dv}) {q.dtype} tensor "
-                             f"on {q.device} with unit stride along Dv, got "
+            raise ValueError(f"row_starts writes the packed output: out must be a ({q.shape[0]}, {hq}, {dv}) "
+                             f"{q.dtype} tensor on {q.device} with unit stride along Dv, got "
                              f"{None if out is None else (tuple(out.shape), out.dtype, out.device)}")
         entries = mask.layout.batch + 1
         if row_starts.dtype != torch.int32 or row_starts.shape != (entries,) or row_starts.device != q.device:
