@@ -4,16 +4,17 @@ A serving engine captures its forward once per bucket of maxima and replays it w
 Every launch here therefore has a shape fixed by ``(Tq, Tk, N, max_q, max_k)`` and the tensors'
 own shapes, and every decision that depends on the lengths is taken on the device:
 
-1. the sequences are written into token-major padded buffers, viewed as ``(N, H, max, D)``
-   (`pbs.backends.padding`: one Triton launch per tensor on CUDA);
+1. the sequences' keys and values are written into token-major padded buffers, viewed as
+   ``(N, H, max, D)`` (`pbs.backends.padding`: one Triton launch per tensor on CUDA), and the
+   queries too unless the backend declares ``ragged_rows`` (then every step reads them packed);
 2. each is planned as it is alone (the ``ragged`` planners, `pbs.backends.ragged_planners`), and
    `pbs.dense.DensePolicy.sequence_decisions` evaluates the dense rules per sequence on the
    device; a sequence that decides dense gets every allowed block (dense attention on the
    block-sparse kernel, as paged calls run it eagerly);
 3. one launch of a backend that declares ``capturable`` attends all sequences, each query reading
    its own causal offset from the query positions; a backend that also declares ``ragged_rows``
-   (the Gluon kernel) computes only each sequence's own rows and writes them packed, another's
-   rows are scattered back to the packing.
+   (the Gluon kernel) reads the packed queries, computes only each sequence's own rows and writes
+   them packed, another's rows are scattered back to the packing.
 
 What it costs against the eager path: K/V are copied into the padded buffers (the eager path reads
 them in place); the planners' grids are sized by the maxima, though rows past a sequence's queries,
