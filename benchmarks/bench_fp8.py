@@ -9,7 +9,9 @@ density one plan is made and run by:
 * ``fp8_qk`` / ``fp8`` (and with ``--precisions`` any quantized `PBSConfig.precision`, e.g.
   ``int8_qk``): the Triton kernel in that precision, timed as a user gets it (quantization
   included) and as attention alone on quantized inputs (``*_attention_ms``); the quantization pass
-  alone is ``*_quantize_ms``.
+  alone is ``*_quantize_ms``;
+* ``*_hopper_*``: the Gluon kernel in the e4m3 precisions it runs
+  (`pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`), timed the same two ways, on a Hopper GPU.
 
 Error (``--error-n``, default 4096): each path's output against fp32 attention over the same mask,
 beside cuDNN bf16 dense's error against fp32 dense; on Gaussian inputs and on the structured inputs
@@ -67,6 +69,8 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
         point["bf16_hopper_error"] = str(exc)[:200]
     best_bf16 = min(point["bf16_triton_ms"], point.get("bf16_hopper_ms", float("inf")))
     for precision in PRECISIONS:
+        if "bf16_hopper_ms" in point:
+            _time_hopper(point, precision, q, kp, vp, plan, kpos, blocks, best_bf16)
         point[f"{precision}_ms"] = time_ms(
             lambda p=precision: block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=p))
         call = prepare_call(q, kp, vp, plan.mask, None, kpos, None, True, None)
@@ -91,6 +95,27 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
                     f"{point[p + '_attention_tflops_blocks']:.0f} TF/s; quantize {point[p + '_quantize_ms']:.3f})"
                     for p in PRECISIONS), flush=True)
     return point
+
+
+def _time_hopper(point: dict, precision: str, q, kp, vp, plan, kpos, blocks: int, best_bf16: float) -> None:
+    """The Gluon kernel's times in ``precision`` (quantization included, and attention alone)."""
+    from pbs.kernels.hopper_attn import QUANTIZED_PRECISIONS, hopper_block_sparse_attention, launch_hopper
+
+    if precision not in QUANTIZED_PRECISIONS:
+        return
+    key = f"{precision}_hopper"
+    point[f"{key}_ms"] = time_ms(
+        lambda: hopper_block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=precision))
+    call = prepare_call(q, kp, vp, plan.mask, None, kpos, None, True, None)
+    quantize_call(call, precision)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    point[f"{key}_attention_ms"] = time_ms(lambda: launch_hopper(call, sms))
+    point[f"{key}_speedup_vs_best_bf16"] = best_bf16 / point[f"{key}_ms"]
+    point[f"{key}_tflops_blocks"] = block_tflops(blocks, point[f"{key}_ms"])
+    point[f"{key}_attention_tflops_blocks"] = block_tflops(blocks, point[f"{key}_attention_ms"])
+    print(f"    {precision} hopper {point[key + '_ms']:.3f} ms ({point[key + '_speedup_vs_best_bf16']:.2f}x best bf16, "
+          f"{point[key + '_tflops_blocks']:.0f} TF/s; attention {point[key + '_attention_ms']:.3f} ms, "
+          f"{point[key + '_attention_tflops_blocks']:.0f} TF/s)", flush=True)
 
 
 def error_points(n: int) -> list[dict]:
@@ -122,6 +147,9 @@ def error_points(n: int) -> list[dict]:
                      "bf16": errors(block_sparse_attention(q, kp, vp, plan.mask, None, kpos))}
             for precision in PRECISIONS:
                 point[precision] = errors(block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=precision))
+                hopper = _hopper_output(q, kp, vp, plan, kpos, precision)
+                if hopper is not None:
+                    point[f"{precision}_hopper"] = errors(hopper)
             if density == 1.0:
                 dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 point["cudnn_bf16_dense"] = errors(dense)
@@ -130,6 +158,18 @@ def error_points(n: int) -> list[dict]:
                 f"{key} {value['relative']:.4f} (max {value['max_abs']:.4f})"
                 for key, value in point.items() if isinstance(value, dict)), flush=True)
     return points
+
+
+def _hopper_output(q, kp, vp, plan, kpos, precision: str) -> torch.Tensor | None:
+    """The Gluon kernel's output in ``precision``, or None where it does not run (not Hopper, no
+    Gluon, a precision it does not compute)."""
+    try:
+        from pbs.kernels.hopper_attn import QUANTIZED_PRECISIONS, hopper_block_sparse_attention
+    except ImportError:
+        return None
+    if precision not in QUANTIZED_PRECISIONS or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    return hopper_block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=precision)
 
 
 def main() -> None:

@@ -176,11 +176,53 @@ def test_kernel_matches_its_twin(case, precision):
     torch.testing.assert_close(lse, twin_lse, atol=2e-3, rtol=1e-4)
 
 
-def test_backends_that_do_not_compute_fp8_name_the_field():
+# The Gluon kernel (Hopper) against the same twin: mask block 128, head dims 64 and 128.
+GLUON_CASES = {
+    "gqa_permuted": dict(seq_len=1000, head_dim=128, permuter="last_block", density=0.5),
+    "cached_prefix": dict(seq_len=1300, seq_len_q=600, head_dim=128, permuter="none", density=0.6),
+    "non_causal_d64": dict(seq_len=900, head_dim=64, permuter="none", causal=False, density=0.5),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernel runs on Hopper GPUs")
+@pytest.mark.parametrize("case, precision", [(case, p) for case in GLUON_CASES for p in ("fp8_qk", "fp8")])
+def test_gluon_kernel_matches_its_twin(case, precision):
+    from pbs.kernels.hopper_attn import hopper_block_sparse_attention
+
+    options = dict(GLUON_CASES[case])
+    seq_len, seq_len_q, head_dim = options.pop("seq_len"), options.pop("seq_len_q", None), options.pop("head_dim")
+    q, k, v = make_qkv(1, 8, 2, seq_len, head_dim, seq_len_q=seq_len_q, seed=3, device="cuda")
+    k = k + 2.0
+    plan = _plan(q, k, block=128, segment=256, **options)
+    qp, kp, vp = (x.to(torch.bfloat16) for x in _permuted(plan, q, k, v))
+    qpos, kpos = plan.query_positions(), plan.key_positions()
+    causal = plan.layout.causal
+    truth = block_sparse_attention_reference(*(x.float() for x in _permuted(plan, q, k, v)), plan.mask, qpos, kpos,
+                                             causal=causal)
+    twin, twin_lse = fp8.fp8_block_sparse_attention_reference(qp, kp, vp, plan.mask, qpos, kpos, causal=causal,
+                                                              return_lse=True, precision=precision)
+    lse = torch.full(qp.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
+    out = torch.full_like(qp, float("nan"))  # every element must be written
+    hopper_block_sparse_attention(
+        qp, kp, vp, plan.mask, query_positions=None if plan.query_permutation.is_identity else qpos,
+        key_positions=None if plan.key_permutation.is_identity else kpos, causal=causal, out=out, lse=lse,
+        precision=precision,
+    )
+    twin_error = _relative(twin, truth)
+    rounding = torch.finfo(torch.bfloat16).eps
+    assert _relative(out, twin) < (0.25 if precision == "fp8" else 0.02) * twin_error + rounding
+    assert _relative(out, truth) < 1.1 * twin_error
+    torch.testing.assert_close(lse, twin_lse, atol=2e-3, rtol=1e-4)
+
+
+def test_backends_that_do_not_compute_a_precision_name_the_field():
     q, k, v = make_qkv(1, 2, 1, 128, 32)
-    for backend in ("flex", "hopper"):
-        with pytest.raises(ValueError, match=r"config.precision='fp8'.*backends that do: triton, reference"):
-            pbs.attention(q, k, v, pbs.PBSConfig(precision="fp8", backend=backend))
+    with pytest.raises(ValueError, match=r"config.precision='fp8'.*backends that do: hopper, triton, reference"):
+        pbs.attention(q, k, v, pbs.PBSConfig(precision="fp8", backend="flex"))
+    with pytest.raises(ValueError, match=r"config.precision='int8_qk'.*backends that do: triton, reference"):
+        pbs.attention(q, k, v, pbs.PBSConfig(precision="int8_qk", backend="hopper"))
     with pytest.raises(ValueError, match="quantizes float16 or bfloat16 inputs"):
         pbs.attention(q, k, v, pbs.PBSConfig(precision="fp8", backend="triton"))
 
@@ -190,6 +232,9 @@ def test_paged_keys_are_refused_by_the_fp8_kernel():
 
     spec = CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, page_size=16, precision="fp8_qk")
     assert any("not a paged cache" in r for r in backend_reasons(get_backend("triton"), spec))
+    assert any("not a paged cache" in r for r in backend_reasons(get_backend("hopper"), spec))
+    capturable = CallSpec(torch.device("cpu"), torch.float16, 64, 64, 128, capturable=True, precision="fp8")
+    assert any("not built for the capturable path" in r for r in backend_reasons(get_backend("hopper"), capturable))
     assert not backend_reasons(get_backend("reference"), spec)
 
 

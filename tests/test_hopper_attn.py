@@ -22,12 +22,30 @@ from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _stand_in_quantized(call, precision: str) -> None:
+    """What `quantize_call` leaves in a call, in shapes and dtypes only (its Triton pass cannot
+    run here: the compile has no GPU and no interpreter)."""
+    from pbs.kernels.fp8_quant import byte_buffer
+
+    b, hq, nq, d = call.q.shape
+    hk, nk, dv = call.k.shape[1], call.k.shape[2], call.v.shape[-1]
+    blocks = call.mask.layout.block_size
+    call.q, call.k = byte_buffer((b, hq, nq, d), call.q.device), byte_buffer((b, hk, nk, d), call.q.device)
+    call.q_scales = torch.ones(b, hq, -(-nq // blocks))
+    call.k_scales = torch.ones(b, hk, -(-nk // blocks))
+    if call.lse is not None:
+        call.lse_shift = torch.zeros(b, hq, nq)
+    if precision == "fp8":
+        call.v, call.v_scales, call.pv_fp8 = byte_buffer((b, hk, dv, nk), call.q.device), torch.ones(b, hk, dv), True
+
+
 def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False, lse: bool = False,
-                   ragged: bool = False) -> dict:
+                   ragged: bool = False, precision: str = "native") -> dict:
     """Compiles the kernel for sm_90 (run by compile_in_subprocess): resources and SASS markers.
     ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches; ``lse``: the
     variant that also writes the log-sum-exp; ``ragged``: a ragged batch written packed
-    (``row_starts``), as the capturable path launches it."""
+    (``row_starts``), as the capturable path launches it; ``precision``: ``"fp8_qk"`` or
+    ``"fp8"``, the e4m3 variants."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
@@ -44,6 +62,8 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
         call = prepare_call(q, k, v, plan.mask, plan.query_positions(), plan.key_positions(), None, causal, None)
         if lse:
             call.lse = torch.empty(q.shape[:3], dtype=torch.float32)
+        if precision != "native":
+            _stand_in_quantized(call, precision)
         row_starts = torch.tensor([0, 1000], dtype=torch.int32) if ragged else None
         grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132, stages=stages, row_starts=row_starts)
     with sm90_driver():
@@ -51,30 +71,36 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     cubin = compiled.asm["cubin"]
     scratch = scratch_dir()
     code = sass(cubin, scratch)
-    markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
-               "SYNCS.ARRIVE", "SYNCS.PHASECHK")
+    markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3",
+               "WARPGROUP.DEPBAR.LE gsb0, 0x1", "SYNCS.ARRIVE", "SYNCS.PHASECHK")
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers}}
 
 
 @pytest.mark.parametrize(
-    "head_dim, causal, stages, dense, lse, ragged",
-    [(128, True, 2, False, False, False), (128, True, 3, False, False, False), (64, False, 2, False, False, False),
-     (128, True, 3, True, False, False), (128, True, 3, False, True, False), (128, True, 3, False, True, True)],
-    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-ragged"],
+    "head_dim, causal, stages, dense, lse, ragged, precision",
+    [(128, True, 2, False, False, False, "native"), (128, True, 3, False, False, False, "native"),
+     (64, False, 2, False, False, False, "native"), (128, True, 3, True, False, False, "native"),
+     (128, True, 3, False, True, False, "native"), (128, True, 3, False, True, True, "native"),
+     (128, True, 3, False, True, False, "fp8")],
+    ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-ragged",
+         "d128-lse-fp8"],
 )
-def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, ragged):
+def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, ragged, precision):
     report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
-                                   stages=stages, dense=dense, lse=lse, ragged=ragged)
+                                   stages=stages, dense=dense, lse=lse, ragged=ragged, precision=precision)
     usage, markers = report["usage"], report["markers"]
     assert usage["LOCAL"] == 0, f"register spills: {usage}"
     assert usage["REG"] <= 168, usage  # 12 warps x 32 x 168 registers fit an SM
     assert report["shared"] <= 232448, "more shared memory than an H100/H200 SM has"
     # Registers move from the producer warp to the consumer warpgroups (setmaxnreg) ...
     assert markers["SETMAXREG.DEALLOC"] and markers["SETMAXREG.TRY_ALLOC"]
-    # ... the consumers use Hopper's asynchronous warpgroup MMA, with S = QK^T of one block
-    # retired while P V of the previous one may still run (wait with one group outstanding) ...
-    assert markers["HGMMA.64x128x16.F32.BF16"] and markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    # ... the consumers use Hopper's asynchronous warpgroup MMA (bf16, or e4m3 for both products
+    # under fp8), with S = QK^T of one block retired while P V of the previous one may still run
+    # (wait with one group outstanding) ...
+    assert markers["HGMMA.64x128x16.F32.BF16"] == (precision == "native")
+    assert markers["QGMMA.64x128x32.F32.E4M3.E4M3"] == (precision == "fp8")
+    assert markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     # ... and the partitions hand buffers over through mbarriers.
     assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
 

@@ -11,8 +11,9 @@
   chosen by ``auto``), a second, independent implementation to compare against.
 
 ``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
-``triton`` and ``reference`` also compute in FP8 (``PBSConfig.precision``: the kernel quantizes
-first, `pbs.kernels.fp8_quant`; the reference fake-quantizes, `pbs.reference.fp8`).
+``triton`` and ``reference`` also compute in FP8 and INT8 (``PBSConfig.precision``: the kernel
+quantizes first, `pbs.kernels.fp8_quant`; the reference fake-quantizes, `pbs.reference.fp8`), and
+``hopper`` in the e4m3 precisions ``fp8_qk`` and ``fp8`` after the same quantization pass.
 ``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`), and so
 does ``hopper`` when the page size is 16 or more; ``reference`` takes them too, gathering
 the pages into contiguous tensors first (the oracle); ``flex`` gives a reason against paged calls. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
@@ -90,8 +91,8 @@ def _run_hopper(call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch
     rows = call.q.shape[:3] if call.row_starts is None else (call.q.shape[1], call.out.shape[0])
     lse = torch.empty(rows, dtype=torch.float32, device=call.q.device) if call.return_lse else None
     out = hopper_block_sparse_attention(call.q, *_kv_arguments(call), call.plan.mask, lse=lse, out=call.out,
-                                        row_starts=call.row_starts, **_kernel_arguments(call),
-                                        **_paged_arguments(call))
+                                        row_starts=call.row_starts, precision=call.plan.config.precision,
+                                        **_kernel_arguments(call), **_paged_arguments(call))
     return (out, lse) if lse is not None else out
 
 
@@ -102,6 +103,8 @@ def _run_flex(call: AttentionCall) -> torch.Tensor:
 
 
 _ALL_PRECISIONS = tuple(PRECISION_FORMATS)  # every pbs.PBSConfig.precision
+# The Gluon kernel's: native, and e4m3 Q and K (pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS).
+_NATIVE_AND_E4M3 = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format in (None, "e4m3"))
 
 
 def _no_reasons(spec: CallSpec) -> list[str]:
@@ -109,7 +112,8 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 
 
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
-                                  returns_lse=True, capturable=True, ragged_rows=True))
+                                  returns_lse=True, capturable=True, ragged_rows=True,
+                                  precisions=_NATIVE_AND_E4M3))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
                                   plans_with="triton", returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("reference", _no_reasons, _run_reference, reference_auto_reasons, auto_priority=100,

@@ -93,7 +93,8 @@ def _triton_kernel_reasons(spec: CallSpec, interpret: bool) -> tuple[str, ...]:
 
 
 def _fp8_reasons(spec: CallSpec) -> list[str]:
-    """Why the Triton kernel cannot run ``spec.precision`` (none for ``"native"``)."""
+    """Why a quantizing kernel (Triton's, or the Gluon kernel's e4m3 variants) cannot run
+    ``spec.precision`` (none for ``"native"``)."""
     if spec.precision == "native":
         return []
     reasons = []
@@ -164,6 +165,8 @@ def _gluon_kernel_reasons(spec: CallSpec) -> tuple[str, ...]:
         reasons.append(f"page_size {spec.page_size} of the paged cache is neither a multiple of {kernel.BLOCK_SIZE} "
                        f"nor a power of two from {kernel.MIN_PAGE_SIZE} to {kernel.BLOCK_SIZE // 2} (the Gluon kernel "
                        "loads a key block from one page or from whole pages; the triton backend reads any page size)")
+    if spec.precision in kernel.QUANTIZED_PRECISIONS:
+        reasons += _fp8_reasons(spec)
     return tuple(reasons)
 
 

@@ -47,6 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pbs.kernels._common import FAR_FUTURE, LOG2_E, sm_count, tma_descriptor
 from pbs.layout import cdiv
+from pbs.types import PRECISION_FORMATS
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
@@ -56,6 +57,8 @@ if _tma_load is None or "functions_and_args" not in inspect.signature(gl.warp_sp
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+# The `pbs.PBSConfig.precision` values with e4m3 Q and K (int8 scores run on the Triton kernel only).
+QUANTIZED_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "e4m3")
 COMPUTE_CAPABILITY_MAJOR = 9
 HALF_ROWS = 64  # query rows per consumer warpgroup
 MIN_PAGE_SIZE = 16  # the smallest page a TMA copy moves into its rows of a key block (8 swizzled rows x 2)
@@ -225,7 +228,8 @@ def _ragged_rank(draw, b, first, ptrs, dims):
 
 @gluon.jit
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
-              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr):
+              GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr,
+              PV_FP8: gl.constexpr):
     q_desc, k_desc, v_desc, v_last_desc = descs
     table_ptr = ptrs[9]
     seq_len_k = dims[3]
@@ -287,7 +291,10 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
                 _tma_load(k_desc, [kv_b, i_hk, kv_row, 0], k_ready.index(slot), k_smem.index(slot))
                 mbarrier.wait(v_empty.index(slot), phase ^ 1)
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                if PAGE_SIZE == 0:
+                if PV_FP8:
+                    # e4m3 values stored (B, Hk, Dv, N): the block's keys are columns.
+                    _tma_load(v_desc, [kv_b, i_hk, 0, kv_row], v_ready.index(slot), v_smem.index(slot))
+                elif PAGE_SIZE == 0:
                     _tma_load(v_desc, [kv_b, i_hk, kv_row, 0], v_ready.index(slot), v_smem.index(slot))
                 elif start_n + BLOCK > seq_len_k:
                     # The last page's rows past the sequence hold stale values, which a zero weight
@@ -330,21 +337,25 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr,
-              RAGGED: gl.constexpr):
+              RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr):
     q_desc, k_desc, v_desc, _ = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
     qpos_ptr, kpos_ptr, o_ptr = ptrs[2], ptrs[3], ptrs[4]
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
      stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
-     stride_lb, stride_lh) = strides
+     stride_lb, stride_lh, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh) = strides
     seq_len_q, seq_len_k, num_tiles, query_offset, qk_scale = dims[2], dims[3], dims[5], dims[6], dims[7]
     NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
-    dtype: gl.constexpr = q_desc.dtype
+    out_dtype: gl.constexpr = o_ptr.dtype.element_ty
+    p_dtype: gl.constexpr = v_desc.dtype  # the weights' dtype on the tensor cores: V's
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # A wgmma step reduces 32 bytes of each row: 16 half-precision values, 32 e4m3 ones.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK, 32 if QK_FP8 else 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32 if PV_FP8 else 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if PV_FP8 else 2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -368,6 +379,14 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 p_qpos = qpos_ptr + i_b.to(gl.int64) * stride_qpb + i_hq.to(gl.int64) * stride_qph + o_m * stride_qpn
                 q_pos = gl.load(p_qpos, mask=o_m < seq_len_q, other=0).to(gl.int32)
         p_kpos = kpos_ptr + i_b.to(gl.int64) * stride_kpb + i_hk.to(gl.int64) * stride_kph
+        # Quantized Q and K: every score of a step is scaled by the tile's query-block scale and
+        # the key block's scale, folded into the exponent's factor (`_step_scale`).
+        tile_scale = qk_scale
+        p_kscale = ptrs[12]
+        if QK_FP8:
+            tile_scale = qk_scale * gl.load(ptrs[11] + i_b.to(gl.int64) * stride_qsb + i_hq.to(gl.int64) * stride_qsh
+                                            + i_t)
+            p_kscale = ptrs[12] + i_b.to(gl.int64) * stride_ksb + i_hk.to(gl.int64) * stride_ksh
 
         # A finite start for the running max keeps rows that see no key free of inf - inf.
         m_i = gl.full([HALF], -1.0e30, gl.float32, s_rows)
@@ -382,13 +401,14 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             mbarrier.wait(k_ready.index(slot), phase)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
+            step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, DENSE, QK_FP8)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
             if n_unmasked == 0:
                 s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
-            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-            p = gl.convert_layout(p_f32.to(dtype), p_layout)
+            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale)
+            p = _weights(p_f32, p_layout, p_dtype, PV_FP8)
             prev_slot = slot
             prev_phase = phase
             kv_i += 1
@@ -399,25 +419,26 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-                acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
+                acc = warpgroup_mma(p, _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc, is_async=True)
+                step_scale = _step_scale(tile_scale, p_kscale, p_list, it, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
                 s = warpgroup_mma_wait(1, deps=[s])
                 mbarrier.arrive(k_empty.index(slot))
                 if it >= n_unmasked:
                     s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
-                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale)
+                acc = _wait_pv(acc, p, PV_FP8)
                 mbarrier.arrive(v_empty.index(prev_slot))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                p = gl.convert_layout(p_f32.to(dtype), p_layout)
+                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)
                 prev_slot = slot
                 prev_phase = phase
                 kv_i += 1
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-            acc = warpgroup_mma(p, v_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]), acc, is_async=True)
-            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            acc = warpgroup_mma(p, _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc, is_async=True)
+            acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:
             mbarrier.arrive(q_empty)
@@ -427,9 +448,14 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         # output and the LSE (as in the Triton kernel).
         l_nonzero = gl.where(l_i == 0.0, 1.0, l_i)
         l_safe = gl.convert_layout(l_nonzero, o_rows)
-        out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
-        o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
         o_d = gl.arange(0, HEAD_DIM, layout=o_cols)
+        out = acc / gl.expand_dims(l_safe, 1)
+        if PV_FP8:
+            # The weights went in times 448 and V divided by its channel scales: both come out here.
+            v_scale = gl.load(ptrs[13] + i_b.to(gl.int64) * stride_vsb + i_hk.to(gl.int64) * stride_vsh + o_d)
+            out = out * gl.expand_dims(v_scale * (1.0 / 448.0), 0)
+        out = out.to(out_dtype)
+        o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
         if RAGGED:
             # Entry i_b's rows go to the packed output from its first row on (stride_ob unused).
             first_row = gl.load(ptrs[10] + i_b)
@@ -445,9 +471,59 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
             lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero)) * 0.6931471805599453)
+            if QK_FP8:
+                # K was smoothed: each score is short by scale * q . mean(K), which the quantization
+                # pass wrote per query from the unquantized q ((B, Hq, Nq), contiguous).
+                shift = gl.load(ptrs[14] + (i_b * (dims[0] * dims[1]) + i_hq).to(gl.int64) * seq_len_q + o_m,
+                                mask=o_m < seq_len_q, other=0.0)
+                lse = lse + shift * (qk_scale * 0.6931471805599453)
             gl.store(lse_base + o_m, lse, mask=o_m < rows)
         t += 1
         rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
+
+
+@gluon.jit
+def _step_scale(tile_scale, p_kscale, p_list, it, DENSE: gl.constexpr, QK_FP8: gl.constexpr):
+    """The exponent's factor of entry ``it``'s scores: softmax scale * log2(e), times the tile's
+    query-block scale and the key block's scale when Q and K are quantized."""
+    scale = tile_scale
+    if QK_FP8:
+        scale = tile_scale * gl.load(p_kscale + _block_start(p_list, it, DENSE) // BLOCK)
+    return scale
+
+
+@gluon.jit
+def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.constexpr):
+    """The softmax weights as the left operand of P V: in V's dtype, or e4m3 times 448 (they are
+    in [0, 1]; the row sums stay fp32 and the 448 is divided out at the end)."""
+    w = p_f32
+    if PV_FP8:
+        w = w * 448.0
+    return gl.convert_layout(w.to(p_dtype), p_layout)
+
+
+@gluon.jit
+def _wait_pv(acc, p, PV_FP8: gl.constexpr):
+    """Waits for every wgmma in flight; returns P V's accumulator. The wait names the weights as
+    a dependency (their registers are read until the product retires), except e4m3 ones, which the
+    wait cannot take (8-bit registers): ptxas then keeps their registers itself."""
+    if PV_FP8:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    return acc
+
+
+@gluon.jit
+def _values(v_smem, slot, HEAD_DIM: gl.constexpr, PV_FP8: gl.constexpr):
+    """The ``(BLOCK, HEAD_DIM)`` right operand of P V in ring slot ``slot``: e4m3 values are
+    stored transposed (the tensor cores take an 8-bit right operand with its reduction axis, the
+    keys, contiguous) and read through a permuted view."""
+    if PV_FP8:
+        values = v_smem.index(slot).reshape([HEAD_DIM, BLOCK]).permute((1, 0))
+    else:
+        values = v_smem.index(slot).reshape([BLOCK, HEAD_DIM])
+    return values
 
 
 @gluon.jit
@@ -472,32 +548,36 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
-               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr):
+               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr, QK_FP8: gl.constexpr,
+               PV_FP8: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
-        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, RAGGED)
+        _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, RAGGED, PV_FP8)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED)
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED, QK_FP8, PV_FP8)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
     q_desc, k_desc, v_desc, v_last_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
-    tile_counter_ptr, gate_ptr, lse_ptr, table_ptr, row_starts_ptr,
+    tile_counter_ptr, gate_ptr, lse_ptr, table_ptr, row_starts_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, shift_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit, batch,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    RAGGED: gl.constexpr,
+    RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, 1, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout)
+    if PV_FP8:  # e4m3 values stored transposed: a block's keys are the columns
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -523,33 +603,38 @@ def _hopper_block_sparse_attn_fwd(
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
     ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr,
-            table_ptr, row_starts_ptr)
+            table_ptr, row_starts_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, shift_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
                stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
-               stride_lb, stride_lh)
+               stride_lb, stride_lh, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh)
     dims = (heads_k, group, seq_len_q, seq_len_k, tiles_per_head, num_tiles, query_offset, qk_scale, gate_limit,
             batch)
     gl.warp_specialize(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
     )
 
 
-def _nvmma_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    block = [1, 1, rows, x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if x.dtype == torch.float16 else gl.bfloat16)
-    return tma_descriptor(TensorDescriptor, x, rows, x.shape[-1], layout=layout)
+_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _nvmma_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A TMA descriptor of ``x`` ``(B, H, N, D)`` moving ``[1, 1, rows, cols]`` tiles (``cols``:
+    all of ``D``) into the tensor cores' swizzled shared-memory layout."""
+    cols = x.shape[-1] if cols is None else cols
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], _GLUON_DTYPES[x.dtype])
+    return tma_descriptor(TensorDescriptor, x, rows, cols, layout=layout)
 
 
 def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torch.Tensor | None = None
@@ -567,7 +652,7 @@ def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torc
         tile_counter=tile_counter, gate=tile_counter, gate_limit=0,
         keys_permuted=call.keys_permuted, queries_permuted=call.queries_permuted, dense=False, gated=False,
         lse=call.lse, block_table=call.block_table, seq_len_k=call.seq_len_k, row_starts=row_starts,
-        padded_rows=call.mask.layout.seq_len_q,
+        padded_rows=call.mask.layout.seq_len_q, quantized=call if call.q_scales is not None else None,
     )
 
 
@@ -609,10 +694,15 @@ def gluon_page_size_ok(page_size: int) -> bool:
 
 def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_strides, tile_counter, gate, gate_limit,
                keys_permuted, queries_permuted, dense, gated, lse=None, block_table=None,
-               seq_len_k=None, row_starts=None, padded_rows=None) -> tuple[tuple, tuple, dict]:
+               seq_len_k=None, row_starts=None, padded_rows=None, quantized=None) -> tuple[tuple, tuple, dict]:
     """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
     ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
-    ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block."""
+    ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block. ``quantized``: the
+    prepared call after `pbs.kernels.block_sparse_attn.quantize_call`, whose e4m3 ``q``, ``k``
+    (and with ``pv_fp8`` the transposed ``v``) these are, with its scales."""
+    if quantized is not None and (block_table is not None or row_starts is not None or dense):
+        raise ValueError("the Gluon kernel computes in e4m3 only on contiguous, unpadded batches (no block_table, "
+                         "row_starts or dense mode)")
     b, hq, nq, d = q.shape
     if row_starts is not None:  # q is the packed (1, Hq, Tq, D) view: the tiles are the padded batch's
         b, nq = row_starts.shape[0] - 1, padded_rows
@@ -632,7 +722,9 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     tiles_per_head = cdiv(nq, BLOCK_SIZE)
     num_tiles = b * hq * tiles_per_head
     counts, full_counts, indices, qpos, kpos = lists
-    v_desc = _nvmma_descriptor(v, copy_rows)
+    pv_fp8 = quantized is not None and quantized.pv_fp8
+    # e4m3 values are (B, Hk, Dv, N): a block's copy is all Dv rows and BLOCK columns.
+    v_desc = _nvmma_descriptor(v, v.shape[2], BLOCK_SIZE) if pv_fp8 else _nvmma_descriptor(v, copy_rows)
     args = (
         _nvmma_descriptor(q, HALF_ROWS),
         _nvmma_descriptor(k, copy_rows),
@@ -642,9 +734,11 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         tile_counter if lse is None else lse,  # any pointer will do when unused
         tile_counter if block_table is None else block_table,
         tile_counter if row_starts is None else row_starts,
+        *_scale_arguments(quantized, tile_counter),
         *list_strides,
         out.stride(0), out.stride(1), out.stride(2),
         *((0, 0) if lse is None else lse.stride()[:2]),
+        *_scale_strides(quantized),
         hk, hq // hk, nq, nk, tiles_per_head, num_tiles, nk - nq,
         scale * LOG2_E, gate_limit, b,
     )
@@ -660,12 +754,30 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         WRITE_LSE=lse is not None,
         PAGE_SIZE=page_size,
         RAGGED=row_starts is not None,
+        QK_FP8=quantized is not None,
+        PV_FP8=pv_fp8,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
         maxnreg=168,
     )
     return (min(num_tiles, sm_count),), args, kwargs
+
+
+def _scale_arguments(quantized, unused: torch.Tensor) -> tuple:
+    """The pointers to the query-block, key-block and value-channel scales and to the LSE's
+    smoothing shift (``unused`` where there are none)."""
+    if quantized is None:
+        return (unused,) * 4
+    return (quantized.q_scales, quantized.k_scales, unused if quantized.v_scales is None else quantized.v_scales,
+            unused if quantized.lse_shift is None else quantized.lse_shift)
+
+
+def _scale_strides(quantized) -> tuple:
+    if quantized is None:
+        return (0,) * 6
+    v_strides = (0, 0) if quantized.v_scales is None else quantized.v_scales.stride()[:2]
+    return (*quantized.q_scales.stride()[:2], *quantized.k_scales.stride()[:2], *v_strides)
 
 
 def launch_hopper(call, sm_count: int, stages: int = STAGES, row_starts: torch.Tensor | None = None) -> None:
@@ -678,12 +790,17 @@ def hopper_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None, scale: float | None = None, causal: bool = True,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    row_starts: torch.Tensor | None = None,
+    row_starts: torch.Tensor | None = None, precision: str = "native",
 ) -> torch.Tensor:
     """`pbs.kernels.block_sparse_attn.block_sparse_attention` with this kernel: same arguments
     (no tile ``config``; ``lse`` the same optional float32 buffer; ``block_table`` the same paged
     cache, of a ``page_size`` that `gluon_page_size_ok` accepts), same result, on inputs the kernel
     supports (the caller checks).
+
+    ``precision``: ``"native"``, or one of `QUANTIZED_PRECISIONS` (`pbs.PBSConfig.precision`): Q
+    and smoothed K (``"fp8_qk"``), and P and V too (``"fp8"``), in e4m3 with the scales of
+    `pbs.reference.fp8`, quantized first by `pbs.kernels.fp8_quant` as for the Triton kernel;
+    contiguous keys and values, no ``row_starts``.
 
     ``row_starts``: ``(B + 1,)`` int32 on ``q``'s device, the cumulative query rows of a ragged
     batch (``cu_seq_q``) whose padded geometry is ``mask.layout``'s (``B`` entries of ``Nq`` rows):
@@ -696,7 +813,13 @@ def hopper_block_sparse_attention(
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order; with ``row_starts``, ``out``.
     """
-    from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
+    from pbs.kernels.block_sparse_attn import attach_lse, prepare_call, quantize_call
+
+    if precision != "native" and precision not in QUANTIZED_PRECISIONS:
+        raise ValueError(f"the Gluon kernel computes in precision 'native' or {' or '.join(map(repr, QUANTIZED_PRECISIONS))}, "
+                         f"got {precision!r}")
+    if precision != "native" and (row_starts is not None or block_table is not None):
+        raise ValueError(f"precision={precision!r} needs one contiguous, unpadded batch: no row_starts or block_table")
 
     packed_out = None
     if row_starts is not None:
@@ -719,6 +842,7 @@ def hopper_block_sparse_attention(
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table,
                         packed_out=packed_out is not None)
     attach_lse(call, lse)
+    quantize_call(call, precision)
     launch_hopper(call, sm_count(q.device), row_starts=row_starts)
     return call.out if packed_out is None else packed_out
 
