@@ -81,6 +81,22 @@ def test_values_quantized_transposed_equal_the_twin(dtype):
     assert torch.equal(vt.transpose(-1, -2).float(), expected.float())
 
 
+def test_values_in_wgmma_key_order_are_each_16_keys_reordered_with_zeros_past_the_end():
+    v = _inputs(torch.float16, n=150, d=64)
+    scales = twin.channel_scales(v)
+    natural = kernel.quantize_values_transposed(v, scales)
+    reordered = kernel.quantize_values_transposed(v, scales, wgmma_key_order=True)
+    assert reordered.shape == (2, 3, 64, 160) and reordered.stride(-2) % 16 == 0
+    # Key 16 g + c at column 16 g + (c0, c3, c1, c2) in c's bits: the thread that holds score
+    # columns {2t, 2t+1, 2t+8, 2t+9} holds operand positions {4t, ..., 4t+3}.
+    column_of_key = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    keys = torch.arange(160)
+    columns = keys - keys % 16 + torch.tensor(column_of_key)[keys % 16]
+    assert sorted(columns.tolist()) == list(range(160))
+    assert torch.equal(reordered[..., columns[:150]].float(), natural.float())
+    assert torch.equal(reordered[..., columns[150:]].float(), torch.zeros(2, 3, 64, 10, device=DEVICE))
+
+
 def test_empty_inputs_give_empty_values_and_unit_scales():
     x = torch.zeros(1, 2, 0, 64, dtype=torch.float16, device=DEVICE)
     x8, scales = kernel.quantize_blocks(x, 64)

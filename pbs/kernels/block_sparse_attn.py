@@ -553,9 +553,10 @@ PRECISIONS = tuple(PRECISION_FORMATS)
 """The `pbs.PBSConfig.precision` values this kernel runs."""
 
 
-def quantize_call(call: _Call, precision: str) -> None:
+def quantize_call(call: _Call, precision: str, wgmma_key_order: bool = False) -> None:
     """Replaces the prepared call's Q and K (and where P.V runs in e4m3, V) with their quantized
-    values and scales (`pbs.reference.fp8` defines them); ``"native"`` leaves it as it is."""
+    values and scales (`pbs.reference.fp8` defines them); ``"native"`` leaves it as it is.
+    ``wgmma_key_order``: V's keys in the Gluon kernel's order (`quantize_values_transposed`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     qk_format, pv_fp8 = PRECISION_FORMATS[precision]
@@ -575,7 +576,7 @@ def quantize_call(call: _Call, precision: str) -> None:
     call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean, fmt=qk_format)
     if pv_fp8:
         call.v_scales = _channel_scales(call.v)
-        call.v = quantize_values_transposed(call.v, call.v_scales)
+        call.v = quantize_values_transposed(call.v, call.v_scales, wgmma_key_order)
         call.pv_fp8 = True
 
 

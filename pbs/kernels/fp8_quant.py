@@ -127,21 +127,29 @@ def _quantize_values_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_od,
     stride_sb, stride_sh,
-    heads, seq_len, dim, num_blocks,
-    ROWS: tl.constexpr, COLS: tl.constexpr,
+    heads, seq_len, stored_len, dim, num_blocks,
+    ROWS: tl.constexpr, COLS: tl.constexpr, WGMMA_ORDER: tl.constexpr,
 ):
     i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
     m_d = o_d < dim
     o_n = i_blk * ROWS + tl.arange(0, ROWS)
     m = (o_n < seq_len)[:, None] & m_d[None, :]
+    o_col = o_n
+    if WGMMA_ORDER:
+        # Key c of each 16 at column (c0, c3, c1, c2) in bits; keys past the end are zeros.
+        c = o_n % 16
+        o_col = o_n - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
+        m_store = (o_n < stored_len)[:, None] & m_d[None, :]
+    else:
+        m_store = m
     b_scale = tl.load(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_d, mask=m_d,
                       other=1.0)
     p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
     b_v = tl.load(p_v + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_y = round_to_e4m3(_saturate(tl.math.div_rn(b_v, b_scale[None, :])))
     p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-    tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_n[:, None], b_y.to(tl.float8e4nv), mask=m)
+    tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_col[:, None], b_y.to(tl.float8e4nv), mask=m_store)
 
 
 def byte_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -191,19 +199,25 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
     return out, scales
 
 
-def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor, wgmma_key_order: bool = False) -> torch.Tensor:
     """``(B, Hk, N, Dv)`` and its ``(B, Hk, Dv)`` `pbs.reference.fp8.channel_scales` -> the e4m3
-    values ``v / scale`` laid out ``(B, Hk, Dv, N)`` (rows 16-byte aligned)."""
+    values ``v / scale`` laid out ``(B, Hk, Dv, N)`` (rows 16-byte aligned).
+
+    ``wgmma_key_order``: for the Gluon kernel, whose e4m3 weights reach the tensor cores with
+    each 16 keys reordered (`pbs.kernels.hopper_attn._weights`): key ``16 g + c`` is stored at
+    column ``16 g + (c0 + 2 c3 + 4 c1 + 8 c2)`` (``c``'s bits), and the result is
+    ``(B, Hk, Dv, ceil(N / 16) * 16)``, the keys past ``N`` zeros."""
     b, h, n, d = v.shape
     if v.stride(-1) != 1:
         v = v.contiguous()
-    out = byte_buffer((b, h, d, n), v.device)
+    stored_len = -(-n // 16) * 16 if wgmma_key_order else n
+    out = byte_buffer((b, h, d, stored_len), v.device)
     if v.numel() == 0:
         return out
     rows = 64
     num_blocks = -(-n // rows)
     _quantize_values_kernel[(b * h * num_blocks,)](
-        v, scales, out, *v.stride()[:3], *out.stride()[:3], *scales.stride()[:2], h, n, d, num_blocks,
-        ROWS=rows, COLS=pow2_at_least(d),
+        v, scales, out, *v.stride()[:3], *out.stride()[:3], *scales.stride()[:2], h, n, stored_len, d, num_blocks,
+        ROWS=rows, COLS=pow2_at_least(d), WGMMA_ORDER=wgmma_key_order,
     )
     return out

@@ -401,7 +401,9 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             mbarrier.wait(k_ready.index(slot), phase)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
-            step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, DENSE, QK_FP8)
+            step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_FP8)
+            # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
+            next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_FP8)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
             if n_unmasked == 0:
@@ -419,8 +421,10 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-                acc = warpgroup_mma(p, _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc, is_async=True)
-                step_scale = _step_scale(tile_scale, p_kscale, p_list, it, DENSE, QK_FP8)
+                acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
+                                   is_async=True)
+                step_scale = next_scale
+                next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
                 s = warpgroup_mma_wait(1, deps=[s])
                 mbarrier.arrive(k_empty.index(slot))
@@ -437,7 +441,8 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 kv_i += 1
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-            acc = warpgroup_mma(p, _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc, is_async=True)
+            acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
+                                   is_async=True)
             acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:
@@ -483,23 +488,51 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
 
 
 @gluon.jit
-def _step_scale(tile_scale, p_kscale, p_list, it, DENSE: gl.constexpr, QK_FP8: gl.constexpr):
+def _step_scale(tile_scale, p_kscale, p_list, it, count, DENSE: gl.constexpr, QK_FP8: gl.constexpr):
     """The exponent's factor of entry ``it``'s scores: softmax scale * log2(e), times the tile's
-    query-block scale and the key block's scale when Q and K are quantized."""
+    query-block scale and the key block's scale when Q and K are quantized (entries past
+    ``count`` read nothing)."""
     scale = tile_scale
     if QK_FP8:
-        scale = tile_scale * gl.load(p_kscale + _block_start(p_list, it, DENSE) // BLOCK)
+        in_list = it < count
+        if DENSE:
+            block = it
+        else:
+            block = gl.load(p_list + it, mask=in_list, other=0)
+        scale = tile_scale * gl.load(p_kscale + block, mask=in_list, other=1.0)
     return scale
 
 
 @gluon.jit
 def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.constexpr):
-    """The softmax weights as the left operand of P V: in V's dtype, or e4m3 times 448 (they are
-    in [0, 1]; the row sums stay fp32 and the 448 is divided out at the end)."""
-    w = p_f32
+    """The softmax weights for the next P V, in ``p_layout``: in V's dtype, or for e4m3 values
+    times 448 (they are in [0, 1]; the row sums stay fp32 and the 448 is divided out at the end)
+    in float16, which `_operand` rounds to e4m3 just before the product.
+
+    e4m3 weights are also reordered within each 16 keys, so that every thread already holds the
+    operand's values (no shuffles): the score accumulator gives a thread keys {2t, 2t+1, 2t+8,
+    2t+9} of 16, the 8-bit operand wants {4t, ..., 4t+3}. Operand position p = (c0, c3, c1, c2)
+    in bits of key c; the quantization pass stores V's keys in that order (`quantize_values_transposed`)."""
     if PV_FP8:
-        w = w * 448.0
-    return gl.convert_layout(w.to(p_dtype), p_layout)
+        w = (p_f32 * 448.0).reshape([HALF, BLOCK // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([HALF, BLOCK])
+        w = gl.convert_layout(w.to(gl.float16), p_layout)
+    else:
+        w = gl.convert_layout(p_f32.to(p_dtype), p_layout)
+    return w
+
+
+@gluon.jit
+def _operand(p, PV_FP8: gl.constexpr):
+    """The weights as P V's left operand: e4m3 from `_weights`' float16 (round to nearest even,
+    saturating), four to a register; others as they are. Converted here, next to the product,
+    rather than carried across the loop as 8-bit values (which the compiler re-packs byte by
+    byte)."""
+    if PV_FP8:
+        p = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f16x2 lo, $1; cvt.rn.satfinite.e4m3x2.f16x2 hi, $2; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return p
 
 
 @gluon.jit
@@ -842,7 +875,7 @@ def hopper_block_sparse_attention(
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table,
                         packed_out=packed_out is not None)
     attach_lse(call, lse)
-    quantize_call(call, precision)
+    quantize_call(call, precision, wgmma_key_order=True)
     launch_hopper(call, sm_count(q.device), row_starts=row_starts)
     return call.out if packed_out is None else packed_out
 
