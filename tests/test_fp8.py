@@ -254,6 +254,19 @@ def test_auto_runs_the_reference_on_a_gpu_for_native_eager_calls_only():
     assert any("CUDA graph" in r for r in reference_auto_reasons(spec("cuda", capturable=True)))
 
 
+def test_auto_computes_e4m3_with_the_triton_kernel_not_the_gluon_one():
+    # On an H200 the Gluon kernel in e4m3 is 1-3% slower than Triton's from 64K on
+    # (benchmarks/results/kernel/fp8_gluon_h200.json): auto passes it over, a named backend runs it.
+    from pbs.backends.registry import CallSpec, get_backend
+
+    hopper = get_backend("hopper")
+    for precision in ("fp8_qk", "fp8"):
+        spec = CallSpec(torch.device("cuda"), torch.bfloat16, 128, 128, 128, precision=precision)
+        assert precision in hopper.precisions
+        assert any("with the Triton kernel" in r for r in hopper.not_chosen_by_auto_reasons(spec))
+    assert hopper.not_chosen_by_auto_reasons(CallSpec(torch.device("cuda"), torch.bfloat16, 128, 128, 128)) == []
+
+
 @pytest.mark.gpu
 def test_a_capturable_fp8_call_is_refused_before_anything_runs():
     q, k, v = (torch.randn(256, h, 128, dtype=torch.bfloat16, device="cuda") for h in (8, 2, 2))

@@ -73,8 +73,10 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     code = sass(cubin, scratch)
     markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3",
                "WARPGROUP.DEPBAR.LE gsb0, 0x1", "SYNCS.ARRIVE", "SYNCS.PHASECHK")
+    opcodes = [line.split()[1] for line in code.splitlines() if line.strip().startswith("/*") and len(line.split()) > 1]
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
-            "markers": {m: m in code for m in markers}}
+            "markers": {m: m in code for m in markers},
+            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX")}}
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,10 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     # ... and the partitions hand buffers over through mbarriers.
     assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
+    # The softmax weights reach P V's operand registers in the thread that computed them: no
+    # shuffles, and no byte-by-byte repacking of e4m3 weights (585 PRMT and 68 SHFL.IDX before
+    # `_weights` reordered the keys and `_operand` packed four to a register).
+    assert report["counts"]["SHFL.IDX"] <= 8 and report["counts"]["PRMT"] <= 32, report["counts"]
 
 
 def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch):
