@@ -173,10 +173,11 @@ def _next_tile(t, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
-    """Online-softmax update from raw scores (scale folded into the exponent's FMA)."""
+def _softmax_step(s, m_i, l_i, qk_scale, LOG2_GAIN: gl.constexpr):
+    """Online-softmax update from raw scores (scale folded into the exponent's FMA). The weights
+    and the row sums come out times ``2 ** LOG2_GAIN`` (the same FMA: no multiply per weight)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_GAIN, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return m_new, l_i, p, alpha
@@ -361,6 +362,9 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
     zero_s = gl.zeros([HALF, BLOCK], gl.float32, s_layout)
+    # e4m3 weights are taken times 448 (their largest value): they are in [0, 1], and e4m3 has
+    # 3 bits down to 2^-6 only. The row sums carry the same factor, so the division cancels it.
+    LOG2_GAIN: gl.constexpr = 8.807354922057604 if PV_FP8 else 0.0
 
     kv_i = 0
     t = 0
@@ -409,7 +413,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             if n_unmasked == 0:
                 s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
-            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale)
+            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)
             p = _weights(p_f32, p_layout, p_dtype, PV_FP8)
             prev_slot = slot
             prev_phase = phase
@@ -431,7 +435,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 if it >= n_unmasked:
                     s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
-                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale)
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)
                 acc = _wait_pv(acc, p, PV_FP8)
                 mbarrier.arrive(v_empty.index(prev_slot))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -456,9 +460,9 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         o_d = gl.arange(0, HEAD_DIM, layout=o_cols)
         out = acc / gl.expand_dims(l_safe, 1)
         if PV_FP8:
-            # The weights went in times 448 and V divided by its channel scales: both come out here.
+            # V went in divided by its channel scales (the weights' 448 left with the row sums).
             v_scale = gl.load(ptrs[13] + i_b.to(gl.int64) * stride_vsb + i_hk.to(gl.int64) * stride_vsh + o_d)
-            out = out * gl.expand_dims(v_scale * (1.0 / 448.0), 0)
+            out = out * gl.expand_dims(v_scale, 0)
         out = out.to(out_dtype)
         o_rows_idx = row0 + WG * HALF + gl.arange(0, HALF, layout=o_rows)
         if RAGGED:
@@ -475,7 +479,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < rows, 1))
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
-            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero)) * 0.6931471805599453)
+            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero) - LOG2_GAIN) * 0.6931471805599453)
             if QK_FP8:
                 # K was smoothed: each score is short by scale * q . mean(K), which the quantization
                 # pass wrote per query from the unquantized q ((B, Hq, Nq), contiguous).
@@ -506,15 +510,15 @@ def _step_scale(tile_scale, p_kscale, p_list, it, count, DENSE: gl.constexpr, QK
 @gluon.jit
 def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.constexpr):
     """The softmax weights for the next P V, in ``p_layout``: in V's dtype, or for e4m3 values
-    times 448 (they are in [0, 1]; the row sums stay fp32 and the 448 is divided out at the end)
-    in float16, which `_operand` rounds to e4m3 just before the product.
+    (already times 448, `_softmax_step`) in float16, which `_operand` rounds to e4m3 just before
+    the product.
 
     e4m3 weights are also reordered within each 16 keys, so that every thread already holds the
     operand's values (no shuffles): the score accumulator gives a thread keys {2t, 2t+1, 2t+8,
     2t+9} of 16, the 8-bit operand wants {4t, ..., 4t+3}. Operand position p = (c0, c3, c1, c2)
     in bits of key c; the quantization pass stores V's keys in that order (`quantize_values_transposed`)."""
     if PV_FP8:
-        w = (p_f32 * 448.0).reshape([HALF, BLOCK // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([HALF, BLOCK])
+        w = p_f32.reshape([HALF, BLOCK // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([HALF, BLOCK])
         w = gl.convert_layout(w.to(gl.float16), p_layout)
     else:
         w = gl.convert_layout(p_f32.to(p_dtype), p_layout)
