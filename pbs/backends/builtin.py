@@ -13,9 +13,8 @@
 ``hopper``, ``triton`` and ``reference`` also return the log-sum-exp (``flex`` does not).
 ``triton`` and ``reference`` also compute in FP8 and INT8 (``PBSConfig.precision``: the kernel
 quantizes first, `pbs.kernels.fp8_quant`; the reference fake-quantizes, `pbs.reference.fp8`), and
-``hopper`` in the e4m3 precisions ``fp8_qk`` and ``fp8`` after the same quantization pass
-when named: ``auto`` computes those with ``triton``, as fast or faster in e4m3
-(`pbs.backends.eligibility.gluon_auto_reasons`).
+``hopper`` in the e4m3 precisions ``fp8_qk`` and ``fp8`` after the same quantization pass (with
+V's keys stored in its operand order), so ``auto`` runs those on it on Hopper GPUs.
 ``triton`` reads keys and values from a paged cache in place (`pbs.types.PagedTensor`), and so
 does ``hopper`` when the page size is 16 or more; ``reference`` takes them too, gathering
 the pages into contiguous tensors first (the oracle); ``flex`` gives a reason against paged calls. The GPU backends plan with the ``triton`` planners (`pbs.backends.planners`). Kernels are
@@ -26,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from pbs.backends.eligibility import (flex_reasons, gluon_auto_reasons, gluon_kernel_reasons, reference_auto_reasons,
-                                      triton_auto_reasons, triton_kernel_reasons)
+from pbs.backends.eligibility import (flex_reasons, gluon_kernel_reasons, reference_auto_reasons, triton_auto_reasons,
+                                      triton_kernel_reasons)
 from pbs.backends.registry import AttentionBackend, AttentionCall, CallSpec, register_backend
 from pbs.types import PRECISION_FORMATS, is_paged
 
@@ -113,8 +112,7 @@ def _no_reasons(spec: CallSpec) -> list[str]:
     return []
 
 
-register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, gluon_auto_reasons, auto_priority=0,
-                                  plans_with="triton",
+register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
                                   returns_lse=True, capturable=True, ragged_rows=True,
                                   precisions=_NATIVE_AND_E4M3))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,

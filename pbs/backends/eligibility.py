@@ -120,17 +120,6 @@ def triton_auto_reasons(spec: CallSpec) -> list[str]:
     return []
 
 
-def gluon_auto_reasons(spec: CallSpec) -> list[str]:
-    """Why ``auto`` passes over the Gluon kernel although it could run ``spec``: in e4m3 it is
-    no faster than the Triton kernel (on an H200, 1-3% slower from 64K on, up to 9% at 16K:
-    benchmarks/results/kernel/fp8_gluon_h200.json), so ``auto`` computes the quantized precisions
-    with Triton's; ``backend="hopper"`` runs them here."""
-    if spec.precision != "native":
-        return [f"auto computes precision {spec.precision!r} with the Triton kernel, which is as fast or faster "
-                "in e4m3 (name backend='hopper' to run it here)"]
-    return []
-
-
 def reference_auto_reasons(spec: CallSpec) -> list[str]:
     """Why ``auto`` passes over the reference on a GPU although it could run ``spec``: it is the
     fallback of native eager calls only. A quantized or capturable call that no kernel takes
