@@ -140,6 +140,24 @@ KERNEL_CASES = {
 }
 
 
+def _truth_and_twin(plan, q, k, v, dtype: torch.dtype, precision: str):
+    """The plan's permuted inputs in ``dtype``, fp32 attention over its mask, and the twin's
+    output and LSE in ``precision``."""
+    qp, kp, vp = (x.to(dtype) for x in _permuted(plan, q, k, v))
+    qpos, kpos, causal = plan.query_positions(), plan.key_positions(), plan.layout.causal
+    truth = block_sparse_attention_reference(*(x.float() for x in _permuted(plan, q, k, v)), plan.mask, qpos, kpos,
+                                             causal=causal)
+    twin, twin_lse = fp8.fp8_block_sparse_attention_reference(qp, kp, vp, plan.mask, qpos, kpos, causal=causal,
+                                                              return_lse=True, precision=precision)
+    return (qp, kp, vp), truth, twin, twin_lse
+
+
+def _kernel_positions(plan) -> dict:
+    """The kernels' position arguments: None where the plan left that side in order."""
+    return dict(query_positions=None if plan.query_permutation.is_identity else plan.query_positions(),
+                key_positions=None if plan.key_permutation.is_identity else plan.key_positions())
+
+
 @pytest.mark.parametrize("case, precision", [
     *((case, precision) for case in KERNEL_CASES for precision in ("fp8_qk", "fp8")),
     # int8 changes only the Q.K^T operands: two cases (GQA, permuted keys; a cached prefix) cover it.
@@ -152,18 +170,10 @@ def test_kernel_matches_its_twin(case, precision):
     q, k, v = make_qkv(1, 4, 2, seq_len, head_dim, seq_len_q=seq_len_q, seed=7, device=DEVICE)
     k = k + 2.0  # a common offset, which the smoothing must remove in both
     plan = _plan(q, k, **options)
-    qp, kp, vp = (x.to(KERNEL_DTYPE) for x in _permuted(plan, q, k, v))
-    qpos, kpos = plan.query_positions(), plan.key_positions()
-    causal = plan.layout.causal
-    truth = block_sparse_attention_reference(*(x.float() for x in _permuted(plan, q, k, v)), plan.mask, qpos, kpos,
-                                             causal=causal)
-    twin, twin_lse = fp8.fp8_block_sparse_attention_reference(qp, kp, vp, plan.mask, qpos, kpos, causal=causal,
-                                                              return_lse=True, precision=precision)
+    (qp, kp, vp), truth, twin, twin_lse = _truth_and_twin(plan, q, k, v, KERNEL_DTYPE, precision)
     lse = torch.empty(qp.shape[:3], dtype=torch.float32, device=DEVICE)
-    out = block_sparse_attention(
-        qp, kp, vp, plan.mask, query_positions=None if plan.query_permutation.is_identity else qpos,
-        key_positions=None if plan.key_permutation.is_identity else kpos, causal=causal, lse=lse, precision=precision,
-    )
+    out = block_sparse_attention(qp, kp, vp, plan.mask, **_kernel_positions(plan), causal=plan.layout.causal,
+                                 lse=lse, precision=precision)
     twin_error = _relative(twin, truth)
     # Q and K are quantized identically (tests/test_fp8_quant.py), so the scores agree to fp32
     # rounding, and the outputs to the rounding of the output dtype (2^-9 relative in bf16, 2^-12
@@ -196,20 +206,11 @@ def test_gluon_kernel_matches_its_twin(case, precision):
     q, k, v = make_qkv(1, 8, 2, seq_len, head_dim, seq_len_q=seq_len_q, seed=3, device="cuda")
     k = k + 2.0
     plan = _plan(q, k, block=128, segment=256, **options)
-    qp, kp, vp = (x.to(torch.bfloat16) for x in _permuted(plan, q, k, v))
-    qpos, kpos = plan.query_positions(), plan.key_positions()
-    causal = plan.layout.causal
-    truth = block_sparse_attention_reference(*(x.float() for x in _permuted(plan, q, k, v)), plan.mask, qpos, kpos,
-                                             causal=causal)
-    twin, twin_lse = fp8.fp8_block_sparse_attention_reference(qp, kp, vp, plan.mask, qpos, kpos, causal=causal,
-                                                              return_lse=True, precision=precision)
+    (qp, kp, vp), truth, twin, twin_lse = _truth_and_twin(plan, q, k, v, torch.bfloat16, precision)
     lse = torch.full(qp.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
     out = torch.full_like(qp, float("nan"))  # every element must be written
-    hopper_block_sparse_attention(
-        qp, kp, vp, plan.mask, query_positions=None if plan.query_permutation.is_identity else qpos,
-        key_positions=None if plan.key_permutation.is_identity else kpos, causal=causal, out=out, lse=lse,
-        precision=precision,
-    )
+    hopper_block_sparse_attention(qp, kp, vp, plan.mask, **_kernel_positions(plan), causal=plan.layout.causal,
+                                  out=out, lse=lse, precision=precision)
     twin_error = _relative(twin, truth)
     rounding = torch.finfo(torch.bfloat16).eps
     assert _relative(out, twin) < (0.25 if precision == "fp8" else 0.02) * twin_error + rounding

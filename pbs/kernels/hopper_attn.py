@@ -435,7 +435,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                 acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
-                                   is_async=True)
+                                    is_async=True)
                 step_scale = next_scale
                 next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
@@ -455,7 +455,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
             acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
-                                   is_async=True)
+                                is_async=True)
             acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:
