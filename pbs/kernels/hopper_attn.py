@@ -551,8 +551,9 @@ def _operand(p, PV_FP8: gl.constexpr):
 @gluon.jit
 def _wait_pv(acc, p, PV_FP8: gl.constexpr):
     """Waits for every wgmma in flight; returns P V's accumulator. The wait names the weights as
-    a dependency (their registers are read until the product retires), except e4m3 ones, which the
-    wait cannot take (8-bit registers): ptxas then keeps their registers itself."""
+    a dependency (their registers are read until the product retires). Under e4m3 the product
+    reads `_operand`'s 8-bit temporary, not ``p``, and the wait cannot take 8-bit registers:
+    ptxas keeps that temporary's registers until the product retires."""
     if PV_FP8:
         acc = warpgroup_mma_wait(0, deps=[acc])
     else:
