@@ -288,7 +288,7 @@ def test_the_circle_finder_finds_circles():
 
 
 def test_the_parallel_gpu_script_runs_every_file_with_gpu_tests():
-    # scripts/gpu_tests_parallel.sh lists its test files by hand in 4 groups: a file with GPU tests
+    # scripts/gpu_tests_parallel.sh lists its test files by hand in groups: a file with GPU tests
     # that no group names would never run there.
     import re
 

@@ -568,7 +568,7 @@ def test_host_bounds_of_a_paged_call_replace_its_device_read_and_are_checked(mon
     bad_table[2, 1] = k_cache.shape[0]
     bad = {
         "must hold the 4 values of cu_seq_q and the 3 of seqused_k": (bounds[0], bounds[1] + [5]),
-        "sequence 2 has len_q = 10 queries and seqused_k\[2\] = 5 keys": (bounds[0], [40, 9, 5]),
+        r"sequence 2 has len_q = 10 queries and seqused_k\[2\] = 5 keys": (bounds[0], [40, 9, 5]),
         "is more than the pages of block_table hold": (bounds[0], [40, 9, 10_000]),
         "must end at the packed length": ([0, 40, 40, 49], bounds[1]),
     }
