@@ -37,6 +37,28 @@ def test_rounding_matches_torchs_cast_at_every_spacing_and_tie():
     assert torch.equal(out.float(), expected.float())
 
 
+@triton.jit
+def _cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, HARDWARE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, kernel.to_e4m3(x, HARDWARE), mask=offsets < n)
+
+
+def test_the_cast_the_kernels_use_rounds_and_saturates_as_the_twin():
+    # On the GPU the hardware cast (rtne, satfinite), in the interpreter the fp32 rounding: both
+    # must give the twin's values, past 448 and at infinities included. (A NaN's value does not
+    # matter: it makes its block's scale NaN, which restores it.)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), torch.rand(4096) * 600,
+                        torch.tensor([464.0, 480.0, 1e6, float("inf")])])
+    values = torch.cat([values, -values]).to(DEVICE)
+    out = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    _cast_kernel[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024,
+                                                        HARDWARE=DEVICE == "cuda")
+    assert torch.equal(out.float(), twin.to_e4m3(values).float())
+
+
 def _inputs(dtype: torch.dtype, n: int = 200, d: int = 72) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, n, d, generator=gen) * torch.rand(2, 3, n, 1, generator=gen) * 5

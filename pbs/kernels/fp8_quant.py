@@ -2,15 +2,16 @@
 kernel, with the scales of `pbs.reference.fp8` (its eager twin): per-block Q and smoothed-K
 scales, per-channel V scales.
 
-One program handles one block of ``block_size`` tokens of one (batch, head): it reads the block
-once for its amax and once more (from L1/L2) to write the e4m3 values, and stores the scale. V is
-written transposed, ``(B, Hk, Dv, N)``, because the tensor cores take an e4m3 right-hand operand
-only with its reduction axis (the tokens, for P.V) contiguous.
+One program handles one block of ``block_size`` tokens of one (batch, head), held in registers:
+one read for its amax, its values and its scale. V is written transposed, ``(B, Hk, Dv, N)``,
+because the tensor cores take an e4m3 right-hand operand only with its reduction axis (the
+tokens, for P.V) contiguous: the tile is transposed in registers, so that the stores run along
+the tokens.
 
-Divisions are IEEE-rounded (``div_rn``: the GPU's default one is approximate), and rounding is
-done in fp32 arithmetic (to the nearest e4m3 value, ties to even) before the cast, which then only
-moves exact values: the hardware cast rounds the same way, but Triton's CPU interpreter does not
-carry a mantissa that rounds up into the exponent, and the CPU tests must see the GPU's numbers.
+Divisions are IEEE-rounded (``div_rn``: the GPU's default one is approximate). On the GPU the
+hardware cast rounds to the nearest e4m3 value (ties to even, saturating); Triton's CPU
+interpreter does not carry a mantissa that rounds up into the exponent, so there the rounding is
+done in fp32 arithmetic first (`round_to_e4m3`), and the CPU tests see the GPU's numbers.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import pow2_at_least
+from pbs.kernels._common import interpreting, pow2_at_least
 
 E4M3_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
-_ROWS = 32  # rows per step of a block: a (32, 256) fp32 tile at most in registers
 
 
 @triton.jit
@@ -39,6 +39,15 @@ def round_to_e4m3(y):
     odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
     f = tl.where(((f - r) == 0.5) & odd, f - 1.0, f)
     return tl.where(bits < 0, -f * spacing, f * spacing)  # the sign bit: -0.0 stays -0.0
+
+
+@triton.jit
+def to_e4m3(y, HARDWARE: tl.constexpr):
+    """``y`` (float32) as e4m3: nearest value, ties to even, saturating at +-448 (NaN stays NaN).
+    ``HARDWARE``: the GPU's cast does all of it; otherwise (the interpreter) `round_to_e4m3`."""
+    if HARDWARE:
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return round_to_e4m3(_saturate(y)).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -73,52 +82,40 @@ def _quantize_blocks_kernel(
     stride_sb, stride_sh,
     shift_ptr, dot_mean_ptr, stride_db, stride_dh, group,
     heads, seq_len, dim, num_blocks,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-    WRITE_SHIFT: tl.constexpr, INT8: tl.constexpr,
+    BLOCK: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
+    WRITE_SHIFT: tl.constexpr, INT8: tl.constexpr, HARDWARE_CAST: tl.constexpr,
 ):
     i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
     m_d = o_d < dim
+    o_n = i_blk * BLOCK + tl.arange(0, BLOCK)
+    m = (o_n < seq_len)[:, None] & m_d[None, :]
     p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
-    p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-    if SUBTRACT_MEAN:
-        b_mean = tl.load(mean_ptr + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh + o_d, mask=m_d,
-                         other=0.0)
+    b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     if WRITE_SHIFT:
         # Each query row's q . mean(K) of its KV head: the smoothing's shift of its scores.
         b_dot_mean = tl.load(dot_mean_ptr + i_b.to(tl.int64) * stride_db + (i_h // group).to(tl.int64) * stride_dh
                              + o_d, mask=m_d, other=0.0)
-    amax = tl.zeros([ROWS], dtype=tl.float32)
-    poisoned = tl.zeros([ROWS], dtype=tl.int32)
-    for r0 in range(0, BLOCK, ROWS):
-        o_n = i_blk * BLOCK + r0 + tl.arange(0, ROWS)
-        m = (o_n < seq_len)[:, None] & m_d[None, :]
-        b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-        if WRITE_SHIFT:
-            tl.store(shift_ptr + (i_b * heads + i_h).to(tl.int64) * seq_len + o_n,
-                     tl.sum(b_x * b_dot_mean[None, :], 1), mask=o_n < seq_len)
-        if SUBTRACT_MEAN:
-            b_x = tl.where(m, b_x - b_mean[None, :], 0.0)
-        poisoned = tl.maximum(poisoned, tl.max((b_x != b_x).to(tl.int32), 1))
-        amax = tl.maximum(amax, tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1))
-    block_amax = tl.max(amax, 0)
+        tl.store(shift_ptr + (i_b * heads + i_h).to(tl.int64) * seq_len + o_n,
+                 tl.sum(b_x * b_dot_mean[None, :], 1), mask=o_n < seq_len)
+    if SUBTRACT_MEAN:
+        b_mean = tl.load(mean_ptr + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh + o_d, mask=m_d,
+                         other=0.0)
+        b_x = tl.where(m, b_x - b_mean[None, :], 0.0)
+    poisoned = tl.max(tl.max((b_x != b_x).to(tl.int32), 1), 0)
+    block_amax = tl.max(tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1), 0)
     largest = INT8_MAX if INT8 else E4M3_MAX
     scale = tl.where(block_amax > 0, tl.math.div_rn(block_amax, largest), 1.0)
-    scale = tl.where(tl.max(poisoned, 0) > 0, float("nan"), scale)
+    scale = tl.where(poisoned > 0, float("nan"), scale)
     tl.store(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_blk, scale)
-    for r0 in range(0, BLOCK, ROWS):
-        o_n = i_blk * BLOCK + r0 + tl.arange(0, ROWS)
-        m = (o_n < seq_len)[:, None] & m_d[None, :]
-        b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-        if SUBTRACT_MEAN:
-            b_x = b_x - b_mean[None, :]
-        b_y = tl.math.div_rn(b_x, scale)
-        p_out = p_o + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :]
-        if INT8:
-            b_y = tl.where(b_y > INT8_MAX, INT8_MAX, tl.where(b_y < -INT8_MAX, -INT8_MAX, b_y))
-            tl.store(p_out, round_to_integer(b_y).to(tl.int8), mask=m)
-        else:
-            tl.store(p_out, round_to_e4m3(_saturate(b_y)).to(tl.float8e4nv), mask=m)
+    b_y = tl.math.div_rn(b_x, scale)
+    p_out = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+    p_out = p_out + o_n.to(tl.int64)[:, None] * stride_on + o_d[None, :]
+    if INT8:
+        b_y = tl.where(b_y > INT8_MAX, INT8_MAX, tl.where(b_y < -INT8_MAX, -INT8_MAX, b_y))
+        tl.store(p_out, round_to_integer(b_y).to(tl.int8), mask=m)
+    else:
+        tl.store(p_out, to_e4m3(b_y, HARDWARE_CAST), mask=m)
 
 
 @triton.jit
@@ -128,28 +125,33 @@ def _quantize_values_kernel(
     stride_ob, stride_oh, stride_od,
     stride_sb, stride_sh,
     heads, seq_len, stored_len, dim, num_blocks,
-    ROWS: tl.constexpr, COLS: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, WGMMA_ORDER: tl.constexpr, HARDWARE_CAST: tl.constexpr,
 ):
     i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
     m_d = o_d < dim
     o_n = i_blk * ROWS + tl.arange(0, ROWS)
     m = (o_n < seq_len)[:, None] & m_d[None, :]
-    o_col = o_n
-    if WGMMA_ORDER:
-        # Key c of each 16 at column (c0, c3, c1, c2) in bits; keys past the end are zeros.
-        c = o_n % 16
-        o_col = o_n - c + (c & 1) + ((c >> 3) & 1) * 2 + ((c >> 1) & 1) * 4 + ((c >> 2) & 1) * 8
-        m_store = (o_n < stored_len)[:, None] & m_d[None, :]
-    else:
-        m_store = m
     b_scale = tl.load(scale_ptr + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_d, mask=m_d,
                       other=1.0)
     p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
     b_v = tl.load(p_v + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_y = round_to_e4m3(_saturate(tl.math.div_rn(b_v, b_scale[None, :])))
+    b_y = to_e4m3(tl.math.div_rn(b_v, b_scale[None, :]), HARDWARE_CAST)
+    if WGMMA_ORDER:
+        # Key c of each 16 (bits c3 c2 c1 c0) to position (c2 c1 c3 c0): c0 + 2 c3 + 4 c1 + 8 c2.
+        b_y = b_y.reshape([ROWS // 16, 2, 2, 2, 2, COLS]).permute(0, 2, 3, 1, 4, 5).reshape([ROWS, COLS])
+        # Keys past the end are zeros (loaded as 0), up to the stored length.
+        m_store = (o_n < stored_len)[None, :] & m_d[:, None]
+    else:
+        m_store = (o_n < seq_len)[None, :] & m_d[:, None]
     p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-    tl.store(p_o + o_d[None, :].to(tl.int64) * stride_od + o_col[:, None], b_y.to(tl.float8e4nv), mask=m_store)
+    tl.store(p_o + o_d[:, None].to(tl.int64) * stride_od + o_n[None, :], tl.trans(b_y), mask=m_store)
+
+
+def _warps(tile_elements: int) -> int:
+    """Warps for a program that holds a whole tile in registers: 64 float32 values per thread
+    (a 128 x 128 tile on 8 warps), between 4 and 16 warps."""
+    return max(4, min(16, tile_elements // (64 * 32)))
 
 
 def byte_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -193,8 +195,9 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
         shift if write_shift else scales, shift_mean if write_shift else scales,
         *((shift_mean.stride(0), shift_mean.stride(1), h // shift_mean.shape[1]) if write_shift else (0, 0, 1)),
         h, n, d, num_blocks,
-        BLOCK=block_size, ROWS=min(_ROWS, block_size), COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
-        WRITE_SHIFT=write_shift, INT8=fmt == "int8",
+        BLOCK=block_size, COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
+        WRITE_SHIFT=write_shift, INT8=fmt == "int8", HARDWARE_CAST=not interpreting(),
+        num_warps=_warps(block_size * pow2_at_least(d)),
     )
     return out, scales
 
@@ -214,10 +217,11 @@ def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor, wgmma_key_
     out = byte_buffer((b, h, d, stored_len), v.device)
     if v.numel() == 0:
         return out
-    rows = 64
+    rows = 128
     num_blocks = -(-n // rows)
     _quantize_values_kernel[(b * h * num_blocks,)](
         v, scales, out, *v.stride()[:3], *out.stride()[:3], *scales.stride()[:2], h, n, stored_len, d, num_blocks,
-        ROWS=rows, COLS=pow2_at_least(d), WGMMA_ORDER=wgmma_key_order,
+        ROWS=rows, COLS=pow2_at_least(d), WGMMA_ORDER=wgmma_key_order, HARDWARE_CAST=not interpreting(),
+        num_warps=_warps(rows * pow2_at_least(d)),
     )
     return out
