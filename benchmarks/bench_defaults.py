@@ -1,4 +1,5 @@
-"""What a user gets from ``pbs.attention(q, k, v)`` with no config, against cuDNN (target: at most 1.03x).
+"""What a user gets from ``pbs.attention(q, k, v)`` with no config, against cuDNN (target: at most 1.03x);
+with ``--preset NAME``, from ``pbs.attention(q, k, v, config=NAME)`` (for example the ``fp8`` preset).
 
 For each length, on two kinds of input:
     flat        random q, k, v (attention is nearly uniform, so PBS should run dense)
@@ -19,6 +20,7 @@ which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 
     python benchmarks/bench_defaults.py --json benchmarks/results/defaults/defaults_<device>.json
+    python benchmarks/bench_defaults.py --preset fp8 --lengths 32768 65536 131072 --inputs structured
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ def counts_for(n: int) -> tuple[int, int, int]:
     return 20, 5, 200
 
 
-def path_of(q, k, v) -> str:
-    """What the defaults ran on these inputs, by the dense rule the returned plan names."""
-    _, plan = pbs.attention(q, k, v, return_plan=True)
+def path_of(q, k, v, config: pbs.PBSConfig) -> str:
+    """What ``config`` ran on these inputs, by the dense rule the returned plan names."""
+    _, plan = pbs.attention(q, k, v, config, return_plan=True)
     if plan.dense_rule == "length":
         return "dense (length)"
     if plan.dense_rule == "probe":
@@ -98,7 +100,7 @@ def path_of(q, k, v) -> str:
     return f"sparse (density {plan.density:.3f})"
 
 
-def measure(kind: str, n: int) -> dict:
+def measure(kind: str, n: int, config: pbs.PBSConfig) -> dict:
     q, k, v = inputs(kind, n)
     iters, repeats, calls = counts_for(n)
 
@@ -106,12 +108,12 @@ def measure(kind: str, n: int) -> dict:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def defaults():
-        return pbs.attention(q, k, v)
+        return pbs.attention(q, k, v, config)
 
     def sdpa_path():
         return dense_attention_sdpa(q, k, v, scale=HEAD_DIM**-0.5)
 
-    row = {"input": kind, "seq_len": n, "path": path_of(q, k, v)}
+    row = {"input": kind, "seq_len": n, "path": path_of(q, k, v, config)}
     # Events: every call timed in turn with the others (drift falls on all alike); "cudnn_again"
     # is cuDNN once more, the A/A control. Wall: batches alternate over repeats.
     timed = {"cudnn": cudnn, "pbs": defaults, "cudnn_again": cudnn}
@@ -168,8 +170,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--inputs", nargs="+", default=["flat", "structured"], choices=["flat", "structured"])
+    parser.add_argument("--preset", default=None, choices=pbs.list_presets(),
+                        help="time pbs.attention with this named config instead of the defaults")
     parser.add_argument("--json", help="where to write the results")
     args = parser.parse_args()
+    config = pbs.PBSConfig.from_preset(args.preset) if args.preset else pbs.PBSConfig()
     started = time.time()
     rows = []
     print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} {'A/A':>6} | {'cuDNN busy':>10} "
@@ -177,7 +182,7 @@ def main() -> None:
     for n in args.lengths:
         for kind in args.inputs:
             try:
-                row = measure(kind, n)
+                row = measure(kind, n, config)
             except torch.OutOfMemoryError as error:
                 row = {"input": kind, "seq_len": n, "error": str(error).splitlines()[0]}
                 torch.cuda.empty_cache()
@@ -193,7 +198,7 @@ def main() -> None:
     q, k, v = inputs("structured", 4096)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn_kernels = kernels_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    pbs_kernels = kernels_of(lambda: pbs.attention(q, k, v))
+    pbs_kernels = kernels_of(lambda: pbs.attention(q, k, v, config))
     print("kernels at 4K, cuDNN:", cudnn_kernels, "\nkernels at 4K, pbs defaults:", pbs_kernels)
     worst = {m: max((r[f"ratio_{m}"] for r in rows if "error" not in r), default=None) for m in ("events", "busy", "wall")}
     print(f"worst ratio to cuDNN: events {worst['events']:.3f}, busy-GPU events {worst['busy']:.3f}, "
@@ -202,7 +207,8 @@ def main() -> None:
         **environment("cuda"),
         "shape": {"batch": 1, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                   "causal": True},
-        "config": pbs.PBSConfig().model_dump(mode="json"),
+        "preset": args.preset,
+        "config": config.model_dump(mode="json"),
         "timing": "events: median CUDA-event time, L2 flushed before each call, cuDNN, pbs and cuDNN again "
                   "(the A/A control, ratio_events_aa) timed call by call in a rotating order on an idle GPU; "
                   f"busy: the same with {BUSY_GPU_CYCLES} GPU cycles of torch.cuda._sleep queued after the flush "
