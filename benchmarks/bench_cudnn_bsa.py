@@ -109,11 +109,11 @@ def speed_point(n: int, density: float) -> dict:
             continue
         point[f"{name}_ms"] = time_ms(fn)
         point[f"{name}_tflops_blocks"] = block_tflops(blocks, point[f"{name}_ms"])
-    from pbs.kernels.block_sparse_attn import prepare_call, quantize_call
-    from pbs.kernels.hopper_attn import launch_hopper
+    from pbs.kernels.block_sparse_attn import prepare_call
+    from pbs.kernels.hopper_attn import launch_hopper, quantize_for_hopper
 
     call = prepare_call(q, k, v, mask, None, None, None, False, None)
-    quantize_call(call, "fp8", wgmma_key_order=True)
+    quantize_for_hopper(call, "fp8")
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     point["pbs_fp8_attention_ms"] = time_ms(lambda: launch_hopper(call, sms))
     for precision in ("bf16", "fp8"):

@@ -99,7 +99,9 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
 
 def _time_hopper(point: dict, precision: str, q, kp, vp, plan, kpos, blocks: int, best_bf16: float) -> None:
     """The Gluon kernel's times in ``precision`` (quantization included, and attention alone)."""
-    from pbs.kernels.hopper_attn import QUANTIZED_PRECISIONS, hopper_block_sparse_attention, launch_hopper
+    from pbs.kernels.hopper_attn import (
+        QUANTIZED_PRECISIONS, hopper_block_sparse_attention, launch_hopper, quantize_for_hopper,
+    )
 
     if precision not in QUANTIZED_PRECISIONS:
         return
@@ -107,7 +109,7 @@ def _time_hopper(point: dict, precision: str, q, kp, vp, plan, kpos, blocks: int
     point[f"{key}_ms"] = time_ms(
         lambda: hopper_block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=precision))
     call = prepare_call(q, kp, vp, plan.mask, None, kpos, None, True, None)
-    quantize_call(call, precision, wgmma_key_order=True)
+    quantize_for_hopper(call, precision)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     point[f"{key}_attention_ms"] = time_ms(lambda: launch_hopper(call, sms))
     point[f"{key}_speedup_vs_best_bf16"] = best_bf16 / point[f"{key}_ms"]

@@ -111,6 +111,25 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert report["counts"]["SHFL.IDX"] <= 8 and report["counts"]["PRMT"] <= 32, report["counts"]
 
 
+def test_quantized_for_this_kernel_v_is_in_its_wgmma_key_order():
+    # The e4m3 weights reach the tensor cores with each 16 keys reordered (`_weights`), so the
+    # values this kernel reads must be stored that way: what `quantize_for_hopper` leaves.
+    from pbs.kernels import fp8_quant
+    from pbs.kernels.hopper_attn import quantize_for_hopper
+    from pbs.reference import fp8 as twin
+
+    q, k, v = (x.to(torch.float16) for x in make_qkv(heads_q=4, heads_kv=2, seq_len=200, head_dim=64, seed=0))
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="none", causal=True)
+    call = prepare_call(q, k, v, plan.mask, None, None, None, True, None)
+    quantize_for_hopper(call, "fp8")
+    expected = fp8_quant.quantize_values_transposed(v, twin.channel_scales(v), wgmma_key_order=True)
+    assert call.pv_fp8 and call.v.shape == (1, 2, 64, 208)  # 200 keys padded to 13 x 16
+    assert torch.equal(call.v.float(), expected.float())
+    native = prepare_call(q, k, v, plan.mask, None, None, None, True, None)
+    quantize_for_hopper(native, "native")
+    assert native.v is v or torch.equal(native.v, v)
+
+
 def test_without_usable_gluon_auto_takes_triton_and_hopper_says_why(monkeypatch):
     import sys
 

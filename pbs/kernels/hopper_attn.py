@@ -860,7 +860,7 @@ def hopper_block_sparse_attention(
     Returns:
         ``(B, Hq, Nq, Dv)`` in ``q``'s dtype and permuted query order; with ``row_starts``, ``out``.
     """
-    from pbs.kernels.block_sparse_attn import attach_lse, prepare_call, quantize_call
+    from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
     if precision != "native" and precision not in QUANTIZED_PRECISIONS:
         raise ValueError(f"the Gluon kernel computes in precision 'native' or {' or '.join(map(repr, QUANTIZED_PRECISIONS))}, "
@@ -889,9 +889,18 @@ def hopper_block_sparse_attention(
     call = prepare_call(q, k, v, mask, query_positions, key_positions, scale, causal, out, block_table,
                         packed_out=packed_out is not None)
     attach_lse(call, lse)
-    quantize_call(call, precision, wgmma_key_order=True)
+    quantize_for_hopper(call, precision)
     launch_hopper(call, sm_count(q.device), row_starts=row_starts)
     return call.out if packed_out is None else packed_out
+
+
+def quantize_for_hopper(call, precision: str) -> None:
+    """`pbs.kernels.block_sparse_attn.quantize_call` for this kernel: a prepared call's Q, K (and
+    V) in ``precision``, V's keys in the order the e4m3 weights reach the tensor cores
+    (`_weights`). ``"native"`` leaves the call as it is."""
+    from pbs.kernels.block_sparse_attn import quantize_call
+
+    quantize_call(call, precision, wgmma_key_order=True)
 
 
 def launch_hopper_dense(
