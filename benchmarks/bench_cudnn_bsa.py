@@ -18,6 +18,14 @@ Gaussian inputs and on the peaked inputs of `pbs.testing.make_qkv` (K/V expanded
 heads).
 
     python benchmarks/bench_cudnn_bsa.py --json benchmarks/results/kernel/cudnn_bsa_h200.json
+
+cuDNN's side needs ``nvidia-cudnn-frontend`` (1.32 was measured) and the CuTe DSL it runs on:
+``nvidia-cutlass-dsl``, ``-libs-base``, ``-libs-core`` and, for a CUDA 13 torch, ``-libs-cu13``
+(92 MB), with ``apache-tvm-ffi``, ``cuda-bindings``, ``cuda-pathfinder`` and ``protobuf``. Without
+network on the GPU machine: ``pip download`` them for its Python (3.12), split the 92 MB wheel in
+two (``split -b 46000000``), carry the parts in successive calls into one folder there, join them
+(``cat``) and ``pip install --no-deps`` every wheel (``nvidia-cutlass-dsl`` otherwise asks for the
+cu12 libraries). Without the package the cuDNN columns record the import error and pbs's still run.
 """
 
 from __future__ import annotations
