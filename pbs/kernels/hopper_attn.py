@@ -38,10 +38,9 @@ In the e4m3 precisions (`QUANTIZED_PRECISIONS`, after `pbs.kernels.block_sparse_
 Q.K^T runs on e4m3 wgmma, the query-block and key-block scales folded into the exponent's factor
 (`_step_scale`), and under ``"fp8"`` P.V too, against V stored transposed with each 16 keys in the
 order the weights leave the score accumulator (`_weights`), so no weight crosses threads. With
-the tensor-core work halved, the softmax's instructions per weight set the pace (dropping one
-multiply per weight gained 5-7% from 64K on, docs/fp8.md): the weights' factor 448 rides in the
-exponent (`_softmax_step`), and they are rounded to e4m3 four to a register next to the product
-(`_operand`).
+the tensor-core work halved, the softmax's instructions per weight set the pace (docs/fp8.md has
+the measurements): the weights' factor 448 rides in the exponent (`_softmax_step`), and they are
+rounded to e4m3 four to a register next to the product (`_operand`).
 """
 
 from __future__ import annotations
