@@ -76,6 +76,8 @@ METHODS = {
     "last_block+mean_pool": {"permuter": "last_block", "selector": {"name": "mean_pool", "threshold": 0.9}},
     "xattention": {"permuter": "none", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
     "last_block+antidiagonal": {"permuter": "last_block", "selector": {"name": "antidiagonal", "threshold": 0.9, "stride": 8}},
+    "last_block+antidiagonal16_0.97": {"permuter": "last_block",
+                                       "selector": {"name": "antidiagonal", "threshold": 0.97, "stride": 16}},
     "sampled_rows4": {"permuter": "none", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
     "last_block+sampled_rows4": {"permuter": "last_block", "selector": {"name": "sampled_rows", "rows_per_block": 4, "threshold": 0.9}},
     # The presets of the same names (pbs.config.PRESETS): lines alone, lines OR pooled blocks, and
