@@ -1,5 +1,6 @@
 """What a user gets from ``pbs.attention(q, k, v)`` with no config, against cuDNN (target: at most 1.03x);
-with ``--preset NAME``, from ``pbs.attention(q, k, v, config=NAME)`` (for example the ``fp8`` preset).
+with ``--preset NAME``, from ``pbs.attention(q, k, v, config=NAME)`` (for example the ``fp8`` preset);
+with ``--config FILE`` (or JSON text), from any config.
 
 For each length, on two kinds of input:
     flat        random q, k, v (attention is nearly uniform, so PBS should run dense)
@@ -166,6 +167,16 @@ def kernels_of(fn) -> list[str]:
     return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
 
 
+def chosen_config(preset: str | None, config: str | None) -> tuple[pbs.PBSConfig, str]:
+    """The config to time and its label: a preset by name, a config as JSON text or a JSON file, or the defaults."""
+    if config:
+        text = config if config.lstrip().startswith("{") else Path(config).read_text()
+        return pbs.PBSConfig.model_validate_json(text), "--config"
+    if preset:
+        return pbs.PBSConfig.from_preset(preset), preset
+    return pbs.PBSConfig(), "defaults"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
@@ -178,11 +189,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.preset and args.config:
         parser.error("--preset and --config: give one of them")
-    config = pbs.PBSConfig.from_preset(args.preset) if args.preset else pbs.PBSConfig()
-    if args.config:
-        text = args.config if args.config.lstrip().startswith("{") else Path(args.config).read_text()
-        config = pbs.PBSConfig.model_validate_json(text)
-    label = args.preset or ("--config" if args.config else "defaults")
+    config, label = chosen_config(args.preset, args.config)
     started = time.time()
     rows = []
     print(f"{'input':>10} {'N':>7} | {'cuDNN ev':>9} {'pbs ev':>9} {'x':>6} {'A/A':>6} | {'cuDNN busy':>10} "

@@ -1,5 +1,5 @@
 """`benchmarks/bench_defaults.py` names the path the defaults took by the rule the plan records, and
-times the config it is given (``--preset``)."""
+times the config it is given (``--preset``, ``--config``)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,14 @@ def test_a_preset_is_the_config_the_calls_get(monkeypatch):
     fp8 = pbs.PBSConfig.from_preset("fp8")
     bench_defaults.path_of(q, k, v, fp8)
     assert seen == [fp8] and seen[0].precision == "fp8"
+
+
+def test_a_config_given_as_json_text_or_file_is_the_one_timed(tmp_path):
+    chosen = pbs.PBSConfig.from_preset("pbs_xattention")
+    chosen = chosen.model_copy(update={"selector": chosen.selector.model_copy(update={"threshold": 0.97, "stride": 16})})
+    path = tmp_path / "config.json"
+    path.write_text(chosen.model_dump_json())
+    assert bench_defaults.chosen_config(None, chosen.model_dump_json()) == (chosen, "--config")
+    assert bench_defaults.chosen_config(None, str(path)) == (chosen, "--config")
+    assert bench_defaults.chosen_config("fp8", None) == (pbs.PBSConfig.from_preset("fp8"), "fp8")
+    assert bench_defaults.chosen_config(None, None) == (pbs.PBSConfig(), "defaults")
