@@ -3,7 +3,7 @@
     python3 benchmarks/sweep_antidiagonal.py --json $OUT/antidiagonal_sweep.json
 
 Times ``antidiagonal_block_shares`` for all 32 heads (B=1, Hq=32, Hkv=8, D=128, bf16, block 128,
-stride 8) with each ``gpu_tile`` variant (rows,keys,warps,stages), in a fresh process per variant so
+stride 8 or ``--stride``) with each ``gpu_tile`` variant (rows,keys,warps,stages), in a fresh process per variant so
 a variant that fails to compile or run cannot disturb the others; prints ms (benchmarks/results/kernel).
 """
 
@@ -28,12 +28,13 @@ from pbs.kernels.antidiagonal import antidiagonal_block_shares
 from pbs.planning import make_layout
 from pbs.testing import benchmark_cuda
 tile = tuple(int(x) for x in sys.argv[1].split(","))
+stride = int(sys.argv[2])
 out = {}
-for n in [int(x) for x in sys.argv[2:]]:
+for n in [int(x) for x in sys.argv[3:]]:
     q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
     layout = make_layout(q, k, pbs.PBSConfig(permuter="last_block"))  # segmented, as measured
-    fn = lambda: antidiagonal_block_shares(q, k, layout, 8, 128 ** -0.5, gpu_tile=tile)
+    fn = lambda: antidiagonal_block_shares(q, k, layout, stride, 128 ** -0.5, gpu_tile=tile)
     out[n] = benchmark_cuda(fn, warmup=2, iters=5)
 print(json.dumps(out))
 """
@@ -42,11 +43,13 @@ print(json.dumps(out))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--stride", type=int, default=8)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="rows,keys,warps,stages per variant")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for variant in VARIANTS:
-        proc = subprocess.run([sys.executable, "-c", CHILD, variant, *map(str, args.lengths)],
+    for variant in args.variants:
+        proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(args.stride), *map(str, args.lengths)],
                               capture_output=True, text=True, timeout=150)
         if proc.returncode:
             rows.append({"variant": variant, "error": proc.stderr[-400:]})
@@ -54,7 +57,7 @@ def main() -> None:
             rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
         print(rows[-1], flush=True)
     if args.json:
-        save({**environment("cuda"), "lengths": args.lengths, "rows": rows}, args.json)
+        save({**environment("cuda"), "lengths": args.lengths, "stride": args.stride, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":
