@@ -3,8 +3,11 @@
     python3 benchmarks/sweep_antidiagonal.py --json $OUT/antidiagonal_sweep.json
 
 Times ``antidiagonal_block_shares`` for all 32 heads (B=1, Hq=32, Hkv=8, D=128, bf16, block 128,
-stride 8 or ``--stride``) with each ``gpu_tile`` variant (rows,keys,warps,stages), in a fresh process per variant so
-a variant that fails to compile or run cannot disturb the others; prints ms (benchmarks/results/kernel).
+stride 8 or ``--stride``) with each ``gpu_tile`` variant (rows,keys,warps,stages), walking the logits
+in two passes or (``--walks two one``) also in one, in a fresh process per variant so that a variant
+that fails to compile or run cannot disturb the others; prints ms (benchmarks/results/kernel).
+
+    python3 benchmarks/sweep_antidiagonal.py --stride 16 --lengths 131072 --variants 128,128,8,3 --walks two one
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from pbs.planning import make_layout
 from pbs.testing import benchmark_cuda
 tile = tuple(int(x) for x in sys.argv[1].split(","))
 stride = int(sys.argv[2])
+one_pass = sys.argv[3] == "one"
 out = {}
-for n in [int(x) for x in sys.argv[3:]]:
+for n in [int(x) for x in sys.argv[4:]]:
     q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
     layout = make_layout(q, k, pbs.PBSConfig(permuter="last_block"))  # segmented, as measured
-    fn = lambda: antidiagonal_block_shares(q, k, layout, stride, 128 ** -0.5, gpu_tile=tile)
+    fn = lambda: antidiagonal_block_shares(q, k, layout, stride, 128 ** -0.5, gpu_tile=tile, one_pass=one_pass)
     out[n] = benchmark_cuda(fn, warmup=2, iters=5)
 print(json.dumps(out))
 """
@@ -45,17 +49,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--stride", type=int, default=8)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help="rows,keys,warps,stages per variant")
+    parser.add_argument("--walks", nargs="+", choices=["two", "one"], default=["two"],
+                        help="two: statistics, then shares (the default kernel); one: one_pass=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for variant in args.variants:
-        proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(args.stride), *map(str, args.lengths)],
-                              capture_output=True, text=True, timeout=150)
-        if proc.returncode:
-            rows.append({"variant": variant, "error": proc.stderr[-400:]})
-        else:
-            rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
-        print(rows[-1], flush=True)
+        for walk in args.walks:
+            proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(args.stride), walk, *map(str, args.lengths)],
+                                  capture_output=True, text=True, timeout=150)
+            if proc.returncode:
+                rows.append({"variant": variant, "walk": walk, "error": proc.stderr[-400:]})
+            else:
+                rows.append({"variant": variant, "walk": walk, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
+            print(rows[-1], flush=True)
     if args.json:
         save({**environment("cuda"), "lengths": args.lengths, "stride": args.stride, "rows": rows}, args.json)
 

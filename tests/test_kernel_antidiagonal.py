@@ -7,7 +7,8 @@ XAttention's estimator) the allowed blocks under a strided causal mask. The kern
 (``allowed=None``, ``strided_causal=None``) follow the layout the same way. On CPU the kernel runs
 in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are tiny and
 dtypes are fp32/fp16 (the interpreter's bf16 dot products are wrong); the ``gpu`` test reruns the
-check in bf16 at a longer length. Every output buffer is NaN-poisoned first, so a block that the
+check in bf16 at a longer length. Each check runs both walks of the kernel (two passes, and one pass
+with per-row partial sums in scratch). Every output buffer is NaN-poisoned first, so a block that the
 kernel forgets to write fails the comparison.
 """
 
@@ -66,15 +67,20 @@ def reference(q, k_perm, layout, stride, scale, candidates=None) -> torch.Tensor
 
 
 def run_kernel(q, k, layout, stride, scale, head_start=0, head_stop=None, **kwargs) -> torch.Tensor:
-    """The kernel on a NaN-poisoned output buffer."""
+    """The kernel on a NaN-poisoned output buffer, in two passes; the one-pass walk (in launches
+    of three programs, so that scratch slots are reused) must give the same shares."""
     stop = q.shape[1] if head_stop is None else head_stop
-    out = torch.full(
-        (q.shape[0], stop - head_start, layout.num_query_blocks, layout.num_key_blocks), float("nan"), device=q.device
-    )
-    got = antidiagonal_block_shares(q, k, layout, stride, scale, head_start=head_start, head_stop=head_stop, out=out, **kwargs)
-    assert got is out
-    assert not got.isnan().any(), "some output element was not written"
-    return got
+    shape = (q.shape[0], stop - head_start, layout.num_query_blocks, layout.num_key_blocks)
+    results = []
+    for one_pass in (False, True):
+        out = torch.full(shape, float("nan"), device=q.device)
+        got = antidiagonal_block_shares(q, k, layout, stride, scale, head_start=head_start, head_stop=head_stop,
+                                        out=out, one_pass=one_pass, programs_per_launch=3, **kwargs)
+        assert got is out
+        assert not got.isnan().any(), f"some output element was not written (one_pass={one_pass})"
+        results.append(got)
+    torch.testing.assert_close(results[1], results[0], atol=2e-6, rtol=1e-5)
+    return results[0]
 
 
 def workload(heads_q=4, heads_kv=2, seq_len=200, seq_len_q=None, head_dim=32, dtype=torch.float32, batch=2, seed=0):

@@ -117,6 +117,18 @@ def _masked_step_logits(
 
 
 @triton.jit
+def _row_weights(l_i, BLOCK_QB: tl.constexpr, PB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Each strided row's factor ``1 / (l_r * n_seen)``, 0 for a row that sees no key.
+
+    The reference divides each query block's tile sums by their total, which is the number of its
+    strided rows that see any key (each such row's probabilities sum to one)."""
+    seen = (l_i > 0.0).to(tl.float32)
+    n_seen = tl.sum(tl.reshape(seen, [BLOCK_QB, PB]), 1)
+    n_seen_r = tl.reshape(tl.broadcast_to(n_seen[:, None], [BLOCK_QB, PB]), [BLOCK_R])
+    return tl.where(l_i > 0.0, 1.0 / (tl.where(l_i > 0.0, l_i, 1.0) * tl.maximum(n_seen_r, 1.0)), 0.0)
+
+
+@triton.jit
 def _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, o_k, stride_oq, num_k_blocks, m_out_q,
                        BLOCK_KB: tl.constexpr, BLOCK_QB: tl.constexpr, PB: tl.constexpr):
     """Pass 2 of one key step: probabilities summed per (key block, query block) tile, stored."""
@@ -135,6 +147,10 @@ def _antidiagonal_shares_kernel(
     lo_ptr,
     hi_ptr,
     out_ptr,
+    part_ptr,
+    step_max_ptr,
+    pid_offset,
+    max_steps,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -168,6 +184,7 @@ def _antidiagonal_shares_kernel(
     USE_INDICES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     STRIDED_CAUSAL: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     BLOCK_R: tl.constexpr = BLOCK_QB * PB
     BLOCK_C: tl.constexpr = BLOCK_KB * PB
@@ -175,7 +192,7 @@ def _antidiagonal_shares_kernel(
     # Program order (fastest first): query head, query-block group (the longest rows first, so
     # short ones fill the tail of a causal launch), batch. Neighbouring heads of one GQA group run
     # together and walk the same keys, which then stay in L2.
-    i_pid = tl.program_id(0)
+    i_pid = tl.program_id(0) + pid_offset
     i_h = i_pid % n_heads
     i_rest = i_pid // n_heads
     i_g = num_groups - 1 - i_rest % num_groups
@@ -227,14 +244,15 @@ def _antidiagonal_shares_kernel(
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_out_q = (o_qb < num_q_blocks)[None, :]
-    for i_pass in tl.static_range(2):
-        if i_pass == 1:
-            # The reference divides each query block's tile sums by their total, which is the
-            # number of its strided rows that see any key (each such row's probabilities sum to one).
-            seen = (l_i > 0.0).to(tl.float32)
-            n_seen = tl.sum(tl.reshape(seen, [BLOCK_QB, PB]), 1)
-            n_seen_r = tl.reshape(tl.broadcast_to(n_seen[:, None], [BLOCK_QB, PB]), [BLOCK_R])
-            w_r = tl.where(l_i > 0.0, 1.0 / (tl.where(l_i > 0.0, l_i, 1.0) * tl.maximum(n_seen_r, 1.0)), 0.0)
+    if ONE_PASS:
+        # One walk: each step stores, per strided row and key block, its exp2 sum relative to the
+        # row's running max at that step (and that max); once the walk has the rows' final max and
+        # total, the stored sums are rescaled, weighted and summed per tile. Half the logits of the
+        # two passes, for a scratch slot of max_steps x BLOCK_KB x BLOCK_R floats per program.
+        slot = tl.program_id(0).to(tl.int64)
+        part_slot = part_ptr + slot * max_steps * BLOCK_KB * BLOCK_R
+        max_slot = step_max_ptr + slot * max_steps * BLOCK_R
+        o_part = o_kb[:, None] * BLOCK_R + o_r[None, :]
         for i_part in tl.static_range(2 if STRIDED_CAUSAL else 1):
             for kb0 in range(lo if i_part == 0 else mid, mid if i_part == 0 else end, BLOCK_KB):
                 b_s = _masked_step_logits(
@@ -243,13 +261,41 @@ def _antidiagonal_shares_kernel(
                     query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
                     DOT_PRECISION, i_part == 1,
                 )
-                if i_pass == 0:
-                    m_new = tl.maximum(m_i, tl.max(b_s, 0))
-                    l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
-                    m_i = m_new
-                else:
-                    _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks,
-                                       m_out_q, BLOCK_KB, BLOCK_QB, PB)
+                m_new = tl.maximum(m_i, tl.max(b_s, 0))
+                b_p = tl.math.exp2(b_s - m_new[None, :])
+                l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(b_p, 0)
+                m_i = m_new
+                step = (kb0 - lo) // BLOCK_KB
+                tl.store(part_slot + step * BLOCK_KB * BLOCK_R + o_part, tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_R]), 1))
+                tl.store(max_slot + step * BLOCK_R + o_r, m_new)
+        w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
+        for kb0 in range(lo, end, BLOCK_KB):
+            step = (kb0 - lo) // BLOCK_KB
+            b_part = tl.load(part_slot + step * BLOCK_KB * BLOCK_R + o_part)
+            f_r = tl.math.exp2(tl.load(max_slot + step * BLOCK_R + o_r) - m_i) * w_r
+            b_tile = tl.sum(tl.reshape(b_part * f_r[None, :], [BLOCK_KB, BLOCK_QB, PB]), 2)
+            o_k = kb0 + o_kb
+            tl.store(out_head + o_qb[None, :] * stride_oq + o_k[:, None], b_tile,
+                     mask=(o_k < num_k_blocks)[:, None] & m_out_q)
+    else:
+        for i_pass in tl.static_range(2):
+            if i_pass == 1:
+                w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
+            for i_part in tl.static_range(2 if STRIDED_CAUSAL else 1):
+                for kb0 in range(lo if i_part == 0 else mid, mid if i_part == 0 else end, BLOCK_KB):
+                    b_s = _masked_step_logits(
+                        q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
+                        kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
+                        query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
+                        DOT_PRECISION, i_part == 1,
+                    )
+                    if i_pass == 0:
+                        m_new = tl.maximum(m_i, tl.max(b_s, 0))
+                        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
+                        m_i = m_new
+                    else:
+                        _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks,
+                                           m_out_q, BLOCK_KB, BLOCK_QB, PB)
 
     # Key blocks outside the walked range are not allowed for any query block here.
     zeros = tl.zeros([BLOCK_KB, BLOCK_QB], dtype=tl.float32)
@@ -314,6 +360,8 @@ def antidiagonal_block_shares(
     query_blocks_per_program: int | None = None,
     key_blocks_per_step: int | None = None,
     gpu_tile: tuple[int, int, int, int] = GPU_TILE,
+    one_pass: bool = False,
+    programs_per_launch: int | None = None,
 ) -> torch.Tensor:
     """Strided antidiagonal block shares of attention, equal to ``antidiagonal_block_scores``.
 
@@ -341,6 +389,10 @@ def antidiagonal_block_shares(
         query_blocks_per_program, key_blocks_per_step: tuning overrides (powers of two); by default
             about ``gpu_tile``'s strided rows x strided keys per step on a GPU, 16 x 32 in the interpreter.
         gpu_tile: ``(strided rows, strided keys, warps, stages)`` per program on a GPU (`GPU_TILE`).
+        one_pass: walk the strided logits once instead of twice (statistics, then shares), keeping
+            each strided row's partial sum per key block in float32 scratch (about ``rows x Tk``
+            floats per program of a launch); the programs then run in launches of
+            ``programs_per_launch`` (default two per SM on a GPU, all of them in the interpreter).
 
     Returns:
         ``(B, head_stop - head_start, Tq, Tk)`` float32: per query block, the share of its strided
@@ -412,29 +464,44 @@ def antidiagonal_block_shares(
     lo, hi = _walk_ranges(allowed, qb_per)
     num_groups = lo.shape[0]
     idx = key_indices if key_indices is not None else lo  # any pointer; not read without indices
-    grid = (b * n_heads * num_groups,)
-    _antidiagonal_shares_kernel[grid](
-        q, k, idx, allowed.view(torch.uint8), lo, hi, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        *(key_indices.stride()[:2] if key_indices is not None else (0, 0)),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_heads, head_start, hq // hk, k_group, num_groups,
-        layout.seq_len_q, layout.seq_len_k, tq, tk, d,
-        scale / stride * LOG2_E,
-        layout.query_offset,
-        BLOCK_SIZE=bs,
-        STRIDE=stride,
-        PER_BLOCK=per_block,
-        PB=pb,
-        BLOCK_QB=qb_per,
-        BLOCK_KB=kb_per,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        USE_INDICES=key_indices is not None,
-        # fp32: exact products so that the result matches the fp32 reference closely.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        STRIDED_CAUSAL=bool(strided_causal),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    programs = b * n_heads * num_groups
+    block_r = qb_per * pb
+    max_steps = cdiv(tk, kb_per)
+    if one_pass:
+        if programs_per_launch is None:
+            programs_per_launch = programs
+            if on_gpu:
+                programs_per_launch = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
+        per_launch = max(1, min(programs, programs_per_launch))
+        part = torch.empty(per_launch * max_steps * kb_per * block_r, dtype=torch.float32, device=q.device)
+        step_max = torch.empty(per_launch * max_steps * block_r, dtype=torch.float32, device=q.device)
+    else:
+        per_launch = programs
+        part = step_max = lo  # any pointer; not read in two passes
+    for first in range(0, programs, per_launch):
+        _antidiagonal_shares_kernel[(min(per_launch, programs - first),)](
+            q, k, idx, allowed.view(torch.uint8), lo, hi, out, part, step_max, first, max_steps,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            *(key_indices.stride()[:2] if key_indices is not None else (0, 0)),
+            out.stride(0), out.stride(1), out.stride(2),
+            n_heads, head_start, hq // hk, k_group, num_groups,
+            layout.seq_len_q, layout.seq_len_k, tq, tk, d,
+            scale / stride * LOG2_E,
+            layout.query_offset,
+            BLOCK_SIZE=bs,
+            STRIDE=stride,
+            PER_BLOCK=per_block,
+            PB=pb,
+            BLOCK_QB=qb_per,
+            BLOCK_KB=kb_per,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            USE_INDICES=key_indices is not None,
+            # fp32: exact products so that the result matches the fp32 reference closely.
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            STRIDED_CAUSAL=bool(strided_causal),
+            ONE_PASS=one_pass,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
     return out
