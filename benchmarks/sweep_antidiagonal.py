@@ -56,8 +56,8 @@ def main() -> None:
     rows = []
     for variant in args.variants:
         for walk in args.walks:
-            proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(args.stride), walk, *map(str, args.lengths)],
-                                  capture_output=True, text=True, timeout=150)
+            argv = [sys.executable, "-c", CHILD, variant, str(args.stride), walk, *map(str, args.lengths)]
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=150)
             if proc.returncode:
                 rows.append({"variant": variant, "walk": walk, "error": proc.stderr[-400:]})
             else:

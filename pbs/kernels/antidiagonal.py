@@ -266,7 +266,8 @@ def _antidiagonal_shares_kernel(
                 l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(b_p, 0)
                 m_i = m_new
                 step = (kb0 - lo) // BLOCK_KB
-                tl.store(part_slot + step * BLOCK_KB * BLOCK_R + o_part, tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_R]), 1))
+                b_part = tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_R]), 1)
+                tl.store(part_slot + step * BLOCK_KB * BLOCK_R + o_part, b_part)
                 tl.store(max_slot + step * BLOCK_R + o_r, m_new)
         w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
         for kb0 in range(lo, end, BLOCK_KB):
