@@ -241,18 +241,20 @@ def _antidiagonal_shares_kernel(
     # i_pass 0: softmax statistics per strided row, in the log2 domain. A finite start for the
     #   running max keeps rows that see no key free of inf - inf.
     # i_pass 1: probabilities summed per (key block, query block) tile; finished shares are stored.
+    # ONE_PASS walks once: each step also stores, per strided row and key block, its exp2 sum
+    # relative to the row's running max at that step (and that max); once the walk has the rows'
+    # final max and total, the stored sums are rescaled, weighted and summed per tile. Half the
+    # logits of two passes, for a scratch slot of max_steps x BLOCK_KB x BLOCK_R floats per program.
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_out_q = (o_qb < num_q_blocks)[None, :]
-    if ONE_PASS:
-        # One walk: each step stores, per strided row and key block, its exp2 sum relative to the
-        # row's running max at that step (and that max); once the walk has the rows' final max and
-        # total, the stored sums are rescaled, weighted and summed per tile. Half the logits of the
-        # two passes, for a scratch slot of max_steps x BLOCK_KB x BLOCK_R floats per program.
-        slot = tl.program_id(0).to(tl.int64)
-        part_slot = part_ptr + slot * max_steps * BLOCK_KB * BLOCK_R
-        max_slot = step_max_ptr + slot * max_steps * BLOCK_R
-        o_part = o_kb[:, None] * BLOCK_R + o_r[None, :]
+    slot = tl.program_id(0).to(tl.int64)
+    part_slot = part_ptr + slot * max_steps * BLOCK_KB * BLOCK_R
+    max_slot = step_max_ptr + slot * max_steps * BLOCK_R
+    o_part = o_kb[:, None] * BLOCK_R + o_r[None, :]
+    for i_pass in tl.static_range(1 if ONE_PASS else 2):
+        if i_pass == 1:
+            w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
         for i_part in tl.static_range(2 if STRIDED_CAUSAL else 1):
             for kb0 in range(lo if i_part == 0 else mid, mid if i_part == 0 else end, BLOCK_KB):
                 b_s = _masked_step_logits(
@@ -261,14 +263,20 @@ def _antidiagonal_shares_kernel(
                     query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
                     DOT_PRECISION, i_part == 1,
                 )
-                m_new = tl.maximum(m_i, tl.max(b_s, 0))
-                b_p = tl.math.exp2(b_s - m_new[None, :])
-                l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(b_p, 0)
-                m_i = m_new
-                step = (kb0 - lo) // BLOCK_KB
-                b_part = tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_R]), 1)
-                tl.store(part_slot + step * BLOCK_KB * BLOCK_R + o_part, b_part)
-                tl.store(max_slot + step * BLOCK_R + o_r, m_new)
+                if i_pass == 0:
+                    m_new = tl.maximum(m_i, tl.max(b_s, 0))
+                    b_p = tl.math.exp2(b_s - m_new[None, :])
+                    l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(b_p, 0)
+                    m_i = m_new
+                    if ONE_PASS:
+                        step = (kb0 - lo) // BLOCK_KB
+                        b_part = tl.sum(tl.reshape(b_p, [BLOCK_KB, PB, BLOCK_R]), 1)
+                        tl.store(part_slot + step * BLOCK_KB * BLOCK_R + o_part, b_part)
+                        tl.store(max_slot + step * BLOCK_R + o_r, m_new)
+                else:
+                    _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks,
+                                       m_out_q, BLOCK_KB, BLOCK_QB, PB)
+    if ONE_PASS:
         w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
         for kb0 in range(lo, end, BLOCK_KB):
             step = (kb0 - lo) // BLOCK_KB
@@ -278,25 +286,6 @@ def _antidiagonal_shares_kernel(
             o_k = kb0 + o_kb
             tl.store(out_head + o_qb[None, :] * stride_oq + o_k[:, None], b_tile,
                      mask=(o_k < num_k_blocks)[:, None] & m_out_q)
-    else:
-        for i_pass in tl.static_range(2):
-            if i_pass == 1:
-                w_r = _row_weights(l_i, BLOCK_QB, PB, BLOCK_R)
-            for i_part in tl.static_range(2 if STRIDED_CAUSAL else 1):
-                for kb0 in range(lo if i_part == 0 else mid, mid if i_part == 0 else end, BLOCK_KB):
-                    b_s = _masked_step_logits(
-                        q_head, k_head, idx_head, allowed_ptr, stride_qn, stride_kn, row_tok, row_valid, qb,
-                        kb0 + kb_local, c_in, seq_len_q, seq_len_k, num_q_blocks, num_k_blocks, head_dim, qk_scale,
-                        query_offset, BLOCK_SIZE, STRIDE, PER_BLOCK, BLOCK_R, BLOCK_C, BLOCK_D, USE_INDICES,
-                        DOT_PRECISION, i_part == 1,
-                    )
-                    if i_pass == 0:
-                        m_new = tl.maximum(m_i, tl.max(b_s, 0))
-                        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(b_s - m_new[None, :]), 0)
-                        m_i = m_new
-                    else:
-                        _store_tile_shares(b_s, m_i, w_r, out_head, o_qb, kb0 + o_kb, stride_oq, num_k_blocks,
-                                           m_out_q, BLOCK_KB, BLOCK_QB, PB)
 
     # Key blocks outside the walked range are not allowed for any query block here.
     zeros = tl.zeros([BLOCK_KB, BLOCK_QB], dtype=tl.float32)
