@@ -11,6 +11,11 @@ the goal's bars (+0.10, +0.03).
 
     python benchmarks/plot_quality_frontier.py --out docs/images/quality_frontier_heldout_copy.png
     python benchmarks/plot_quality_frontier.py --tuning --out docs/images/quality_frontier_tuning_lines.png
+    python benchmarks/plot_quality_frontier.py --gemma-32k --out docs/images/quality_frontier_gemma3_32k_gpu.png
+
+``--gemma-32k``: Gemma 3 at 32K from the GPU runs (``quality_gpu_heldout_long_32k_*_gemma3.json``):
+excess loss on the two 32K documents against density, with issue 38's bar (density <= 0.55 at
++0.02 nats or less) shaded; each method once.
 """
 
 from __future__ import annotations
@@ -132,11 +137,56 @@ def plot_tuning(out: Path) -> None:
     save_figure(fig, out, f"{len(rows)} points")
 
 
+def gemma_32k_points() -> list[tuple[str, float, float]]:
+    """``(label, density, excess loss at 32K)`` of every method in the GPU runs, each label once."""
+    out = {}
+    for path in sorted(RESULTS.glob("quality_gpu_heldout_long_32k_*_gemma3.json")):
+        report = json.loads(path.read_text())
+        for row in report["summary"]:
+            # the gqa variants repeat their neighbours' points (gqa matters only for a permuter)
+            if row["method"] != "dense" and row.get("delta_loss") is not None and "gqa" not in row["method"]:
+                out.setdefault(row["method"], (row["density"], row["delta_loss"]))
+    return [(label, density, delta) for label, (density, delta) in out.items()]
+
+
+def plot_gemma_32k(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = gemma_32k_points()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.fill_between([0.0, 0.55], -0.01, 0.02, color="tab:green", alpha=0.12, label="issue 38's bar")
+    for label, density, delta in rows:
+        oracle = "oracle" in label
+        permuted = "last_block" in label or "pbs_" in label
+        color = "tab:green" if oracle else ("tab:blue" if permuted else "tab:orange")
+        ax.scatter(density, delta, marker="*" if oracle else "o", s=110 if oracle else 40, color=color, zorder=3)
+        short = (label.replace(" (exact block mass)", "").replace(" + mean_pool 0.90", " + mp")
+                 .replace("selector ", "").replace(" (its defaults)", "").replace("last_block + ", "lb + "))
+        ax.annotate(short[:32], (density, delta), fontsize=6.5, xytext=(4, 3 if delta > 0.012 else -9),
+                    textcoords="offset points")
+    ax.set_xlim(0.25, 0.8)
+    ax.set_ylim(-0.01, 0.12)
+    ax.set_xlabel("density (two held-out 32K documents)")
+    ax.set_ylabel("excess loss at 32K (nats, vs dense)")
+    ax.set_title("Gemma 3 270M at 32K on an H200 (reference path, Python 3.12's texts)\n"
+                 "stars: oracle (true mass); blue: permuted (last_block); orange: unpermuted", fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    save_figure(fig, out, f"{len(rows)} points")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/images/quality_frontier_heldout_copy.png"))
     parser.add_argument("--tuning", action="store_true", help="the tuning-set frontier of the line-based methods")
+    parser.add_argument("--gemma-32k", action="store_true", help="Gemma 3 at 32K, from the GPU runs")
     args = parser.parse_args()
+    if args.gemma_32k:
+        plot_gemma_32k(args.out)
+        return
     if args.tuning:
         plot_tuning(args.out)
         return
