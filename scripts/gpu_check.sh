@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|capturable|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|capturable|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -9,6 +9,8 @@
 # defaults: the GPU tests of the dense fallback, the density probe and the Gluon kernel, the host time of each step
 # of the dense path and the probe (scripts/host_overhead.py), then bench_defaults.py
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs);
+# antidiagonal: the antidiagonal share kernel's GPU test, then its two walks (two passes, one pass
+# with partial sums in scratch) timed at strides 16 and 8, 32K and 128K (sweep_antidiagonal.py);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
@@ -69,6 +71,16 @@ if [[ $mode == serve ]]; then
   status=${PIPESTATUS[0]}
   timeout ${BENCH_TIMEOUT:-450} python3 benchmarks/bench_serve_ttft.py --budget-s 360 --out "$OUT/serve_ttft.json" "$@" \
     2>&1 | tee "$OUT/serve_ttft.log"
+fi
+if [[ $mode == antidiagonal ]]; then
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_kernel_antidiagonal.py -m gpu -q -p no:cacheprovider -rf \
+    2>&1 | tee "$OUT/gpu_tests_antidiagonal.log" | tail -n 20
+  status=${PIPESTATUS[0]}
+  for stride in 16 8; do
+    timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/sweep_antidiagonal.py --stride $stride --lengths 32768 131072 \
+      --variants 128,128,8,3 64,128,4,3 --walks two one --json "$OUT/antidiagonal_walks_stride$stride.json" \
+      2>&1 | tee "$OUT/antidiagonal_walks_stride$stride.log" | cut -c1-200
+  done
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"

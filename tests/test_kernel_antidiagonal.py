@@ -270,6 +270,61 @@ def test_rejects_bad_arguments():
         antidiagonal_block_shares(q, k.half(), layout, 8, 1.0)
 
 
+def antidiagonal_compile_report() -> dict:
+    """Compiles, for sm_90 (run by compile_in_subprocess), the share kernel's one-pass walk as the GPU
+    would launch it (bf16, D 128, 128 strided rows x 128 strided keys, 8 warps, 3 stages), at strides
+    8 and 16, with keys permuted in place, read through key indices, and unsegmented (XAttention's
+    strided causal mask): registers, spills and shared memory of each. (The two-pass walk is the one
+    the GPU runs and tests.)"""
+    from pbs.kernels import antidiagonal
+    from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
+
+    q, k = (x.to(torch.bfloat16) for x in make_qkv(1, 4, 2, 2048, 128, seed=0)[:2])
+    report = {}
+    for stride in (8, 16):
+        per_block = 128 // stride
+        for case in ("permuted", "key_indices", "unsegmented"):
+            permuter = "none" if case == "unsegmented" else "last_block"
+            layout = make_layout(q, k, pbs.PBSConfig(block_size=128, segment_size=1024, permuter=permuter))
+            indices = torch.arange(2048).expand(1, 4, 2048).contiguous() if case == "key_indices" else None
+            compiled = []
+            real = antidiagonal._antidiagonal_shares_kernel
+
+            class CompileOnly:
+                def __getitem__(self, grid):
+                    def warmup(*args, **kwargs):
+                        kwargs.update(num_warps=8, num_stages=3)
+                        compiled.append(real.warmup(*args, grid=grid, **kwargs))
+                    return warmup
+
+            antidiagonal._antidiagonal_shares_kernel = CompileOnly()
+            try:
+                with sm90_driver():
+                    antidiagonal.antidiagonal_block_shares(
+                        q, k, layout, stride, 128 ** -0.5, key_indices=indices, one_pass=True,
+                        query_blocks_per_program=128 // per_block, key_blocks_per_step=128 // per_block,
+                    )
+            finally:
+                antidiagonal._antidiagonal_shares_kernel = real
+            cubin = compiled[0].asm["cubin"]
+            usage = resource_usage(cubin, scratch_dir())
+            usage["DYNAMIC_SHARED"] = compiled[0].metadata.shared
+            report[f"stride {stride} {case}"] = usage
+    return report
+
+
+def test_the_one_pass_walk_compiles_for_sm90_within_shared_memory_and_without_spills():
+    # The GPU's tiling (the interpreter runs 16 x 32 tiles): 128 x 128, 8 warps, 3 stages, as
+    # GPU_TILE; an H100/H200 gives a block 227 KB of shared memory.
+    from tests.sm90_compile import compile_in_subprocess
+
+    report = compile_in_subprocess("tests.test_kernel_antidiagonal:antidiagonal_compile_report")
+    assert len(report) == 6
+    for name, usage in report.items():
+        assert usage["LOCAL"] == 0, f"register spills ({name}): {usage}"
+        assert usage["SHARED"] + usage["DYNAMIC_SHARED"] <= 232448, f"shared memory ({name}): {usage}"
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_long():
     q, k = workload(heads_q=8, heads_kv=2, seq_len=8192, head_dim=128, dtype=torch.bfloat16, batch=1, seed=12)
