@@ -34,6 +34,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 FILLER = "5000"
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def points() -> list[tuple[str, float, float]]:
     """``(method, density of the copy sample, excess copy loss)`` from every held-out report."""
     out = []
@@ -107,10 +117,7 @@ def tuning_points(filler: str = "3000") -> list[tuple[str, float, float, float]]
 
 
 def plot_tuning(out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = tuning_points()
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
@@ -150,10 +157,7 @@ def gemma_32k_points() -> list[tuple[str, float, float]]:
 
 
 def plot_gemma_32k(out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = gemma_32k_points()
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -190,10 +194,7 @@ def main() -> None:
     if args.tuning:
         plot_tuning(args.out)
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = points()
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
