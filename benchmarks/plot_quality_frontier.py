@@ -44,6 +44,18 @@ def _pyplot():
     return plt
 
 
+def _finish(fig, ax, out: Path, rows: int, xlim, ylim, xlabel: str, ylabel: str, title: str) -> None:
+    """Axes limits, labels, title, legend and grid of a one-panel frontier, then the file."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    save_figure(fig, out, f"{rows} points")
+
+
 def points() -> list[tuple[str, float, float]]:
     """``(method, density of the copy sample, excess copy loss)`` from every held-out report."""
     out = []
@@ -171,29 +183,13 @@ def plot_gemma_32k(out: Path) -> None:
                  .replace("selector ", "").replace(" (its defaults)", "").replace("last_block + ", "lb + "))
         ax.annotate(short[:32], (density, delta), fontsize=6.5, xytext=(4, 3 if delta > 0.012 else -9),
                     textcoords="offset points")
-    ax.set_xlim(0.25, 0.8)
-    ax.set_ylim(-0.01, 0.12)
-    ax.set_xlabel("density (two held-out 32K documents)")
-    ax.set_ylabel("excess loss at 32K (nats, vs dense)")
-    ax.set_title("Gemma 3 270M at 32K on an H200 (reference path, Python 3.12's texts)\n"
-                 "stars: oracle (true mass); blue: permuted (last_block); orange: unpermuted", fontsize=9)
-    ax.legend(loc="upper right", fontsize=8)
-    ax.grid(alpha=0.3)
-    save_figure(fig, out, f"{len(rows)} points")
+    _finish(fig, ax, out, len(rows), (0.25, 0.8), (-0.01, 0.12), "density (two held-out 32K documents)",
+            "excess loss at 32K (nats, vs dense)",
+            "Gemma 3 270M at 32K on an H200 (reference path, Python 3.12's texts)\n"
+            "stars: oracle (true mass); blue: permuted (last_block); orange: unpermuted")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("docs/images/quality_frontier_heldout_copy.png"))
-    parser.add_argument("--tuning", action="store_true", help="the tuning-set frontier of the line-based methods")
-    parser.add_argument("--gemma-32k", action="store_true", help="Gemma 3 at 32K, from the GPU runs")
-    args = parser.parse_args()
-    if args.gemma_32k:
-        plot_gemma_32k(args.out)
-        return
-    if args.tuning:
-        plot_tuning(args.out)
-        return
+def plot_heldout_copy(out: Path) -> None:
     plt = _pyplot()
 
     rows = points()
@@ -208,15 +204,25 @@ def main() -> None:
         ax.scatter(density, excess, marker=marker, s=90 if oracle else 45, color=color, zorder=3)
         label = method.replace(" (shared, B=64 S=256)", ", B=64").replace("(rows_per_block=16)", "16")
         ax.annotate(label[:60], (density, excess), fontsize=6.5, xytext=(4, 3), textcoords="offset points")
-    ax.set_xlim(0.15, 0.55)
-    ax.set_ylim(-0.05, 1.8)
-    ax.set_xlabel("density of the 7000-token copy sample")
-    ax.set_ylabel("excess loss on the repeated passage (nats, vs dense)")
-    ax.set_title("Held-out copy probe (1000 + 5000 + 1000 tokens), SmolLM2-135M, CPU reference path\n"
-                 "stars: oracle (true mass); squares: block 64; diamonds: vertical_slash; circles: other, block 128", fontsize=9)
-    ax.legend(loc="upper right", fontsize=8)
-    ax.grid(alpha=0.3)
-    save_figure(fig, args.out, f"{len(rows)} points")
+    _finish(fig, ax, out, len(rows), (0.15, 0.55), (-0.05, 1.8), "density of the 7000-token copy sample",
+            "excess loss on the repeated passage (nats, vs dense)",
+            "Held-out copy probe (1000 + 5000 + 1000 tokens), SmolLM2-135M, CPU reference path\n"
+            "stars: oracle (true mass); squares: block 64; diamonds: vertical_slash; circles: other, block 128")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("docs/images/quality_frontier_heldout_copy.png"))
+    parser.add_argument("--tuning", action="store_true", help="the tuning-set frontier of the line-based methods")
+    parser.add_argument("--gemma-32k", action="store_true", help="Gemma 3 at 32K, from the GPU runs")
+    args = parser.parse_args()
+    if args.gemma_32k:
+        plot_gemma_32k(args.out)
+        return
+    if args.tuning:
+        plot_tuning(args.out)
+        return
+    plot_heldout_copy(args.out)
 
 
 if __name__ == "__main__":
