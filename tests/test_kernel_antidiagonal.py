@@ -8,7 +8,7 @@ XAttention's estimator) the allowed blocks under a strided causal mask. The kern
 in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes are tiny and
 dtypes are fp32/fp16 (the interpreter's bf16 dot products are wrong); the ``gpu`` test reruns the
 check in bf16 at a longer length. Each check runs both walks of the kernel (two passes, and one pass
-with per-row partial sums in scratch). Every output buffer is NaN-poisoned first, so a block that the
+with per-row partial sums in scratch, the default within its scratch budget). Every output buffer is NaN-poisoned first, so a block that the
 kernel forgets to write fails the comparison.
 """
 
@@ -257,6 +257,31 @@ def test_segmented_shares_live_on_the_candidates():
     rows = candidates.any(-1)
     torch.testing.assert_close(got[..., rows, :].sum(-1), torch.ones_like(got[..., rows, 0]), atol=1e-5, rtol=0)
     assert (got[..., ~rows, :] == 0).all()
+
+
+def test_the_default_walk_is_one_pass_unless_its_scratch_exceeds_the_budget(monkeypatch):
+    from pbs.kernels import antidiagonal
+
+    q, k = workload(seq_len=200, batch=1)
+    layout = _segmented(q, k, 32, 64)
+    real = antidiagonal._antidiagonal_shares_kernel
+    walks = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                walks.append(kwargs["ONE_PASS"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(antidiagonal, "_antidiagonal_shares_kernel", Spy())
+    one = antidiagonal_block_shares(q, k, layout, 8, 0.2)
+    assert walks == [True]
+    # Budget below one program's scratch: two passes, the same shares.
+    monkeypatch.setattr(antidiagonal, "ONE_PASS_SCRATCH_BYTES", 64)
+    two = antidiagonal_block_shares(q, k, layout, 8, 0.2)
+    assert walks == [True, False]
+    torch.testing.assert_close(one, two, atol=2e-6, rtol=1e-5)
 
 
 def test_rejects_bad_arguments():

@@ -329,6 +329,10 @@ GPU_TILE = (128, 128, 8, 3)
 K row a program loads serves twice the query rows of a 64 x 128 tile, which halves the L2 traffic."""
 
 
+ONE_PASS_SCRATCH_BYTES = 256 * 1024 * 1024
+"""Upper bound on the one-pass walk's float32 scratch (partial sums and step maxima) per launch."""
+
+
 def _blocks_per_program(per_block_pow2: int, rows: int, cols: int) -> tuple[int, int]:
     """``(BLOCK_QB, BLOCK_KB)`` giving about ``rows`` strided rows and ``cols`` strided keys (>= 16 each)."""
     return max(1, max(rows, 16) // per_block_pow2), max(1, max(cols, 16) // per_block_pow2)
@@ -350,7 +354,7 @@ def antidiagonal_block_shares(
     query_blocks_per_program: int | None = None,
     key_blocks_per_step: int | None = None,
     gpu_tile: tuple[int, int, int, int] = GPU_TILE,
-    one_pass: bool = False,
+    one_pass: bool | None = None,
     programs_per_launch: int | None = None,
 ) -> torch.Tensor:
     """Strided antidiagonal block shares of attention, equal to ``antidiagonal_block_scores``.
@@ -383,6 +387,9 @@ def antidiagonal_block_shares(
             each strided row's partial sum per key block in float32 scratch (about ``rows x Tk``
             floats per program of a launch); the programs then run in launches of
             ``programs_per_launch`` (default two per SM on a GPU, all of them in the interpreter).
+            None (default): one pass when the scratch of one program per SM (of every program in
+            the interpreter) fits `ONE_PASS_SCRATCH_BYTES`, else two passes. Both walks give
+            the same shares up to float rounding.
 
     Returns:
         ``(B, head_stop - head_start, Tq, Tk)`` float32: per query block, the share of its strided
@@ -456,13 +463,20 @@ def antidiagonal_block_shares(
     idx = key_indices if key_indices is not None else lo  # any pointer; not read without indices
     programs = b * n_heads * num_groups
     block_r = qb_per * pb
-    # Two passes read no scratch: a constant 0 keeps the compiled variants to those of before.
-    max_steps = cdiv(tk, kb_per) if one_pass else 0
-    if one_pass:
+    steps = cdiv(tk, kb_per)
+    program_scratch_bytes = steps * (kb_per + 1) * block_r * 4
+    if one_pass is None or (one_pass and programs_per_launch is None):
+        # Two programs per SM on a GPU, as many as the budget holds; every program in one launch
+        # when interpreted.
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu else programs
+        fitting = ONE_PASS_SCRATCH_BYTES // program_scratch_bytes
+        if one_pass is None:
+            one_pass = fitting >= min(sms, programs)
         if programs_per_launch is None:
-            programs_per_launch = programs
-            if on_gpu:
-                programs_per_launch = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
+            programs_per_launch = max(1, min(2 * sms, fitting)) if on_gpu else programs
+    # Two passes read no scratch: a constant 0 keeps the compiled variants to those of before.
+    max_steps = steps if one_pass else 0
+    if one_pass:
         per_launch = max(1, min(programs, programs_per_launch))
         part = torch.empty(per_launch * max_steps * kb_per * block_r, dtype=torch.float32, device=q.device)
         step_max = torch.empty(per_launch * max_steps * block_r, dtype=torch.float32, device=q.device)
