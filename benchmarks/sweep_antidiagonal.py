@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=8)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help="rows,keys,warps,stages per variant")
     parser.add_argument("--walks", nargs="+", choices=["two", "one"], default=["two"],
-                        help="two: statistics, then shares (the default kernel); one: one_pass=True")
+                        help="two: statistics, then shares (one_pass=False); one: one_pass=True (the default walk within its scratch budget)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []

@@ -104,3 +104,15 @@ def test_the_index_links_and_cited_in_column_hold(pages):
             bad += [f"{name}: the index says {page} cites it" for name in listed
                     if page not in page_words or not cites(page_words[page], name)]
     assert not bad, bad
+
+
+def test_the_index_counts_each_folders_files(files):
+    counted = {}
+    for line in INDEX.read_text(encoding="utf-8").splitlines():
+        row = re.match(r"\| \[`(\w+)/`\]\(#\w+\) \|.*\| (\d+) \|$", line)
+        if row:
+            counted[row.group(1)] = int(row.group(2))
+    actual = {}
+    for name in files:
+        actual[name.split("/")[0]] = actual.get(name.split("/")[0], 0) + 1
+    assert counted == actual, f"the folder table of benchmarks/results/README.md says {counted}, the folders hold {actual}"
