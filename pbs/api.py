@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pbs.config import PBSConfig
-from pbs.dense import Attended, DensePolicy, dense_attention_sdpa
+from pbs.dense import Attended, DensePolicy, dense_attention
 from pbs.backends.permute import permute_keys_and_values
 from pbs.planning import build_plan, run_planned
 from pbs.types import Plan
@@ -227,18 +227,19 @@ def _is_4d_tensor(x: object) -> bool:
 
 
 def _dense_then_checks(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: object, scale: float | None) -> torch.Tensor:
-    """Dense SDPA for a call too short to plan, launched before the input checks run.
+    """Dense attention (`pbs.dense.dense_attention`) for a call too short to plan, launched before
+    the input checks run.
 
     The checks then run on the host while the GPU computes instead of before it starts: on an idle
     GPU they were most of what pbs added to SDPA's latency (docs/notes.md). Errors stay the same:
-    an exception from SDPA gives way to the checks' named error, and inputs that SDPA accepts but
-    PBS refuses (inputs that need grad, ``Nq > Nk``, NaN when checked, ...) still raise, the
-    output discarded.
+    an exception from dense attention gives way to the checks' named error, and inputs that it
+    accepts but PBS refuses (inputs that need grad, ``Nq > Nk``, NaN when checked, ...) still
+    raise, the output discarded.
     """
     s = _scale(q, scale)
     failure: Exception | None = None
     try:
-        out = dense_attention_sdpa(q, k, v, scale=s, causal=config.causal)  # type: ignore[arg-type]
+        out = dense_attention(q, k, v, scale=s, causal=config.causal)  # type: ignore[arg-type]
     except Exception as sdpa_error:  # noqa: BLE001 - replaced by the named error below, else re-raised
         failure = sdpa_error
     if failure is not None:

@@ -21,7 +21,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pbs.backends.probe import gated_dense_available, probe_estimate, probe_then_gated_dense
+from pbs.backends.probe import (
+    dense_kernel_attention,
+    dense_kernel_available,
+    gated_dense_available,
+    probe_estimate,
+    probe_then_gated_dense,
+)
 from pbs.config import DenseFallback, PBSConfig
 from pbs.planning import build_plan, full_plan, page_size_of, run_planned
 from pbs.types import Plan, is_paged
@@ -98,6 +104,39 @@ def dense_attention_sdpa(
             finally:
                 torch._C._set_sdp_priority_order(previous)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True
+) -> torch.Tensor:
+    """The dense attention that PBS runs in place of sparse attention: `dense_attention_sdpa`,
+    except for causal calls with fewer queries than keys (a chunk after a cached prefix) on a
+    Hopper GPU, which run the Gluon kernel in dense mode.
+
+    SDPA serves bottom-right causal alignment with its memory-efficient kernel, not cuDNN, which
+    takes about twice as long on an H200 (docs/serving.md, "What a chunk costs"). Both compute
+    the same attention.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
+
+    Returns:
+        ``(B, Hq, Nq, Dv)`` in ``q``'s dtype.
+    """
+    if causal and _chunk_after_prefix(q, k, v) and dense_kernel_available(q, v.shape[-1]):
+        return dense_kernel_attention(q, k, v, scale=scale, causal=causal)
+    return dense_attention_sdpa(q, k, v, scale=scale, causal=causal)
+
+
+def _chunk_after_prefix(q: Any, k: Any, v: Any) -> bool:
+    """Whether ``q``, ``k`` and ``v`` are well-formed 4-d tensors of one dtype and device with
+    fewer queries than keys. `pbs.attention` launches dense attention before its input checks,
+    and the Gluon kernel, unlike SDPA, does not check shapes."""
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+        return False
+    (b, hq, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
+    return (nq < nk and b == bk and d == dk and hk > 0 and hq % hk == 0 and v.shape[:3] == k.shape[:3]
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device)
 
 
 # The dense-mode kernel's gate compares the probe's counters in integers (a float threshold
@@ -190,12 +229,12 @@ class DensePolicy:
         self.return_lse = return_lse
 
     def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dense attention, ``(out, lse)``: SDPA (cuDNN first; ``lse`` None), or with
+        """Dense attention, ``(out, lse)``: `dense_attention` (``lse`` None), or with
         ``return_lse`` every allowed block on a backend that returns the log-sum-exp. Keys and
         values in a paged cache (`pbs.types.PagedTensor`) also take every allowed block, on a
         backend that reads the pages in place: SDPA would need them copied out."""
         if not self.return_lse and not is_paged(k):
-            return dense_attention_sdpa(q, k, v, scale=scale, causal=self.config.causal), None
+            return dense_attention(q, k, v, scale=scale, causal=self.config.causal), None
         plan = full_plan(q, k, self.config, v.shape[-1], return_lse=self.return_lse)
         result = run_planned(plan, q, k, v, q.dtype, scale, return_lse=self.return_lse)
         return result if self.return_lse else (result, None)

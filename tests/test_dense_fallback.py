@@ -24,6 +24,40 @@ def test_sdpa_path_equals_dense_reference(seq_len_q):
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
 
 
+def test_chunks_after_a_prefix_take_the_dense_kernel_where_it_runs(monkeypatch):
+    # dense_attention's routing: a causal call with fewer queries than keys goes to the Gluon
+    # kernel wherever that kernel runs (faked here: dense_kernel_available), anything else to SDPA.
+    import pbs.dense
+
+    kernel_calls = []
+
+    def fake_kernel(q, k, v, *, scale, causal):
+        kernel_calls.append((q.shape[2], k.shape[2]))
+        return dense_attention_sdpa(q, k, v, scale=scale, causal=causal)
+
+    monkeypatch.setattr(pbs.dense, "dense_kernel_available", lambda q, dv: True)
+    monkeypatch.setattr(pbs.dense, "dense_kernel_attention", fake_kernel)
+    q, k, v = _qkv(seq_len_q=100)
+    out = pbs.dense.dense_attention(q, k, v, scale=32**-0.5)
+    assert kernel_calls == [(100, 256)]
+    assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-5
+    pbs.dense.dense_attention(*_qkv(), scale=32**-0.5)  # Nq == Nk: cuDNN's causal
+    pbs.dense.dense_attention(q, k, v, scale=32**-0.5, causal=False)
+    # Malformed inputs never reach the kernel (it checks no shapes; SDPA names the problem).
+    for bad in [(q, k[..., :16], v), (q[:, :3], k, v), (q, k, v[:, :, :200]), (q.double(), k, v), (k, q, v)]:
+        try:
+            pbs.dense.dense_attention(*bad, scale=32**-0.5)
+        except Exception:  # noqa: BLE001 - SDPA's own error; the point is which function ran
+            pass
+    assert kernel_calls == [(100, 256)]
+    # pbs.attention's dense-by-length path and the policy's dense path both route through it.
+    config = {**SMALL, "dense_fallback": {"min_seq_len": 1 << 20, "devices": ["cpu"]}}
+    out, plan = pbs.attention(q, k, v, config, return_plan=True)
+    assert plan.dense_rule == "length" and kernel_calls == [(100, 256)] * 2
+    pbs.dense.DensePolicy(pbs.PBSConfig(**SMALL)).dense(q, k, v, 32**-0.5)
+    assert kernel_calls == [(100, 256)] * 3
+
+
 def test_short_inputs_run_dense_without_planning():
     q, k, v = _qkv()
     config = {**SMALL, "dense_fallback": {"min_seq_len": 257, "devices": ["cpu"]}}
@@ -233,6 +267,35 @@ def test_gpu_gated_dense_matches_torch_with_batches_gqa_and_a_prefix():
     out, reason = DensePolicy(config).probe(q, k, v, 128**-0.5)
     assert out is not None and "density probe" in reason  # random q, k: flat attention
     assert_max_abs_error_within_torch(out, q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_attention_of_a_chunk_after_a_prefix_runs_the_dense_kernel_within_torch_error(monkeypatch):
+    """A chunk of 1000 queries after a prefix of 4000 + 11 keys, batch 2, GQA 4:1, strided
+    queries: on a Hopper GPU the Gluon kernel in dense mode runs it, within torch's max-abs error;
+    a decode step (one query row, too few tiles to fill the GPU) stays on SDPA."""
+    from pbs.backends import CallSpec
+    from pbs.backends.eligibility import dense_kernel_reasons
+    from pbs.dense import dense_attention
+    from pbs.kernels import hopper_attn
+    from tests.helpers import assert_max_abs_error_within_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn((2, 1000, 32, 128), generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn((2, 8, 5011, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    reasons = dense_kernel_reasons(CallSpec.of(q, v.shape[-1], 128))
+    if reasons:
+        pytest.skip("needs a Hopper GPU: " + "; ".join(reasons))
+    launches = []
+    real = hopper_attn.launch_hopper_dense
+    monkeypatch.setattr(hopper_attn, "launch_hopper_dense", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    out = dense_attention(q, k, v, scale=128**-0.5)
+    assert launches == [1]
+    assert_max_abs_error_within_torch(out, q, k, v, causal=True)
+    decode = dense_attention(q[:, :, -1:], k, v, scale=128**-0.5)
+    assert launches == [1]
+    torch.testing.assert_close(decode, dense_attention_sdpa(q[:, :, -1:], k, v, scale=128**-0.5))
 
 
 @pytest.mark.gpu

@@ -153,13 +153,13 @@ def test_dense_by_length_refuses_what_sdpa_would_accept(mutate, message):
 
 
 def test_dense_by_length_launches_before_it_checks(monkeypatch):
-    # The checks run while the GPU computes: SDPA is called first, the checks after, and the
-    # result is dense attention.
+    # The checks run while the GPU computes: dense attention is called first, the checks after,
+    # and the result is dense attention.
     import pbs.api
 
     order = []
-    real_sdpa, real_check = pbs.api.dense_attention_sdpa, pbs.api.check_qkv
-    monkeypatch.setattr(pbs.api, "dense_attention_sdpa", lambda *a, **kw: order.append("sdpa") or real_sdpa(*a, **kw))
+    real_sdpa, real_check = pbs.api.dense_attention, pbs.api.check_qkv
+    monkeypatch.setattr(pbs.api, "dense_attention", lambda *a, **kw: order.append("sdpa") or real_sdpa(*a, **kw))
     monkeypatch.setattr(pbs.api, "check_qkv", lambda *a, **kw: order.append("checks") or real_check(*a, **kw))
     q, k, v = _qkv()
     out, plan = pbs.attention(q, k, v, DENSE_BY_LENGTH_ON_CPU, return_plan=True)

@@ -2,7 +2,7 @@
 
 Each function returns why its kernel cannot run calls of a `CallSpec` (an empty list: it can).
 Planning asks them once per call through `pbs.backends.resolve_backend`; the dense policy asks
-`gated_dense_reasons` and `probe_kernel_reasons`. They are cached per spec (they run in every
+`dense_kernel_reasons`, `gated_dense_reasons` and `probe_kernel_reasons`. They are cached per spec (they run in every
 layer of every call), and whether Triton and Gluon import is asked once, here only.
 """
 
@@ -202,18 +202,32 @@ def _probe_kernel_reasons(device: torch.device, head_dim: int) -> tuple[str, ...
     return tuple(reasons)
 
 
+def _gluon_unusable() -> str | None:
+    """Why no Gluon kernel can run in this process at all, or None."""
+    if interpreting():
+        return "the Triton interpreter cannot run Gluon"
+    kernel = _gluon_kernel_module()
+    return kernel if isinstance(kernel, str) else None
+
+
+def dense_kernel_reasons(spec: CallSpec) -> list[str]:
+    """Why the Gluon kernel cannot run ``spec`` in dense mode, every visible key without a plan
+    (`pbs.dense.dense_attention`); its ``block_size`` is not read: dense mode walks the kernel's
+    own blocks."""
+    unusable = _gluon_unusable()
+    if unusable is not None:
+        return [unusable]
+    kernel = _gluon_kernel_module()
+    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
+    return gluon_kernel_reasons(dense_spec) + contiguous_only_reasons(spec, "the dense-mode kernel")
+
+
 def gated_dense_reasons(spec: CallSpec) -> list[str]:
     """Why the dense policy cannot queue the Gluon kernel in dense mode behind the density probe,
-    gated on the probe's counters (`pbs.dense.DensePolicy`), for ``spec`` (its ``block_size`` is
-    not read: dense mode walks the kernel's own blocks)."""
-    if interpreting():
-        return ["the Triton interpreter cannot run Gluon"]
-    kernel = _gluon_kernel_module()
-    if isinstance(kernel, str):
-        return [kernel]
-    dense_spec = CallSpec(spec.device, spec.dtype, spec.head_dim, spec.head_dim_v, kernel.BLOCK_SIZE)
-    return (gluon_kernel_reasons(dense_spec) + probe_kernel_reasons(spec.device, spec.head_dim)
-            + contiguous_only_reasons(spec, "the gated dense path"))
+    gated on the probe's counters (`pbs.dense.DensePolicy`), for ``spec``."""
+    if _gluon_unusable() is not None:
+        return dense_kernel_reasons(spec)
+    return dense_kernel_reasons(spec) + probe_kernel_reasons(spec.device, spec.head_dim)
 
 
 def triton_installed() -> bool:

@@ -1,5 +1,6 @@
-"""The density probe's launches for the dense policy (`pbs.dense.DensePolicy`): which
-implementation estimates a call's density, and the gated dense kernel queued behind it.
+"""The dense policy's launches (`pbs.dense`): which implementation estimates a call's density,
+the gated dense kernel queued behind the probe, and the Gluon kernel in dense mode for the calls
+that SDPA serves slowly.
 
 The rules that read these numbers (``kept / visible > max_density``) live in `pbs.dense`; this
 module only decides where the numbers are computed, so that no floor above the dispatch layer
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pbs.backends.eligibility import gated_dense_reasons, probe_kernel_reasons
+from pbs.backends.eligibility import dense_kernel_reasons, gated_dense_reasons, probe_kernel_reasons
 from pbs.backends.registry import CallSpec
 from pbs.reference.density_probe import probe_density
 from pbs.types import is_paged
@@ -33,6 +34,40 @@ def probe_estimate(q: torch.Tensor, k: Any, args: dict[str, Any]) -> torch.Tenso
             return probe_density_triton(q, k.cache, **args, block_table=k.block_table, seq_len_k=k.length)
         return probe_density_triton(q, k, **args)
     return probe_density(q, k.gather() if is_paged(k) else k, **args)
+
+
+def dense_kernel_available(q: torch.Tensor, head_dim_v: int) -> bool:
+    """Whether `dense_kernel_attention` can run ``q (B, Hq, Nq, D)`` (a Hopper GPU, contiguous
+    keys) and fills every SM at least once (``B * Hq * ceil(Nq / 128)`` tiles): with fewer query
+    tiles, a decode step for instance, each program would walk every key alone."""
+    if not q.is_cuda:
+        return False
+    from pbs.kernels._common import sm_count
+    from pbs.kernels.hopper_attn import BLOCK_SIZE
+
+    tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK_SIZE)
+    return tiles >= sm_count(q.device) and not dense_kernel_reasons(CallSpec.of(q, head_dim_v, BLOCK_SIZE))
+
+
+def dense_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool) -> torch.Tensor:
+    """Dense attention by the Gluon kernel in dense mode (`pbs.kernels.hopper_attn.launch_hopper_dense`):
+    every visible key, queries the last ``Nq`` of the ``Nk`` positions.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, D)``, where
+            `dense_kernel_available` holds.
+
+    Returns:
+        ``(B, Hq, Nq, D)`` in ``q``'s dtype.
+    """
+    from pbs.kernels._common import descriptor_ready, sm_count
+    from pbs.kernels.hopper_attn import launch_hopper_dense
+
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    with torch.cuda.device(q.device):  # Triton launches on the current GPU; q may be on another
+        launch_hopper_dense(*(descriptor_ready(x) for x in (q, k, v)), out, scale=scale, causal=causal,
+                            sm_count=sm_count(q.device))
+    return out
 
 
 def gated_dense_available(q: torch.Tensor, head_dim_v: int, block_size: int, page_size: int | None) -> bool:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from pbs.api import attend
 from pbs.config import PBSConfig
-from pbs.dense import DensePolicy, dense_attention_sdpa
+from pbs.dense import DensePolicy, dense_attention
 from pbs.serving import varlen_attention
 
 __all__ = ["CONTINUOUS_BATCHING_NAME", "Measured", "PackedBatch", "attend_packed", "unpack_call"]
@@ -319,7 +319,7 @@ def _dense_request(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     windowed = causal and sliding_window is not None and kv_len > sliding_window
     if softcap is None and not windowed:
-        result = dense_attention_sdpa(q, k, v, scale=scale, causal=causal)
+        result = dense_attention(q, k, v, scale=scale, causal=causal)
     else:
         visible = None
         if causal:  # query r sits at position kv_len - q_len + r
