@@ -3,6 +3,7 @@ durations) and launch count, torch.profiler's top CUDA kernels, and the host's t
 
     python3 scripts/profile_selector.py --selector '{"name": "vertical_slash", "threshold": 0.6}' --n 16384 131072
     python3 scripts/profile_selector.py --defaults --n 16384 32768 131072   # PBSConfig() with planning forced
+    python3 scripts/profile_selector.py --defaults --n 131072 --chunk 8192  # the last 8K queries (chunked prefill)
 
 Where the wall time is well above the GPU's busy time, planning is host-bound (launch overhead):
 the host table then says which Python functions pay for it.
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--permuter", default="none")
     parser.add_argument("--defaults", action="store_true", help="profile PBSConfig() (selector/permuter ignored)")
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 131072])
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="plan only the last CHUNK queries against all N keys (a chunk of chunked prefill)")
     parser.add_argument("--rows", type=int, default=25, help="profiler table rows")
     parser.add_argument("--host-rows", type=int, default=30, help="cProfile rows")
     args = parser.parse_args()
@@ -41,6 +44,8 @@ def main() -> None:
     for n in args.n:
         q, k, _ = make_qkv(batch=1, heads_q=32, heads_kv=8, seq_len=n, head_dim=128, dtype=torch.bfloat16,
                            device="cuda", seed=0)
+        if args.chunk is not None:
+            q = q[:, :, -args.chunk:]
         for _ in range(3):
             pbs.plan(q, k, config)
         torch.cuda.synchronize()
@@ -60,7 +65,7 @@ def main() -> None:
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         busy = sum(e.device_time for e in kernels) / 1e3
-        print(f"N={n}: plan {wall:.3f} ms wall per call, host {host:.3f} ms to queue one plan, "
+        print(f"N={n}, Nq={q.shape[2]}: plan {wall:.3f} ms wall per call, host {host:.3f} ms to queue one plan, "
               f"GPU busy {busy:.3f} ms in {len(kernels)} kernels")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         profiler = cProfile.Profile()
