@@ -1,0 +1,73 @@
+"""Launch-parameter sweep of the ``vertical_slash`` line kernels on the GPU (pbs/kernels/vertical_slash.py).
+
+    python3 benchmarks/sweep_line_scores.py --json $OUT/line_scores_sweep.json
+
+Times `pbs.kernels.vertical_slash.line_scores` (the last 64 queries against every key: the part of
+the defaults' planning that does not shrink with a chunk's queries) for B=1, Hq=32, Hkv=8, D=128,
+bf16, with each variant ``key_tile,programs_per_sm,warps,stages`` of its ``_row_lines`` launch
+(the module's ``KEY_TILE`` and ``PROGRAMS_PER_SM``; warps and stages passed to the launch),
+in a fresh process per variant; prints ms per length (benchmarks/results/planning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/sweep_line_scores.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, save  # noqa: E402
+
+VARIANTS = ["64,4,4,1", "64,8,4,1", "64,2,4,1", "64,4,8,1", "128,4,4,1", "128,4,8,1", "32,4,4,1", "64,4,4,2"]
+
+CHILD = r"""
+import json, sys, torch, pbs
+import pbs.kernels.vertical_slash as vs
+from pbs.planning import make_layout
+from pbs.testing import benchmark_cuda
+key_tile, per_sm, warps, stages = (int(x) for x in sys.argv[1].split(","))
+vs.KEY_TILE, vs.PROGRAMS_PER_SM = key_tile, per_sm
+real = vs._row_lines
+
+class WithLaunchOptions:
+    def __getitem__(self, grid):
+        return lambda *a, **kw: real[grid](*a, num_warps=warps, num_stages=stages, **kw)
+
+vs._row_lines = WithLaunchOptions()
+out = {}
+for n in [int(x) for x in sys.argv[2:]]:
+    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    layout = make_layout(q, k, pbs.PBSConfig())
+    out[n] = benchmark_cuda(lambda: vs.line_scores(q, k, layout, 128 ** -0.5, 64), warmup=3, iters=10)
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for variant in args.variants:
+        argv = [sys.executable, "-c", CHILD, variant, *map(str, args.lengths)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            rows.append({"variant": variant, "error": proc.stderr[-400:]})
+        else:
+            rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
+        print(rows[-1], flush=True)
+    result = {**environment("cuda"), "lengths": args.lengths,
+              "variant_fields": "key_tile,programs_per_sm,warps,stages", "rows": rows}
+    if args.json:
+        save(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
