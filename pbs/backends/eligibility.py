@@ -2,8 +2,9 @@
 
 Each function returns why its kernel cannot run calls of a `CallSpec` (an empty list: it can).
 Planning asks them once per call through `pbs.backends.resolve_backend`; the dense policy asks
-`dense_kernel_reasons`, `gated_dense_reasons` and `probe_kernel_reasons`. They are cached per spec (they run in every
-layer of every call), and whether Triton and Gluon import is asked once, here only.
+`dense_kernel_reasons`, `gated_dense_reasons` and `probe_kernel_reasons`. They are cached per
+spec (they run in every layer of every call), and whether Triton and Gluon import is asked once,
+here only.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ Every valid strided row with any allowed key sums to one, so a query block's row
 the reference divides, is its number of such rows: known after pass 1, which lets pass 2 store
 finished shares without a third pass. Key blocks outside the walked range are stored as zeros.
 
+By default the walk is done once instead (``one_pass``, while its scratch fits
+`ONE_PASS_SCRATCH_BYTES`): each step stores every strided row's partial sum per key block and the
+step's running max in float32 scratch, and once the walk has the rows' final max and total the
+program rescales those sums into shares. Half the logits, for about ``rows x Tk`` floats of scratch
+per program (docs/notes.md, "The antidiagonal share kernel in one walk").
+
 Which strided keys a row sees follows the reference's layout rule (the selector passes it in):
 
 * segmented layout (every permuter but ``none``): ``allowed`` is the layout's *candidate* set, the
@@ -37,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E, interpreting
+from pbs.kernels._common import LOG2_E, interpreting, sm_count
 from pbs.layout import Layout, cdiv
 
 
@@ -454,7 +460,7 @@ def antidiagonal_block_shares(
         raise ValueError("a program needs at least 16 strided rows and 16 strided keys (tl.dot)")
     if on_gpu:
         # Short sequences: fewer query blocks per program rather than idle SMs.
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = sm_count(q.device)
         while qb_per * pb > 16 and b * n_heads * cdiv(tq, qb_per) < 2 * sms:
             qb_per //= 2
 
@@ -468,7 +474,7 @@ def antidiagonal_block_shares(
     if one_pass is None or (one_pass and programs_per_launch is None):
         # Two programs per SM on a GPU, as many as the budget holds; every program in one launch
         # when interpreted.
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu else programs
+        sms = sm_count(q.device) if on_gpu else programs
         fitting = ONE_PASS_SCRATCH_BYTES // program_scratch_bytes
         if one_pass is None:
             one_pass = fitting >= min(sms, programs)
