@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from pbs.analysis import result_files
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 REPEATS = 3  # medians of time_ms
@@ -59,25 +61,9 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 
 
 def git_revision() -> tuple[str | None, bool | None]:
-    """``(commit, dirty)`` of the checkout the benchmark runs from.
-
-    ``PBS_GIT_REVISION`` (``git rev-parse HEAD`` where a copy of the working tree was made for
-    another machine), when set, is taken as the commit with ``dirty`` None (unknown); otherwise
-    the checkout's own git is asked.
-    """
-    # Set explicitly, it wins: a copy of the tree may carry a stale .git (seen on the device machine).
-    if os.environ.get("PBS_GIT_REVISION"):
-        return os.environ["PBS_GIT_REVISION"], None
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=10)
-            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
-            return head.stdout.strip(), dirty
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("PBS_GIT_REVISION") or None, None
+    """``(commit, dirty)`` of the checkout the benchmark runs from
+    (`pbs.analysis.result_files.git_revision`: ``PBS_GIT_REVISION`` wins when set)."""
+    return result_files.git_revision(ROOT)
 
 
 def provenance() -> dict[str, Any]:

@@ -10,7 +10,8 @@
 #                 pydantic pytest-benchmark hypothesis gguf
 #   calls 2-6:    carry .gemma-parts/pN; mkdir -p /tmp/gemma-parts && cp .gemma-parts/pN/* /tmp/gemma-parts/
 #   call 7:       carry .gemma-parts/SHA256 only (the parts already copied stay in /tmp)
-#                 bash scripts/gpu_quality.sh --lengths 32768 ...
+#                 PBS_GIT_REVISION=<git rev-parse HEAD here> bash scripts/gpu_quality.sh --lengths 32768 ...
+#                 (the copy there has no .git: the report records the revision passed in)
 # The harness's texts come from the running Python's standard library (3.12 on the GPU machine), so
 # compare methods within one run only, not with a CPU run's numbers.
 set -uo pipefail

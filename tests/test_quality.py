@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -232,6 +233,30 @@ def test_loss_rows_record_set_density_per_layer_and_pbs_everywhere(report, sampl
         assert 0 < row["density"] < 1  # PBS ran and skipped blocks in both layers
         assert row["backend"] == "reference"
     assert report.meta["layer_samples"] == ["tuning doc", "heldout copy"]
+
+
+def test_the_report_records_the_git_revision_it_ran_at(report):
+    # The checkout's HEAD (or PBS_GIT_REVISION where a copy of the tree runs elsewhere).
+    import subprocess
+
+    from pbs.analysis.result_files import CHECKOUT, git_revision
+
+    environment = report.meta["environment"]
+    if (CHECKOUT / ".git").exists() or os.environ.get("PBS_GIT_REVISION"):
+        assert environment["git_revision"] == git_revision()[0] and environment["git_revision"]
+    if (CHECKOUT / ".git").exists() and not os.environ.get("PBS_GIT_REVISION"):
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True).stdout.strip()
+        assert environment["git_revision"] == head
+
+
+def test_a_revision_passed_in_wins_and_an_installed_package_has_none(monkeypatch, tmp_path):
+    from pbs.analysis import result_files
+
+    monkeypatch.setenv("PBS_GIT_REVISION", "0123abcd")
+    assert result_files.git_revision() == ("0123abcd", None)
+    monkeypatch.delenv("PBS_GIT_REVISION")
+    monkeypatch.setattr(result_files, "CHECKOUT", tmp_path)  # no .git: pbs installed, not a checkout
+    assert result_files.git_revision() == (None, None)
 
 
 def test_summary_deltas_are_against_dense_of_the_same_set(report):

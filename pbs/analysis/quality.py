@@ -37,12 +37,15 @@ from pbs.analysis.quality_metrics import sample_result
 from pbs.analysis.quality_probes import dense_forward, dense_with_layer_probe, full_attention_layers, pbs_forward
 from pbs.analysis.quality_results import QualityReport
 from pbs.analysis.quality_texts import Sample
+from pbs.analysis.result_files import git_revision
 
 
 def _environment() -> dict[str, Any]:
     import pbs
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "pbs": pbs.__version__}
+    revision, dirty = git_revision()
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "pbs": pbs.__version__,
+                "git_revision": revision, "git_dirty": dirty}
     transformers = sys.modules.get("transformers")
     if transformers is not None:
         versions["transformers"] = transformers.__version__
