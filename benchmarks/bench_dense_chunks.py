@@ -33,11 +33,14 @@ from pbs.testing import benchmark_cuda_interleaved  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 SHAPES = [(2048, 30720), (8192, 16384), (8192, 24576), (16384, 16384), (16384, 32768), (8192, 65536)]
+# Both sides of `dense_kernel_available`'s rule (the kernel's tiles fill every SM): 1024 queries of
+# 32 heads are 256 tiles (the Gluon kernel), 512 are 128 (SDPA on an H100/H200's 132 SMs).
+EDGE_SHAPES = [(1024, 32768), (512, 32768)]
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=[f"{nq}x{nk}" for nq, nk in SHAPES],
+    parser.add_argument("--shapes", nargs="+", default=[f"{nq}x{nk}" for nq, nk in SHAPES + EDGE_SHAPES],
                         help="NqxNk pairs (queries are the last Nq of Nk positions)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
