@@ -62,7 +62,7 @@ from pbs.distributed.collectives import (
 )
 from pbs.distributed.sharding import chunk_bounds
 from pbs.distributed.summaries import key_order, line_scores, probe_estimate
-from pbs.planning import build_plan, full_plan, permute_keys_and_values, run_planned
+from pbs.planning import build_plan, permute_keys_and_values, run_planned
 from pbs.types import Permutation, Plan
 from pbs.validation import check_all_finite, check_qkv, check_scale
 
@@ -382,7 +382,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
         k_prefix, v_prefix = k_all[:, :, :end], v_all[:, :, :end]
         plan = plans[i]
         if reason is not None:
-            out, lse = _dense_chunk(policy, q[:, :, slot:slot + end - start], k_prefix, v_prefix, scale, return_lse)
+            # A later chunk is aligned bottom-right: `pbs.dense.dense_attention` picks its kernel.
+            out, lse = policy.dense(q[:, :, slot:slot + end - start], k_prefix, v_prefix, scale)
         else:
             k_perm, v_perm = permute_keys_and_values(plan.key_permutation, k_prefix, v_prefix)
             result = run_planned(plan, perm_q[i], k_perm, v_perm, q.dtype, scale, return_lse=return_lse)
@@ -393,23 +394,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     lse = torch.cat(lses, dim=2) if return_lse else None
     clock.mark("attention")
     return ContextParallelResult(out, lse, (plans[0], plans[1]), reason, seq_len, chunks, clock.read())
-
-
-def _dense_chunk(policy: DensePolicy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dense attention of one chunk, ``(out, lse)``.
-
-    The first chunk (``Nq == Nk``) takes the policy's dense attention (SDPA, cuDNN first). A later
-    chunk needs bottom-right causal alignment, which SDPA runs with FlashAttention-2 (torch's
-    ``causal_lower_right`` takes the flash kernel, not cuDNN): every allowed block on pbs's own
-    kernel runs instead, 0.97-1.0x cuDNN's time on an H100 at density 1
-    (benchmarks/results/kernel/h100_bench_kernel_hopper.json).
-    """
-    if q.shape[2] == k.shape[2]:
-        return policy.dense(q, k, v, scale)
-    plan = full_plan(q, k, policy.config, v.shape[-1], return_lse=return_lse)
-    result = run_planned(plan, q, k, v, q.dtype, scale, return_lse=return_lse)
-    return result if return_lse else (result, None)
 
 
 def _total_allowed(seq_len: int, config: PBSConfig) -> int:
