@@ -1,12 +1,18 @@
 """Launch-parameter sweep of the ``vertical_slash`` line kernels on the GPU (pbs/kernels/vertical_slash.py).
 
     python3 benchmarks/sweep_line_scores.py --json $OUT/line_scores_sweep.json
+    python3 benchmarks/sweep_line_scores.py --kernel kept_lines --json $OUT/kept_lines_sweep.json
 
-Times `pbs.kernels.vertical_slash.line_scores` (the last 64 queries against every key: the part of
-the defaults' planning that does not shrink with a chunk's queries) for B=1, Hq=32, Hkv=8, D=128,
-bf16, with each variant ``key_tile,programs_per_sm,warps,stages`` of its ``_row_lines`` launch
-(the module's ``KEY_TILE`` and ``PROGRAMS_PER_SM``; warps and stages passed to the launch),
-in a fresh process per variant; prints ms per length (benchmarks/results/planning).
+The part of the defaults' planning that does not shrink with a chunk's queries, for B=1, Hq=32,
+Hkv=8, D=128, bf16, in a fresh process per variant; prints ms per length
+(benchmarks/results/planning):
+
+* ``--kernel row_lines`` (default): `pbs.kernels.vertical_slash.line_scores` (the last 64 queries
+  against every key), each variant ``key_tile,programs_per_sm,warps,stages`` of its ``_row_lines``
+  launch (the module's ``KEY_TILE`` and ``PROGRAMS_PER_SM``; warps and stages passed to the launch);
+* ``--kernel kept_lines``: `pbs.kernels.vertical_slash.kept_line_blocks` on those scores (the
+  cumulative threshold of both kinds of line: one program per line), each variant ``tile,warps``
+  of its ``_kept_lines`` launch.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/sweep_line_sc
 
 from benchmarks.common import environment, save  # noqa: E402
 
-VARIANTS = ["64,4,4,1", "64,8,4,1", "64,2,4,1", "64,4,8,1", "128,4,4,1", "128,4,8,1", "32,4,4,1", "64,4,4,2"]
+VARIANTS = {
+    "row_lines": ["64,4,4,1", "64,8,4,1", "64,2,4,1", "64,4,8,1", "128,4,4,1", "128,4,8,1", "32,4,4,1", "64,4,4,2"],
+    "kept_lines": ["4096,8", "2048,8", "4096,16", "2048,16", "8192,16", "4096,4", "1024,4"],
+}
 
-CHILD = r"""
+ROW_LINES = r"""
 import json, sys, torch, pbs
 import pbs.kernels.vertical_slash as vs
 from pbs.planning import make_layout
@@ -47,24 +56,52 @@ for n in [int(x) for x in sys.argv[2:]]:
 print(json.dumps(out))
 """
 
+KEPT_LINES = r"""
+import json, sys, torch, pbs
+import pbs.kernels.vertical_slash as vs
+from pbs.planning import make_layout
+from pbs.testing import benchmark_cuda
+tile, warps = (int(x) for x in sys.argv[1].split(","))
+vs.KEPT_LINES_TILES = (tile, tile)
+real = vs._kept_lines
+
+class WithWarps:
+    def __getitem__(self, grid):
+        return lambda *a, **kw: real[grid](*a, **{**kw, "num_warps": warps})
+
+vs._kept_lines = WithWarps()
+out = {}
+for n in [int(x) for x in sys.argv[2:]]:
+    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    layout = make_layout(q, k, pbs.PBSConfig())
+    scores = vs.line_scores(q, k, layout, 128 ** -0.5, 64)
+    out[n] = benchmark_cuda(lambda: vs.kept_line_blocks(scores, 0.75, None, 128), warmup=3, iters=10)
+print(json.dumps(out))
+"""
+
+CHILDREN = {"row_lines": ROW_LINES, "kept_lines": KEPT_LINES}
+FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages", "kept_lines": "tile,warps"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--variants", nargs="+", default=VARIANTS)
+    parser.add_argument("--kernel", choices=list(CHILDREN), default="row_lines")
+    parser.add_argument("--variants", nargs="+", default=None, help="default: VARIANTS[--kernel]")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
-    for variant in args.variants:
-        argv = [sys.executable, "-c", CHILD, variant, *map(str, args.lengths)]
+    for variant in args.variants or VARIANTS[args.kernel]:
+        argv = [sys.executable, "-c", CHILDREN[args.kernel], variant, *map(str, args.lengths)]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             rows.append({"variant": variant, "error": proc.stderr[-400:]})
         else:
             rows.append({"variant": variant, "ms": json.loads(proc.stdout.strip().splitlines()[-1])})
         print(rows[-1], flush=True)
-    result = {**environment("cuda"), "lengths": args.lengths,
-              "variant_fields": "key_tile,programs_per_sm,warps,stages", "rows": rows}
+    result = {**environment("cuda"), "kernel": args.kernel, "lengths": args.lengths,
+              "variant_fields": FIELDS[args.kernel], "rows": rows}
     if args.json:
         save(result, args.json)
 

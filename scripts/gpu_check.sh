@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|capturable|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|capturable|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -11,6 +11,8 @@
 # (pbs.attention with no config against cuDNN, 2K-512K, flat and structured inputs);
 # antidiagonal: the antidiagonal share kernel's GPU test, then its two walks (two passes, one pass
 # with partial sums in scratch) timed at strides 16 and 8, 32K and 128K (sweep_antidiagonal.py);
+# lines: where a chunk's planning goes (scripts/profile_selector.py --defaults --chunk 8192 at 128K),
+# then the launch sweeps of the vertical_slash line kernels (sweep_line_scores.py, row_lines and kept_lines);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
@@ -80,6 +82,15 @@ if [[ $mode == antidiagonal ]]; then
     timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/sweep_antidiagonal.py --stride $stride --lengths 32768 131072 \
       --variants 128,128,8,3 64,128,4,3 --walks two one --json "$OUT/antidiagonal_walks_stride$stride.json" \
       2>&1 | tee "$OUT/antidiagonal_walks_stride$stride.log" | cut -c1-200
+  done
+fi
+if [[ $mode == lines ]]; then
+  timeout 120 python3 scripts/profile_selector.py --defaults --n 131072 --chunk 8192 --rows 18 --host-rows 10 \
+    > "$OUT/profile_chunk.log" 2>&1
+  grep "Nq=" "$OUT/profile_chunk.log"
+  for kernel in row_lines kept_lines; do
+    timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/sweep_line_scores.py --kernel $kernel --json "$OUT/${kernel}_sweep.json" \
+      2>&1 | tee "$OUT/${kernel}_sweep.log" | cut -c1-200
   done
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
