@@ -1,8 +1,9 @@
 """Dense attention of a chunk after a cached prefix: PBS's dense path against SDPA.
 
 A causal call with fewer queries than keys (chunked prefill, a prompt after a cached prefix) is
-aligned bottom-right. SDPA serves that alignment with its memory-efficient kernel, not cuDNN, so
-`pbs.dense.dense_attention` runs such calls with the Gluon kernel in dense mode on Hopper. For
+aligned bottom-right. SDPA serves that alignment with FlashAttention-2 (the memory-efficient kernel
+where flash cannot run), not cuDNN, so `pbs.dense.dense_attention` runs such calls with the Gluon
+kernel in dense mode on Hopper. For
 each ``(Nq, Nk)`` this times, CUDA events with the L2 flushed, in rotation
 (`pbs.testing.benchmark_cuda_interleaved`):
 

@@ -113,9 +113,9 @@ def dense_attention(
     except for causal calls with fewer queries than keys (a chunk after a cached prefix) on a
     Hopper GPU, which run the Gluon kernel in dense mode.
 
-    SDPA serves bottom-right causal alignment with its memory-efficient kernel, not cuDNN, which
-    takes about twice as long on an H200 (docs/serving.md, "What a chunk costs"). Both compute
-    the same attention.
+    SDPA serves bottom-right causal alignment (torch's ``causal_lower_right``) with
+    FlashAttention-2, or its memory-efficient kernel where flash cannot run, not cuDNN: about twice
+    as long on an H200 (docs/serving.md, "What a chunk costs"). Both compute the same attention.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k: ``(B, Hkv, Nk, D)``; v: ``(B, Hkv, Nk, Dv)``.
