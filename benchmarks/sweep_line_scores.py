@@ -33,48 +33,49 @@ VARIANTS = {
     "kept_lines": ["4096,8", "2048,8", "4096,16", "2048,16", "8192,16", "4096,4", "1024,4"],
 }
 
-ROW_LINES = r"""
+# Run in the child process: the inputs, then one kernel's variant set up by a body below.
+PRELUDE = r"""
 import json, sys, torch, pbs
 import pbs.kernels.vertical_slash as vs
 from pbs.planning import make_layout
 from pbs.testing import benchmark_cuda
-key_tile, per_sm, warps, stages = (int(x) for x in sys.argv[1].split(","))
-vs.KEY_TILE, vs.PROGRAMS_PER_SM = key_tile, per_sm
-real = vs._row_lines
+variant = [int(x) for x in sys.argv[1].split(",")]
+lengths = [int(x) for x in sys.argv[2:]]
 
-class WithLaunchOptions:
-    def __getitem__(self, grid):
-        return lambda *a, **kw: real[grid](*a, num_warps=warps, num_stages=stages, **kw)
 
-vs._row_lines = WithLaunchOptions()
-out = {}
-for n in [int(x) for x in sys.argv[2:]]:
+def inputs(n):
     q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
-    layout = make_layout(q, k, pbs.PBSConfig())
+    return q, k, make_layout(q, k, pbs.PBSConfig())
+
+
+class WithLaunchOptions:
+    # A kernel whose launches take `options` (warps, stages) over the launcher's own.
+    def __init__(self, kernel, **options):
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.kernel[grid](*a, **{**kw, **self.options})
+"""
+
+ROW_LINES = PRELUDE + r"""
+key_tile, per_sm, warps, stages = variant
+vs.KEY_TILE, vs.PROGRAMS_PER_SM = key_tile, per_sm
+vs._row_lines = WithLaunchOptions(vs._row_lines, num_warps=warps, num_stages=stages)
+out = {}
+for n in lengths:
+    q, k, layout = inputs(n)
     out[n] = benchmark_cuda(lambda: vs.line_scores(q, k, layout, 128 ** -0.5, 64), warmup=3, iters=10)
 print(json.dumps(out))
 """
 
-KEPT_LINES = r"""
-import json, sys, torch, pbs
-import pbs.kernels.vertical_slash as vs
-from pbs.planning import make_layout
-from pbs.testing import benchmark_cuda
-tile, warps = (int(x) for x in sys.argv[1].split(","))
+KEPT_LINES = PRELUDE + r"""
+tile, warps = variant
 vs.KEPT_LINES_TILES = (tile, tile)
-real = vs._kept_lines
-
-class WithWarps:
-    def __getitem__(self, grid):
-        return lambda *a, **kw: real[grid](*a, **{**kw, "num_warps": warps})
-
-vs._kept_lines = WithWarps()
+vs._kept_lines = WithLaunchOptions(vs._kept_lines, num_warps=warps)
 out = {}
-for n in [int(x) for x in sys.argv[2:]]:
-    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
-    layout = make_layout(q, k, pbs.PBSConfig())
+for n in lengths:
+    q, k, layout = inputs(n)
     scores = vs.line_scores(q, k, layout, 128 ** -0.5, 64)
     out[n] = benchmark_cuda(lambda: vs.kept_line_blocks(scores, 0.75, None, 128), warmup=3, iters=10)
 print(json.dumps(out))
