@@ -29,8 +29,8 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/sweep_line_sc
 from benchmarks.common import environment, save  # noqa: E402
 
 VARIANTS = {
-    "row_lines": ["64,4,4,1", "64,8,4,1", "64,2,4,1", "64,4,8,1", "128,4,4,1", "128,4,8,1", "32,4,4,1", "64,4,4,2"],
-    "kept_lines": ["4096,8", "2048,8", "4096,16", "2048,16", "8192,16", "4096,4", "1024,4"],
+    "row_lines": ["64,8,4,2", "64,4,4,2", "64,16,4,2", "64,8,4,1", "64,8,4,3", "64,8,8,2", "32,8,4,2", "128,8,8,2"],
+    "kept_lines": ["8192,16", "4096,16", "16384,16", "8192,8", "8192,32", "4096,8", "2048,8"],
 }
 
 # Run in the child process: the inputs, then one kernel's variant set up by a body below.
@@ -72,7 +72,7 @@ print(json.dumps(out))
 KEPT_LINES = PRELUDE + r"""
 tile, warps = variant
 vs.KEPT_LINES_TILES = (tile, tile)
-vs._kept_lines = WithLaunchOptions(vs._kept_lines, num_warps=warps)
+vs.KEPT_LINES_WARPS = warps
 out = {}
 for n in lengths:
     q, k, layout = inputs(n)

@@ -5,11 +5,11 @@ Four launches instead of the reference's dozens of ops:
 
 1. ``_row_stats``: the log-sum-exp of the last ``R`` queries' rows, split over the keys (one
    program per query head and key split, online softmax);
-2. ``_row_lines``: combines those partial statistics, then takes each row's softmax over a key
-   tile; the per-key sum (vertical score) is stored directly, and the per-offset sums (slash
-   scores) come from the same tile read skewed with ``tl.gather`` in registers, so that a sum over
-   rows is a sum along one offset, added into the offsets with atomics (persistent grid; the
-   probabilities never go to memory);
+2. ``_row_lines``: combines those partial statistics once per program, then walks a run of key
+   tiles, taking each row's softmax over the tile; the per-key sum (vertical score) is stored
+   directly, and the per-offset sums (slash scores) come from the same tile read cyclically
+   skewed with ``tl.gather``, so that a masked sum over rows is a sum along one offset, added into
+   the offsets with atomics (the probabilities never go to memory);
 3. ``_kept_lines``: the reference's cumulative threshold (`kept_lines`: the fewest keys and
    offsets whose shares reach the threshold) without sorting: the cut below which scores are
    dropped is found four bits of its float pattern at a time, then one pass writes which key
@@ -34,11 +34,15 @@ from pbs.kernels._common import LOG2_E, interpreting, sm_count
 from pbs.layout import Layout
 from pbs.types import BlockMask, block_index_dtype
 
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 8
 KEY_TILE = 64
-KEPT_LINES_TILES = (2048, 4096)
-"""Scores per step of `_kept_lines` below / from 64K keys: the faster of the two at each length on
-an H100 (docs/notes.md, "Planning the default selector on the GPU")."""
+LINES_STAGES = 2
+"""`_row_lines`' launch: programs per SM, keys per tile and pipeline stages, the fastest of the sweep
+in docs/notes.md ("Where a chunk's planning goes")."""
+KEPT_LINES_TILES = (8192, 8192)
+KEPT_LINES_WARPS = 16
+"""Scores per step of `_kept_lines` below / from 64K keys, and its warps: the fastest of the same
+sweep at 32K and 128K."""
 
 
 @triton.jit
@@ -158,48 +162,53 @@ def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.co
 def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, launch_rows_start, launch_rows, lens_ptr, q_starts_ptr, last_rows, line_len,
-               query_offset_0, key_tiles, total_tiles, splits, qk_scale,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SKEW: tl.constexpr, SPLITS: tl.constexpr,
+               query_offset_0, keys_per_program, splits, qk_scale,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr, PACKED_Q: tl.constexpr):
-    # Persistent: each program walks (head, key tile) pairs; a tile's probabilities stay in registers.
-    pid = tl.program_id(0)
+    # One program per (batch x head, run of keys): the rows' queries and log-sum-exp are loaded
+    # once, and the key loop reads only K, so the compiler can prefetch the next tile.
+    pid_bh = tl.program_id(0)
+    b = pid_bh // heads_q
+    hq = pid_bh % heads_q
     o_r = tl.arange(0, ROWS)
     o_n = tl.arange(0, BLOCK_N)
-    o_x = tl.arange(0, SKEW)
-    # Skewed read: entry (r, x) is the tile's column BLOCK_N - 1 - (x - r), whose offset from row r
-    # is the same for every r (first_offset + x, below), so a sum over rows is a per-offset sum.
-    column = BLOCK_N - 1 - (o_x[None, :] - o_r[:, None])
-    on_tile = (column >= 0) & (column < BLOCK_N)
-    for tile in range(pid, total_tiles, tl.num_programs(0)):
-        pid_bh = tile // key_tiles
-        b = pid_bh // heads_q
-        hq = pid_bh % heads_q
-        # Lines are line_len apart (the padded length of a ragged batch); seq_len_k bounds this one.
-        rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, launch_rows_start, launch_rows, line_len,
-                                                              query_offset_0, last_rows, RAGGED)
-        col0 = (tile % key_tiles) * BLOCK_N
-        # A ragged sequence's tiles past its keys score nothing (its lines there stay 0).
-        if col0 < seq_len_k:
-            q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS,
-                           HEAD_DIM, D_PAD, PACKED_Q)
-            first_row_pos = rows_start + query_offset
-            cols = col0 + o_n
-            s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
-                        first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
-            lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
-            p = tl.exp2(s - lse[:, None])
-            p = tl.where(o_r[:, None] < rows, p, 0.0)
-            line = pid_bh.to(tl.int64) * line_len
-            tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
-            skewed = tl.where(on_tile, tl.gather(p, tl.where(on_tile, column, 0), 1), 0.0)
-            # Offset of entry x: position(r) - key = first_row_pos - col0 - (BLOCK_N - 1) + x. Negative
-            # offsets (keys after the row: non-causal calls) are not slash lines. An offset is shared by
-            # at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either order, so the
-            # atomics leave the result deterministic.
-            offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_x
-            tl.atomic_add(slash_ptr + line + offsets, tl.sum(skewed, 0), sem="relaxed",
-                          mask=(o_x < ROWS + BLOCK_N - 1) & (offsets >= 0) & (offsets < seq_len_k))
+    # Lines are line_len apart (the padded length of a ragged batch); seq_len_k bounds this one.
+    rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, launch_rows_start, launch_rows, line_len,
+                                                          query_offset_0, last_rows, RAGGED)
+    key_start = tl.program_id(1) * keys_per_program
+    # A ragged sequence's keys past its end score nothing (its lines there stay 0).
+    key_end = tl.minimum(key_start + keys_per_program, seq_len_k)
+    q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS,
+                   HEAD_DIM, D_PAD, PACKED_Q)
+    lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
+    lse = tl.where(o_r < rows, lse, float("inf"))  # padded rows: probability 0
+    first_row_pos = rows_start + query_offset
+    line = pid_bh.to(tl.int64) * line_len
+    # Rows r and keys c of a tile meet on offset first_row_pos - col0 - (BLOCK_N - 1) + x with
+    # x = BLOCK_N - 1 - c + r in [0, ROWS + BLOCK_N - 1). Read the tile cyclically skewed, entry
+    # (r, y) being column (BLOCK_N - 1 - y + r) mod BLOCK_N: column y of that read holds offset
+    # x = y from rows r <= y and x = y + BLOCK_N from rows r > y, so two masked sums over rows are
+    # the per-offset sums, from a gather of the tile's own size.
+    o_y = tl.arange(0, BLOCK_N)
+    column = (BLOCK_N - 1 - o_y[None, :] + o_r[:, None]) % BLOCK_N
+    low = o_r[:, None] <= o_y[None, :]
+    for col0 in range(key_start, key_end, BLOCK_N):
+        cols = col0 + o_n
+        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
+                    first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
+        p = tl.exp2(s - lse[:, None])
+        tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
+        skewed = tl.gather(p, column, 1)
+        # Negative offsets (keys after the row: non-causal calls) are not slash lines. An offset is
+        # shared by at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either
+        # order, so the atomics leave the result deterministic.
+        offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_y
+        tl.atomic_add(slash_ptr + line + offsets, tl.sum(tl.where(low, skewed, 0.0), 0), sem="relaxed",
+                      mask=(offsets >= 0) & (offsets < seq_len_k))
+        offsets += BLOCK_N
+        tl.atomic_add(slash_ptr + line + offsets, tl.sum(tl.where(low, 0.0, skewed), 0), sem="relaxed",
+                      mask=(o_y < ROWS - 1) & (offsets >= 0) & (offsets < seq_len_k))
 
 
 @triton.jit
@@ -342,12 +351,13 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     # Ragged: keys past a sequence's end get no store, so they start at 0.
     scores = (torch.zeros if ragged else torch.empty)(2, b, hq, nk, dtype=torch.float32, device=q.device)
     vertical, slash = scores[0], scores[1].zero_()
-    key_tiles = triton.cdiv(nk, block_n)
-    total_tiles = b * hq * key_tiles
-    programs = min(total_tiles, PROGRAMS_PER_SM * _programs_base(q.device))
-    _row_lines[(programs,)](q, k, table, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
-                            key_tiles, total_tiles, splits, qk_scale, SKEW=triton.next_power_of_2(rows_pad + block_n - 1),
-                            SPLITS=triton.next_power_of_2(splits), **meta)
+    # Each head's keys in runs, enough programs to fill the GPU a few times over.
+    runs = max(1, min(triton.cdiv(nk, block_n), triton.cdiv(PROGRAMS_PER_SM * _programs_base(q.device), b * hq)))
+    keys_per_program = triton.cdiv(triton.cdiv(nk, runs), block_n) * block_n
+    runs = triton.cdiv(nk, keys_per_program)
+    _row_lines[(b * hq, runs)](q, k, table, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
+                               keys_per_program, splits, qk_scale,
+                               SPLITS=triton.next_power_of_2(splits), num_stages=LINES_STAGES, **meta)
     if ragged:
         slash.div_(lengths[:, 0].clamp(min=1, max=last_rows).float()[:, None, None])
     else:
@@ -449,7 +459,7 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     tile = max(block_size, 1024 if interpreting() else KEPT_LINES_TILES[nk >= 65536])
     _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, b * hq, nk, tk,
                              float(vertical_threshold or threshold), float(threshold),
-                             TILE=tile, BLOCK=block_size, num_warps=8)
+                             TILE=tile, BLOCK=block_size, num_warps=KEPT_LINES_WARPS)
     return vertical_blocks, prefix
 
 
