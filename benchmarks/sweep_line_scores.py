@@ -11,8 +11,9 @@ Hkv=8, D=128, bf16, in a fresh process per variant; prints ms per length
   against every key), each variant ``key_tile,programs_per_sm,warps,stages`` of its ``_row_lines``
   launch (the module's ``KEY_TILE`` and ``PROGRAMS_PER_SM``; warps and stages passed to the launch);
 * ``--kernel kept_lines``: `pbs.kernels.vertical_slash.kept_line_blocks` on those scores (the
-  cumulative threshold of both kinds of line: one program per line), each variant ``tile,warps``
-  of its ``_kept_lines`` launch.
+  cumulative threshold of both kinds of line: one program per line), each variant
+  ``tile,warps,digit_bits`` of its ``_kept_lines`` launch (the module's ``KEPT_LINES_TILES``,
+  ``KEPT_LINES_WARPS`` and ``KEPT_LINES_DIGIT_BITS``; without the third, 4 bits).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from benchmarks.common import environment, save  # noqa: E402
 
 VARIANTS = {
     "row_lines": ["64,8,4,2", "64,4,4,2", "64,16,4,2", "64,8,4,1", "64,8,4,3", "64,8,8,2", "32,8,4,2", "128,8,8,2"],
-    "kept_lines": ["8192,16", "4096,16", "16384,16", "8192,8", "8192,32", "4096,8", "2048,8"],
+    "kept_lines": ["8192,16,4", "8192,16,2", "8192,8,2", "4096,8,2", "8192,16,1", "8192,8,1", "4096,16,2"],
 }
 
 # Run in the child process: the inputs, then one kernel's variant set up by a body below.
@@ -70,9 +71,10 @@ print(json.dumps(out))
 """
 
 KEPT_LINES = PRELUDE + r"""
-tile, warps = variant
+tile, warps, bits = variant if len(variant) == 3 else (*variant, 4)
 vs.KEPT_LINES_TILES = (tile, tile)
 vs.KEPT_LINES_WARPS = warps
+vs.KEPT_LINES_DIGIT_BITS = bits
 out = {}
 for n in lengths:
     q, k, layout = inputs(n)
@@ -82,7 +84,7 @@ print(json.dumps(out))
 """
 
 CHILDREN = {"row_lines": ROW_LINES, "kept_lines": KEPT_LINES}
-FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages", "kept_lines": "tile,warps"}
+FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages", "kept_lines": "tile,warps,digit_bits"}
 
 
 def main() -> None:

@@ -302,6 +302,20 @@ def test_kept_lines_kernel_equals_the_sorting_reference(seq_len, threshold, vert
     assert torch.equal(prefix, offset_prefix(offsets))
 
 
+@pytest.mark.parametrize("digit_bits", [2, 1])
+@pytest.mark.parametrize("threshold,total", [(0.9, 1.0), (0.9, 0.5)])
+def test_kept_lines_kernel_finds_the_same_cut_with_narrower_digits(monkeypatch, digit_bits, threshold, total):
+    import pbs.kernels.vertical_slash as vertical_slash
+
+    monkeypatch.setattr(vertical_slash, "KEPT_LINES_DIGIT_BITS", digit_bits)
+    scores = _line_scores_with_ties(2500, seed=3) * total
+    vertical_blocks, prefix = vertical_slash.kept_line_blocks(scores, threshold, 0.6, 64)
+    keys, offsets = kept_lines(scores[0], scores[1], threshold, 0.6)
+    want_blocks = torch.nn.functional.pad(keys, (0, 40 * 64 - 2500)).view(2, 3, 40, 64).any(-1)
+    assert torch.equal(vertical_blocks.bool(), want_blocks)
+    assert torch.equal(prefix, offset_prefix(offsets))
+
+
 def test_kept_lines_kernel_takes_tied_scores_in_index_order():
     from pbs.kernels.vertical_slash import kept_line_blocks
 

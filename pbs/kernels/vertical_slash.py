@@ -12,7 +12,7 @@ Four launches instead of the reference's dozens of ops:
    the offsets with atomics (the probabilities never go to memory);
 3. ``_kept_lines``: the reference's cumulative threshold (`kept_lines`: the fewest keys and
    offsets whose shares reach the threshold) without sorting: the cut below which scores are
-   dropped is found four bits of its float pattern at a time, then one pass writes which key
+   dropped is found a few bits of its float pattern at a time, then one pass writes which key
    blocks hold a kept key and the running count of kept offsets;
 4. ``_lines_to_blocks`` compacts, per (head, query block), the key blocks that hold a kept key
    or that a kept offset crosses, plus the forced blocks, straight into a `BlockMask`, and counts
@@ -41,8 +41,10 @@ LINES_STAGES = 2
 in docs/notes.md ("Where a chunk's planning goes")."""
 KEPT_LINES_TILES = (8192, 8192)
 KEPT_LINES_WARPS = 16
-"""Scores per step of `_kept_lines` below / from 64K keys, and its warps: the fastest of the same
-sweep at 32K and 128K."""
+KEPT_LINES_DIGIT_BITS = 4
+"""Scores per step of `_kept_lines` below / from 64K keys, its warps, and the bits of the cut found
+per pass over a row (4: eight passes of 16 candidates; 2: sixteen of 4; 1: thirty-two of 2): the
+tiles and warps are the fastest of the same sweep at 32K and 128K."""
 
 
 @triton.jit
@@ -371,13 +373,13 @@ def part_lengths_placeholder(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, SHIFT: tl.constexpr):
-    """Per candidate ``c = cut + k << SHIFT`` (k < 16): the sum of the row's scores whose float bits
-    are ``>= c`` (non-negative floats order like their bits; candidates past the largest int32
+def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, SHIFT: tl.constexpr, CANDIDATES: tl.constexpr):
+    """Per candidate ``c = cut + k << SHIFT`` (k < CANDIDATES): the sum of the row's scores whose float
+    bits are ``>= c`` (non-negative floats order like their bits; candidates past the largest int32
     are clamped to it, which no score reaches)."""
-    o_c = tl.arange(0, 16)
+    o_c = tl.arange(0, CANDIDATES)
     cands = tl.minimum(cut.to(tl.int64) + (o_c.to(tl.int64) << SHIFT), 0x7FFFFFFF).to(tl.int32)
-    sums = tl.zeros([16], tl.float32)
+    sums = tl.zeros([CANDIDATES], tl.float32)
     for t0 in range(0, seq_len, TILE):
         cols = t0 + tl.arange(0, TILE)
         x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
@@ -388,26 +390,29 @@ def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, SHIFT: tl.cons
 
 @triton.jit
 def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, lines, seq_len, num_key_blocks,
-                vertical_share, slash_share, TILE: tl.constexpr, BLOCK: tl.constexpr):
+                vertical_share, slash_share, TILE: tl.constexpr, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
     # One program per (line kind, batch x head) row of Nk scores. The kept set of Algorithm 2's
     # cumulative rule is "every score above a cut, plus the first few equal to it": the cut is
-    # the largest float c whose scores >= c still sum to the share, found digit by digit (4 bits
-    # of the float's bit pattern per pass over the row, 16 candidates at once) instead of sorting.
+    # the largest float c whose scores >= c still sum to the share, found digit by digit
+    # (DIGIT_BITS bits of the float's bit pattern per pass over the row, 2**DIGIT_BITS candidates
+    # at once) instead of sorting.
+    CANDIDATES: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0)
     kind = tl.program_id(1)  # 0: keys (vertical scores), 1: offsets (slash scores)
     share = tl.where(kind == 0, vertical_share, slash_share)
     row_ptr = scores_ptr + (kind * lines + row).to(tl.int64) * seq_len
-    o_c = tl.arange(0, 16)
+    o_c = tl.arange(0, CANDIDATES)
     cut = tl.zeros([], tl.int32)
     above = tl.zeros([], tl.float32)  # the sum of the scores at or above the next candidate over the cut
     total = tl.zeros([], tl.float32)
-    for digit in tl.static_range(8):
-        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, 28 - 4 * digit)
+    for digit in tl.static_range(32 // DIGIT_BITS):
+        shift: tl.constexpr = 32 - DIGIT_BITS * (digit + 1)
+        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, shift, CANDIDATES)
         if digit == 0:
             total = tl.sum(tl.where(o_c == 0, sums, 0.0), 0)  # candidate 0 of the first pass: every score
         k = tl.sum((sums >= share).to(tl.int32), 0) - 1
-        above = tl.where(k < 15, tl.sum(tl.where(o_c == k + 1, sums, 0.0), 0), above)
-        cut += tl.maximum(k, 0) << (28 - 4 * digit)
+        above = tl.where(k < CANDIDATES - 1, tl.sum(tl.where(o_c == k + 1, sums, 0.0), 0), above)
+        cut += tl.maximum(k, 0) << shift
     keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
     cut_value = cut.to(tl.float32, bitcast=True)
     # Scores equal to the cut are taken in index order (the reference's stable sort) until the share is reached.
@@ -459,7 +464,8 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     tile = max(block_size, 1024 if interpreting() else KEPT_LINES_TILES[nk >= 65536])
     _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, b * hq, nk, tk,
                              float(vertical_threshold or threshold), float(threshold),
-                             TILE=tile, BLOCK=block_size, num_warps=KEPT_LINES_WARPS)
+                             TILE=tile, BLOCK=block_size, DIGIT_BITS=KEPT_LINES_DIGIT_BITS,
+                             num_warps=KEPT_LINES_WARPS)
     return vertical_blocks, prefix
 
 
