@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|capturable|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -13,6 +13,7 @@
 # with partial sums in scratch) timed at strides 16 and 8, 32K and 128K (sweep_antidiagonal.py);
 # lines: where a chunk's planning goes (scripts/profile_selector.py --defaults --chunk 8192 at 128K),
 # then the launch sweeps of the vertical_slash line kernels (sweep_line_scores.py, row_lines and kept_lines);
+# chunked: a 128K prompt in 8K and 16K chunks against one-shot (bench_chunked.py, defaults and pbs_paper);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
@@ -92,6 +93,10 @@ if [[ $mode == lines ]]; then
     timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/sweep_line_scores.py --kernel $kernel --json "$OUT/${kernel}_sweep.json" \
       2>&1 | tee "$OUT/${kernel}_sweep.log" | cut -c1-200
   done
+fi
+if [[ $mode == chunked ]]; then
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_chunked.py --budget-ms 150 --configs defaults pbs_paper \
+    --json "$OUT/chunked.json" "$@" 2>&1 | tee "$OUT/chunked.log" | tail -n 40
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
