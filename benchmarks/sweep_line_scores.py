@@ -8,8 +8,10 @@ Hkv=8, D=128, bf16, in a fresh process per variant; prints ms per length
 (benchmarks/results/planning):
 
 * ``--kernel row_lines`` (default): `pbs.kernels.vertical_slash.line_scores` (the last 64 queries
-  against every key), each variant ``key_tile,programs_per_sm,warps,stages`` of its ``_row_lines``
-  launch (the module's ``KEY_TILE`` and ``PROGRAMS_PER_SM``; warps and stages passed to the launch);
+  against every key), each variant ``key_tile,programs_per_sm,warps,stages,heads_per_program`` of
+  its ``_row_lines`` launch (the module's ``KEY_TILE``, ``PROGRAMS_PER_SM`` and
+  ``LINES_HEADS_PER_PROGRAM``, which ``_row_stats`` shares; warps and stages passed to the launch;
+  without the fifth, 1 head);
 * ``--kernel kept_lines``: `pbs.kernels.vertical_slash.kept_line_blocks` on those scores (the
   cumulative threshold of both kinds of line: one program per line), each variant
   ``tile,warps,digit_bits`` of its ``_kept_lines`` launch (the module's ``KEPT_LINES_TILES``,
@@ -30,7 +32,8 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/sweep_line_sc
 from benchmarks.common import environment, save  # noqa: E402
 
 VARIANTS = {
-    "row_lines": ["64,8,4,2", "64,4,4,2", "64,16,4,2", "64,8,4,1", "64,8,4,3", "64,8,8,2", "32,8,4,2", "128,8,8,2"],
+    "row_lines": ["64,8,4,2,1", "64,8,8,2,2", "64,8,8,2,4", "64,4,8,2,4", "64,2,8,2,4", "64,4,16,2,4", "64,8,4,2,2",
+                  "32,8,8,2,4"],
     "kept_lines": ["8192,16,4", "8192,16,2", "8192,8,2", "4096,8,2", "8192,16,1", "8192,8,1", "4096,16,2"],
 }
 
@@ -60,8 +63,8 @@ class WithLaunchOptions:
 """
 
 ROW_LINES = PRELUDE + r"""
-key_tile, per_sm, warps, stages = variant
-vs.KEY_TILE, vs.PROGRAMS_PER_SM = key_tile, per_sm
+key_tile, per_sm, warps, stages, heads = variant if len(variant) == 5 else (*variant, 1)
+vs.KEY_TILE, vs.PROGRAMS_PER_SM, vs.LINES_HEADS_PER_PROGRAM = key_tile, per_sm, heads
 vs._row_lines = WithLaunchOptions(vs._row_lines, num_warps=warps, num_stages=stages)
 out = {}
 for n in lengths:
@@ -84,7 +87,7 @@ print(json.dumps(out))
 """
 
 CHILDREN = {"row_lines": ROW_LINES, "kept_lines": KEPT_LINES}
-FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages", "kept_lines": "tile,warps,digit_bits"}
+FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages,heads_per_program", "kept_lines": "tile,warps,digit_bits"}
 
 
 def main() -> None:

@@ -260,6 +260,27 @@ def test_triton_scores_match_the_reference(seq_len, seq_len_q):
     assert torch.allclose(vertical, want_vertical, atol=1e-5) and torch.allclose(slash, want_slash, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_stacked_heads_score_what_each_head_scores_alone(monkeypatch, causal, ragged):
+    # LINES_HEADS_PER_PROGRAM > 1: one program scores the rows of several query heads of a KV
+    # group on one read of K, 2 sequences, 4 query heads per KV head; ragged: a padded batch
+    # whose second sequence is shorter (its own lengths on the device).
+    import pbs.kernels.vertical_slash as vertical_slash
+    from pbs.planning import make_layout
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 8, 150, 32, generator=gen), torch.randn(2, 2, 300, 32, generator=gen)
+    layout = make_layout(q, k, pbs.PBSConfig(causal=causal))
+    lengths = torch.tensor([[150, 300], [40, 90]], dtype=torch.int32) if ragged else None
+    alone = vertical_slash.line_scores(q, k, layout, 0.2, 64, lengths=lengths)
+    monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 4)
+    assert vertical_slash._heads_per_program(4, 64) == 4
+    stacked = vertical_slash.line_scores(q, k, layout, 0.2, 64, lengths=lengths)
+    torch.testing.assert_close(stacked, alone, rtol=0, atol=1e-6)
+    assert stacked[1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("seq_len,seq_len_q,threshold,causal",
                          [(300, None, 0.6, True), (300, 130, 0.75, True), (260, None, 0.9, True), (300, None, 0.75, False)])
 @pytest.mark.parametrize("force_sink", [True, False])

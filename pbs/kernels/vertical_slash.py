@@ -4,7 +4,8 @@
 Four launches instead of the reference's dozens of ops:
 
 1. ``_row_stats``: the log-sum-exp of the last ``R`` queries' rows, split over the keys (one
-   program per query head and key split, online softmax);
+   program per query head, or per few heads of a KV group stacked on one read of K, and key split;
+   online softmax);
 2. ``_row_lines``: combines those partial statistics once per program, then walks a run of key
    tiles, taking each row's softmax over the tile; the per-key sum (vertical score) is stored
    directly, and the per-offset sums (slash scores) come from the same tile read cyclically
@@ -37,8 +38,10 @@ from pbs.types import BlockMask, block_index_dtype
 PROGRAMS_PER_SM = 8
 KEY_TILE = 64
 LINES_STAGES = 2
+LINES_HEADS_PER_PROGRAM = 1
 """`_row_lines`' launch: programs per SM, keys per tile and pipeline stages, the fastest of the sweep
-in docs/notes.md ("Where a chunk's planning goes")."""
+in docs/notes.md ("Where a chunk's planning goes"), and how many query heads of a KV group one
+program of `_row_stats` and `_row_lines` stacks on one read of K (1: each head alone, as timed)."""
 KEPT_LINES_TILES = (8192, 8192)
 KEPT_LINES_WARPS = 16
 KEPT_LINES_DIGIT_BITS = 4
@@ -48,29 +51,27 @@ tiles and warps are the fastest of the same sweep at 32K and 128K."""
 
 
 @triton.jit
-def _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows,
-               ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PACKED_Q: tl.constexpr):
-    o_r = tl.arange(0, ROWS)
+def _stacked_rows(b, head0, heads_q, ROWS: tl.constexpr, HEADS: tl.constexpr):
+    """A program's rows: ``HEADS`` query heads of one KV group from ``head0``, ``ROWS`` rows each,
+    stacked. Returns each stacked row's row within its head and its (batch x head) line."""
+    o = tl.arange(0, HEADS * ROWS)
+    return o % ROWS, b * heads_q + head0 + o // ROWS
+
+
+@triton.jit
+def _load_rows(q_ptr, q_starts_ptr, b, head0, stride_qb, stride_qh, stride_qn, rows_start, rows,
+               ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               PACKED_Q: tl.constexpr):
+    o = tl.arange(0, HEADS * ROWS)
+    o_r = o % ROWS
     o_d = tl.arange(0, D_PAD)
     if PACKED_Q:  # a packed batch (line_scores' q_row_starts): entry b's rows from its first one
         entry = tl.load(q_starts_ptr + b).to(tl.int64) * stride_qn
     else:
         entry = b.to(tl.int64) * stride_qb
-    ptrs = q_ptr + entry + hq.to(tl.int64) * stride_qh + (rows_start + o_r)[:, None] * stride_qn
+    heads = (head0 + o // ROWS).to(tl.int64) * stride_qh
+    ptrs = q_ptr + entry + heads[:, None] + (rows_start + o_r)[:, None] * stride_qn
     return tl.load(ptrs + o_d[None, :], mask=(o_r[:, None] < rows) & (o_d[None, :] < HEAD_DIM), other=0.0)
-
-
-@triton.jit
-def _program_rows(q_ptr, q_starts_ptr, stride_qb, stride_qh, stride_qn, heads_q, rows_start, rows, query_offset,
-                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PACKED_Q: tl.constexpr):
-    """This program's (batch, query head), its last rows' queries and their original positions."""
-    pid_bh = tl.program_id(0)
-    b = pid_bh // heads_q
-    hq = pid_bh % heads_q
-    q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEAD_DIM,
-                   D_PAD, PACKED_Q)
-    row_pos = rows_start + query_offset + tl.arange(0, ROWS)
-    return pid_bh, b, hq, q, row_pos
 
 
 @triton.jit
@@ -121,38 +122,44 @@ def _row_stats(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, rows_start, rows, lens_ptr, q_starts_ptr, last_rows, seq_len_k, query_offset,
                keys_per_split, splits, qk_scale,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr,
-               PACKED_Q: tl.constexpr):
-    rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, tl.program_id(0) // heads_q, rows_start, rows,
-                                                          seq_len_k, query_offset, last_rows, RAGGED)
-    pid_bh, b, hq, q, row_pos = _program_rows(q_ptr, q_starts_ptr, stride_qb, stride_qh, stride_qn, heads_q,
-                                              rows_start, rows, query_offset, ROWS, HEAD_DIM, D_PAD, PACKED_Q)
+               ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               RAGGED: tl.constexpr, PACKED_Q: tl.constexpr):
+    # One program per (batch, HEADS query heads of a KV group, key split): each K tile is read once
+    # for the stacked rows of its heads.
+    programs_per_entry = heads_q // HEADS
+    b = tl.program_id(0) // programs_per_entry
+    head0 = tl.program_id(0) % programs_per_entry * HEADS
+    rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, rows_start, rows, seq_len_k, query_offset,
+                                                          last_rows, RAGGED)
+    q = _load_rows(q_ptr, q_starts_ptr, b, head0, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEADS,
+                   HEAD_DIM, D_PAD, PACKED_Q)
+    o_r, line = _stacked_rows(b, head0, heads_q, ROWS, HEADS)
+    row_pos = rows_start + query_offset + o_r
     split = tl.program_id(1)
-    o_r = tl.arange(0, ROWS)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
+    m_i = tl.full([HEADS * ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS * ROWS], tl.float32)
     key_start = split * keys_per_split
     key_end = tl.minimum(key_start + keys_per_split, seq_len_k)
     for n0 in range(key_start, key_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos,
+        s = _scores(q, k_ptr, table_ptr, b, head0 // group, stride_kb, stride_kh, stride_kn, cols, key_end, row_pos,
                     qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    out = (pid_bh * splits + split) * ROWS + o_r
+    out = (line * splits + split) * ROWS + o_r
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
 
 
 @triton.jit
-def _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS: tl.constexpr, SPLITS: tl.constexpr):
-    """The rows' log2-sum-exp from `_row_stats`' per-split maxima and sums (a few values per row)."""
-    o_r = tl.arange(0, ROWS)
+def _log_sum_exp(m_ptr, l_ptr, line, o_r, splits, ROWS: tl.constexpr, SPLITS: tl.constexpr):
+    """The stacked rows' log2-sum-exp from `_row_stats`' per-split maxima and sums (a few values per
+    row); ``line`` and ``o_r`` from `_stacked_rows`."""
     o_s = tl.arange(0, SPLITS)
-    at = (pid_bh * splits + o_s[None, :]) * ROWS + o_r[:, None]
+    at = (line[:, None] * splits + o_s[None, :]) * ROWS + o_r[:, None]
     m = tl.load(m_ptr + at, mask=o_s[None, :] < splits, other=float("-inf"))
     l = tl.load(l_ptr + at, mask=o_s[None, :] < splits, other=0.0)
     top = tl.max(m, 1)
@@ -165,15 +172,15 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                heads_q, group, launch_rows_start, launch_rows, lens_ptr, q_starts_ptr, last_rows, line_len,
                query_offset_0, keys_per_program, splits, qk_scale,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+               ROWS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                PAGE_SIZE: tl.constexpr, RAGGED: tl.constexpr, PACKED_Q: tl.constexpr):
-    # One program per (batch x head, run of keys): the rows' queries and log-sum-exp are loaded
-    # once, and the key loop reads only K, so the compiler can prefetch the next tile.
-    pid_bh = tl.program_id(0)
-    b = pid_bh // heads_q
-    hq = pid_bh % heads_q
-    o_r = tl.arange(0, ROWS)
+    # One program per (batch, HEADS query heads of a KV group, run of keys): the stacked rows'
+    # queries and log-sum-exp are loaded once, and the key loop reads only K (once for the
+    # stacked heads), so the compiler can prefetch the next tile.
+    programs_per_entry = heads_q // HEADS
+    b = tl.program_id(0) // programs_per_entry
+    head0 = tl.program_id(0) % programs_per_entry * HEADS
     o_n = tl.arange(0, BLOCK_N)
     # Lines are line_len apart (the padded length of a ragged batch); seq_len_k bounds this one.
     rows_start, rows, seq_len_k, query_offset = _sequence(lens_ptr, b, launch_rows_start, launch_rows, line_len,
@@ -181,36 +188,40 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
     key_start = tl.program_id(1) * keys_per_program
     # A ragged sequence's keys past its end score nothing (its lines there stay 0).
     key_end = tl.minimum(key_start + keys_per_program, seq_len_k)
-    q = _load_rows(q_ptr, q_starts_ptr, b, hq, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS,
+    q = _load_rows(q_ptr, q_starts_ptr, b, head0, stride_qb, stride_qh, stride_qn, rows_start, rows, ROWS, HEADS,
                    HEAD_DIM, D_PAD, PACKED_Q)
-    lse = _log_sum_exp(m_ptr, l_ptr, pid_bh, splits, ROWS, SPLITS)
+    o_r, line = _stacked_rows(b, head0, heads_q, ROWS, HEADS)
+    lse = _log_sum_exp(m_ptr, l_ptr, line, o_r, splits, ROWS, SPLITS)
     lse = tl.where(o_r < rows, lse, float("inf"))  # padded rows: probability 0
     first_row_pos = rows_start + query_offset
-    line = pid_bh.to(tl.int64) * line_len
+    head_lines = (b * heads_q + head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None] * line_len  # (HEADS, 1)
     # Rows r and keys c of a tile meet on offset first_row_pos - col0 - (BLOCK_N - 1) + x with
     # x = BLOCK_N - 1 - c + r in [0, ROWS + BLOCK_N - 1). Read the tile cyclically skewed, entry
     # (r, y) being column (BLOCK_N - 1 - y + r) mod BLOCK_N: column y of that read holds offset
-    # x = y from rows r <= y and x = y + BLOCK_N from rows r > y, so two masked sums over rows are
-    # the per-offset sums, from a gather of the tile's own size.
+    # x = y from rows r <= y and x = y + BLOCK_N from rows r > y, so two masked sums over each
+    # head's rows are its per-offset sums, from a gather of the tile's own size.
     o_y = tl.arange(0, BLOCK_N)
     column = (BLOCK_N - 1 - o_y[None, :] + o_r[:, None]) % BLOCK_N
     low = o_r[:, None] <= o_y[None, :]
     for col0 in range(key_start, key_end, BLOCK_N):
         cols = col0 + o_n
-        s = _scores(q, k_ptr, table_ptr, b, hq // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
+        s = _scores(q, k_ptr, table_ptr, b, head0 // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
                     first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         p = tl.exp2(s - lse[:, None])
-        tl.store(vertical_ptr + line + cols, tl.sum(p, 0) / rows, mask=cols < seq_len_k)
+        vertical = tl.sum(tl.reshape(p, (HEADS, ROWS, BLOCK_N)), 1) / rows
+        tl.store(vertical_ptr + head_lines + cols[None, :], vertical, mask=(cols < seq_len_k)[None, :])
         skewed = tl.gather(p, column, 1)
         # Negative offsets (keys after the row: non-causal calls) are not slash lines. An offset is
         # shared by at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either
         # order, so the atomics leave the result deterministic.
         offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_y
-        tl.atomic_add(slash_ptr + line + offsets, tl.sum(tl.where(low, skewed, 0.0), 0), sem="relaxed",
-                      mask=(offsets >= 0) & (offsets < seq_len_k))
+        near = tl.sum(tl.reshape(tl.where(low, skewed, 0.0), (HEADS, ROWS, BLOCK_N)), 1)
+        tl.atomic_add(slash_ptr + head_lines + offsets[None, :], near, sem="relaxed",
+                      mask=((offsets >= 0) & (offsets < seq_len_k))[None, :])
         offsets += BLOCK_N
-        tl.atomic_add(slash_ptr + line + offsets, tl.sum(tl.where(low, 0.0, skewed), 0), sem="relaxed",
-                      mask=(o_y < ROWS - 1) & (offsets >= 0) & (offsets < seq_len_k))
+        far = tl.sum(tl.reshape(tl.where(low, 0.0, skewed), (HEADS, ROWS, BLOCK_N)), 1)
+        tl.atomic_add(slash_ptr + head_lines + offsets[None, :], far, sem="relaxed",
+                      mask=((o_y < ROWS - 1) & (offsets >= 0) & (offsets < seq_len_k))[None, :])
 
 
 @triton.jit
@@ -339,27 +350,29 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     q_starts = lens if q_row_starts is None else q_row_starts
     common = (q.stride(0), q.stride(1), q.stride(2), *k_strides, hq, group, rows_start, rows, lens, q_starts,
               last_rows)
-    meta = dict(ROWS=rows_pad, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal, IEEE=ieee,
-                PAGE_SIZE=page_size, RAGGED=ragged, PACKED_Q=q_row_starts is not None)
-    # Enough programs to fill the GPU: split the keys of each head's rows.
-    splits = max(1, min(triton.cdiv(nk, 4 * block_n), triton.cdiv(264, b * hq)))
+    heads = _heads_per_program(group, rows_pad)
+    meta = dict(ROWS=rows_pad, HEADS=heads, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, CAUSAL=layout.causal,
+                IEEE=ieee, PAGE_SIZE=page_size, RAGGED=ragged, PACKED_Q=q_row_starts is not None)
+    row_programs = b * hq // heads
+    # Enough programs to fill the GPU: split the keys of each program's rows.
+    splits = max(1, min(triton.cdiv(nk, 4 * block_n), triton.cdiv(264, row_programs)))
     keys_per_split = triton.cdiv(triton.cdiv(nk, splits), block_n) * block_n
     splits = triton.cdiv(nk, keys_per_split)
     part_max = torch.empty(b * hq, splits, rows_pad, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    _row_stats[(b * hq, splits)](q, k, table, part_max, part_sum, *common, nk, layout.query_offset, keys_per_split,
-                                 splits, qk_scale, **meta)
+    _row_stats[(row_programs, splits)](q, k, table, part_max, part_sum, *common, nk, layout.query_offset,
+                                       keys_per_split, splits, qk_scale, **meta)
     # One buffer for both line scores, so that `kept_line_blocks` reads them in one launch.
     # Ragged: keys past a sequence's end get no store, so they start at 0.
     scores = (torch.zeros if ragged else torch.empty)(2, b, hq, nk, dtype=torch.float32, device=q.device)
     vertical, slash = scores[0], scores[1].zero_()
-    # Each head's keys in runs, enough programs to fill the GPU a few times over.
-    runs = max(1, min(triton.cdiv(nk, block_n), triton.cdiv(PROGRAMS_PER_SM * _programs_base(q.device), b * hq)))
+    # Each program's keys in runs, enough programs to fill the GPU a few times over.
+    runs = max(1, min(triton.cdiv(nk, block_n), triton.cdiv(PROGRAMS_PER_SM * _programs_base(q.device), row_programs)))
     keys_per_program = triton.cdiv(triton.cdiv(nk, runs), block_n) * block_n
     runs = triton.cdiv(nk, keys_per_program)
-    _row_lines[(b * hq, runs)](q, k, table, part_max, part_sum, vertical, slash, *common, nk, layout.query_offset,
-                               keys_per_program, splits, qk_scale,
-                               SPLITS=triton.next_power_of_2(splits), num_stages=LINES_STAGES, **meta)
+    _row_lines[(row_programs, runs)](q, k, table, part_max, part_sum, vertical, slash, *common, nk,
+                                     layout.query_offset, keys_per_program, splits, qk_scale,
+                                     SPLITS=triton.next_power_of_2(splits), num_stages=LINES_STAGES, **meta)
     if ragged:
         slash.div_(lengths[:, 0].clamp(min=1, max=last_rows).float()[:, None, None])
     else:
@@ -467,6 +480,15 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
                              TILE=tile, BLOCK=block_size, DIGIT_BITS=KEPT_LINES_DIGIT_BITS,
                              num_warps=KEPT_LINES_WARPS)
     return vertical_blocks, prefix
+
+
+def _heads_per_program(group: int, rows_pad: int) -> int:
+    """Query heads whose rows one line-score program stacks: at most `LINES_HEADS_PER_PROGRAM`, a
+    power of two that divides the KV group (so the stacked heads share one K), at most 256 rows."""
+    heads = 1
+    while heads * 2 <= LINES_HEADS_PER_PROGRAM and group % (heads * 2) == 0 and heads * 2 * rows_pad <= 256:
+        heads *= 2
+    return heads
 
 
 def _programs_base(device: torch.device) -> int:
