@@ -59,6 +59,37 @@ def _stacked_rows(b, head0, heads_q, ROWS: tl.constexpr, HEADS: tl.constexpr):
 
 
 @triton.jit
+def _per_head(x, HEADS: tl.constexpr, ROWS: tl.constexpr):
+    """A ``(HEADS * ROWS, N)`` tile of stacked rows summed over each head's rows: ``(HEADS, N)``,
+    or ``(N,)`` for one head (the single-head kernel as it was timed, with no reshape)."""
+    if HEADS == 1:
+        sums = tl.sum(x, 0)
+    else:
+        sums = tl.sum(tl.reshape(x, (HEADS, ROWS, x.shape[1])), 1)
+    return sums
+
+
+@triton.jit
+def _each_head(x, HEADS: tl.constexpr):
+    """``x`` ``(N,)`` shaped as `_per_head`'s sums: itself for one head, else ``(HEADS, N)``."""
+    if HEADS == 1:
+        out = x
+    else:
+        out = tl.broadcast_to(x[None, :], (HEADS, x.shape[0]))
+    return out
+
+
+@triton.jit
+def _head_line_starts(first_line, line_len, HEADS: tl.constexpr):
+    """Where the lines of the program's heads start, shaped to add to `_each_head`'s entries."""
+    if HEADS == 1:
+        out = first_line * line_len
+    else:
+        out = (first_line + tl.arange(0, HEADS)).to(tl.int64)[:, None] * line_len
+    return out
+
+
+@triton.jit
 def _load_rows(q_ptr, q_starts_ptr, b, head0, stride_qb, stride_qh, stride_qn, rows_start, rows,
                ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                PACKED_Q: tl.constexpr):
@@ -194,7 +225,7 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
     lse = _log_sum_exp(m_ptr, l_ptr, line, o_r, splits, ROWS, SPLITS)
     lse = tl.where(o_r < rows, lse, float("inf"))  # padded rows: probability 0
     first_row_pos = rows_start + query_offset
-    head_lines = (b * heads_q + head0 + tl.arange(0, HEADS)).to(tl.int64)[:, None] * line_len  # (HEADS, 1)
+    lines = _head_line_starts((b * heads_q + head0).to(tl.int64), line_len, HEADS)
     # Rows r and keys c of a tile meet on offset first_row_pos - col0 - (BLOCK_N - 1) + x with
     # x = BLOCK_N - 1 - c + r in [0, ROWS + BLOCK_N - 1). Read the tile cyclically skewed, entry
     # (r, y) being column (BLOCK_N - 1 - y + r) mod BLOCK_N: column y of that read holds offset
@@ -203,25 +234,24 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
     o_y = tl.arange(0, BLOCK_N)
     column = (BLOCK_N - 1 - o_y[None, :] + o_r[:, None]) % BLOCK_N
     low = o_r[:, None] <= o_y[None, :]
+    far_rows = _each_head(o_y < ROWS - 1, HEADS)
     for col0 in range(key_start, key_end, BLOCK_N):
         cols = col0 + o_n
         s = _scores(q, k_ptr, table_ptr, b, head0 // group, stride_kb, stride_kh, stride_kn, cols, seq_len_k,
                     first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         p = tl.exp2(s - lse[:, None])
-        vertical = tl.sum(tl.reshape(p, (HEADS, ROWS, BLOCK_N)), 1) / rows
-        tl.store(vertical_ptr + head_lines + cols[None, :], vertical, mask=(cols < seq_len_k)[None, :])
+        at = _each_head(cols, HEADS)
+        tl.store(vertical_ptr + lines + at, _per_head(p, HEADS, ROWS) / rows, mask=at < seq_len_k)
         skewed = tl.gather(p, column, 1)
         # Negative offsets (keys after the row: non-causal calls) are not slash lines. An offset is
         # shared by at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either
         # order, so the atomics leave the result deterministic.
-        offsets = first_row_pos - col0 - (BLOCK_N - 1) + o_y
-        near = tl.sum(tl.reshape(tl.where(low, skewed, 0.0), (HEADS, ROWS, BLOCK_N)), 1)
-        tl.atomic_add(slash_ptr + head_lines + offsets[None, :], near, sem="relaxed",
-                      mask=((offsets >= 0) & (offsets < seq_len_k))[None, :])
-        offsets += BLOCK_N
-        far = tl.sum(tl.reshape(tl.where(low, 0.0, skewed), (HEADS, ROWS, BLOCK_N)), 1)
-        tl.atomic_add(slash_ptr + head_lines + offsets[None, :], far, sem="relaxed",
-                      mask=((o_y < ROWS - 1) & (offsets >= 0) & (offsets < seq_len_k))[None, :])
+        at = _each_head(first_row_pos - col0 - (BLOCK_N - 1) + o_y, HEADS)
+        tl.atomic_add(slash_ptr + lines + at, _per_head(tl.where(low, skewed, 0.0), HEADS, ROWS), sem="relaxed",
+                      mask=(at >= 0) & (at < seq_len_k))
+        at += BLOCK_N
+        tl.atomic_add(slash_ptr + lines + at, _per_head(tl.where(low, 0.0, skewed), HEADS, ROWS), sem="relaxed",
+                      mask=far_rows & (at >= 0) & (at < seq_len_k))
 
 
 @triton.jit
