@@ -92,6 +92,7 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     # lengths on the device; here they run in the interpreter against the PyTorch operations the
     # CPU uses (the defaults: lines and mean pooling).
     import pbs.backends.ragged_planners as planners
+    import pbs.kernels.vertical_slash as vertical_slash
     from pbs.kernels.vertical_slash import line_scores
 
     config = {**CONFIGS["defaults"], **SMALL, "backend": "reference"}
@@ -110,6 +111,11 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     packed = line_scores(q, k_pad, geometry.layout(4, 2), 0.25, selector.last_rows, lengths=lengths,
                          q_row_starts=cu_seq_q)
     assert torch.equal(packed, kernel)
+    monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 2)  # both query heads of a KV head, one read
+    stacked = line_scores(q, k_pad, geometry.layout(4, 2), 0.25, selector.last_rows, lengths=lengths,
+                          q_row_starts=cu_seq_q)
+    torch.testing.assert_close(stacked, kernel, rtol=0, atol=1e-6)
+    monkeypatch.undo()
     from pbs.kernels.block_means import block_means
 
     pooled = block_means(q_pad, 16, lengths=len_q)

@@ -204,7 +204,8 @@ def test_the_attention_kernel_reads_pages_in_place(page_size, seq_len, seq_len_q
 
 @pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("seq_len,seq_len_q", [(200, 200), (129, 60)])
-def test_block_means_and_line_scores_read_pages_in_place(page_size, seq_len, seq_len_q):
+def test_block_means_and_line_scores_read_pages_in_place(monkeypatch, page_size, seq_len, seq_len_q):
+    import pbs.kernels.vertical_slash as vertical_slash
     from pbs.kernels.block_means import block_means
     from pbs.kernels.vertical_slash import line_scores
     from pbs.planning import make_layout
@@ -216,6 +217,9 @@ def test_block_means_and_line_scores_read_pages_in_place(page_size, seq_len, seq
     layout = make_layout(q, k, pbs.PBSConfig())
     paged = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
     assert torch.equal(paged, line_scores(q, k, layout, 32**-0.5, 64))
+    monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 2)  # both query heads of a KV head, one read
+    stacked = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
+    torch.testing.assert_close(stacked, paged, rtol=0, atol=1e-6)
 
 
 # -- addresses: no kernel touches memory outside its tensors (tests/interpreter_bounds.py) --------
