@@ -13,7 +13,15 @@ each ``(Nq, Nk)`` this times, CUDA events with the L2 flushed, in rotation
 
 and the largest absolute difference between the first two outputs. B=1, Hq=32, Hkv=8, D=128, bf16.
 
+``--structured`` draws the inputs from `pbs.testing.make_qkv` (heavy-hitter keys and slash lines, so
+the probe lets calls plan) instead of random ones, and adds ``sparse_ms``: `pbs.attention` with every
+dense rule off, planning included, and its planned density. Where ``sparse_ms`` exceeds ``dense_ms``
+at few queries, planning against every key costs more than the kernel saves: what a rule on the
+number of queries would need to know.
+
     python3 benchmarks/bench_dense_chunks.py --json $OUT/dense_chunks.json
+    python3 benchmarks/bench_dense_chunks.py --structured --shapes 512x32768 1024x32768 2048x32768 \
+        1024x131072 2048x131072 4096x131072 --json $OUT/dense_chunks_structured.json
 """
 
 from __future__ import annotations
@@ -43,28 +51,43 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=[f"{nq}x{nk}" for nq, nk in SHAPES + EDGE_SHAPES],
                         help="NqxNk pairs (queries are the last Nq of Nk positions)")
+    parser.add_argument("--structured", action="store_true",
+                        help="structured inputs (pbs.testing.make_qkv) and the planned sparse call beside")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     scale = HEAD_DIM**-0.5
     result = {**environment("cuda"), "shape": {"heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
-                                               "dtype": "bfloat16", "causal": True}, "rows": []}
+                                               "dtype": "bfloat16", "causal": True},
+              "inputs": "structured" if args.structured else "random", "rows": []}
+    no_dense_rule = pbs.PBSConfig(dense_fallback=pbs.DenseFallback(min_seq_len=0, max_density=None,
+                                                                   max_planned_density=None, probe_blocks=0))
     print(f"{'Nq':>6} {'Nk':>6} | {'SDPA (ms)':>9} {'dense (ms)':>10} {'x':>5} | {'pbs.attention':>13} | max |diff|")
     for shape in args.shapes:
         nq, nk = (int(x) for x in shape.split("x"))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn((1, HEADS_Q, nq, HEAD_DIM), generator=gen, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn((1, HEADS_KV, nk, HEAD_DIM), generator=gen, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        if args.structured:
+            q, k, v = pbs.testing.make_qkv(heads_q=HEADS_Q, heads_kv=HEADS_KV, seq_len=nk, seq_len_q=nq,
+                                           head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        else:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn((1, HEADS_Q, nq, HEAD_DIM), generator=gen, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn((1, HEADS_KV, nk, HEAD_DIM), generator=gen, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
         diff = (dense_attention(q, k, v, scale=scale).float() - dense_attention_sdpa(q, k, v, scale=scale).float())
-        times = benchmark_cuda_interleaved({
+        calls = {
             "sdpa_ms": lambda: dense_attention_sdpa(q, k, v, scale=scale),
             "dense_ms": lambda: dense_attention(q, k, v, scale=scale),
             "attention_ms": lambda: pbs.attention(q, k, v),
-        }, warmup=3, iters=15)
-        row = {"seq_len_q": nq, "seq_len_k": nk, **times, "max_abs_diff": diff.abs().max().item()}
+        }
+        extra = {}
+        if args.structured:
+            calls["sparse_ms"] = lambda: pbs.attention(q, k, v, no_dense_rule)
+            extra["sparse_density"] = pbs.plan(q, k, no_dense_rule).density
+        times = benchmark_cuda_interleaved(calls, warmup=3, iters=15)
+        row = {"seq_len_q": nq, "seq_len_k": nk, **times, **extra, "max_abs_diff": diff.abs().max().item()}
         result["rows"].append(row)
+        sparse = f" | sparse {row['sparse_ms']:.3f} at {row['sparse_density']:.3f}" if args.structured else ""
         print(f"{nq:>6} {nk:>6} | {row['sdpa_ms']:>9.3f} {row['dense_ms']:>10.3f} {row['sdpa_ms'] / row['dense_ms']:>5.2f} | "
-              f"{row['attention_ms']:>13.3f} | {row['max_abs_diff']:.4f}", flush=True)
+              f"{row['attention_ms']:>13.3f} | {row['max_abs_diff']:.4f}{sparse}", flush=True)
     if args.json:
         save(result, args.json)
     return result

@@ -13,7 +13,8 @@
 # with partial sums in scratch) timed at strides 16 and 8, 32K and 128K (sweep_antidiagonal.py);
 # lines: where a chunk's planning goes (scripts/profile_selector.py --defaults --chunk 8192 at 128K),
 # then the launch sweeps of the vertical_slash line kernels (sweep_line_scores.py, row_lines and kept_lines);
-# chunked: a 128K prompt in 8K and 16K chunks against one-shot (bench_chunked.py, defaults and pbs_paper);
+# chunked: a 128K prompt in 8K and 16K chunks against one-shot (bench_chunked.py, defaults and pbs_paper),
+# then 512-4K queries after 32K and 128K keys, planned sparse against dense (bench_dense_chunks.py --structured);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
@@ -97,6 +98,8 @@ fi
 if [[ $mode == chunked ]]; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_chunked.py --budget-ms 150 --configs defaults pbs_paper \
     --json "$OUT/chunked.json" "$@" 2>&1 | tee "$OUT/chunked.log" | tail -n 40
+  timeout 200 python3 benchmarks/bench_dense_chunks.py --structured --shapes 512x32768 1024x32768 2048x32768 \
+    1024x131072 2048x131072 4096x131072 --json "$OUT/dense_chunks_structured.json" 2>&1 | tee "$OUT/dense_chunks_structured.log"
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
