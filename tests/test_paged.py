@@ -217,9 +217,10 @@ def test_block_means_and_line_scores_read_pages_in_place(monkeypatch, page_size,
     layout = make_layout(q, k, pbs.PBSConfig())
     paged = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
     assert torch.equal(paged, line_scores(q, k, layout, 32**-0.5, 64))
-    monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 2)  # both query heads of a KV head, one read
-    stacked = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
-    torch.testing.assert_close(stacked, paged, rtol=0, atol=1e-6)
+    if page_size == 16:  # both query heads of a KV head on one read of the pages
+        monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 2)
+        stacked = line_scores(q, cache, layout, 32**-0.5, 64, block_table=table)
+        torch.testing.assert_close(stacked, paged, rtol=0, atol=1e-6)
 
 
 # -- addresses: no kernel touches memory outside its tensors (tests/interpreter_bounds.py) --------
