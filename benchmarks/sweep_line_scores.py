@@ -14,8 +14,9 @@ Hkv=8, D=128, bf16, in a fresh process per variant; prints ms per length
   without the fifth, 1 head);
 * ``--kernel kept_lines``: `pbs.kernels.vertical_slash.kept_line_blocks` on those scores (the
   cumulative threshold of both kinds of line: one program per line), each variant
-  ``tile,warps,digit_bits`` of its ``_kept_lines`` launch (the module's ``KEPT_LINES_TILES``,
-  ``KEPT_LINES_WARPS`` and ``KEPT_LINES_DIGIT_BITS``; without the third, 4 bits).
+  ``tile,warps,digit_bits,compact_after`` of its ``_kept_lines`` launch (the module's
+  ``KEPT_LINES_TILES``, ``KEPT_LINES_WARPS``, ``KEPT_LINES_DIGIT_BITS`` and
+  ``KEPT_LINES_COMPACT_AFTER``; without the third, 4 bits; without the fourth or 0, no compaction).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from benchmarks.common import environment, save  # noqa: E402
 VARIANTS = {
     "row_lines": ["64,8,4,2,1", "64,8,8,2,2", "64,8,8,2,4", "64,4,8,2,4", "64,2,8,2,4", "64,4,16,2,4", "64,8,4,2,2",
                   "32,8,8,2,4"],
-    "kept_lines": ["8192,16,4", "8192,16,2", "8192,8,2", "4096,8,2", "8192,16,1", "8192,8,1", "4096,16,2"],
+    "kept_lines": ["8192,16,4", "8192,16,2", "8192,8,2", "8192,16,1", "8192,16,4,2", "8192,16,4,3", "8192,16,2,5",
+                   "8192,16,2,6"],
 }
 
 # Run in the child process: the inputs, then one kernel's variant set up by a body below.
@@ -74,10 +76,11 @@ print(json.dumps(out))
 """
 
 KEPT_LINES = PRELUDE + r"""
-tile, warps, bits = variant if len(variant) == 3 else (*variant, 4)
+tile, warps, bits, compact_after = (*variant, *(None, None, 4, 0)[len(variant):])
 vs.KEPT_LINES_TILES = (tile, tile)
 vs.KEPT_LINES_WARPS = warps
 vs.KEPT_LINES_DIGIT_BITS = bits
+vs.KEPT_LINES_COMPACT_AFTER = compact_after or None
 out = {}
 for n in lengths:
     q, k, layout = inputs(n)
@@ -87,7 +90,7 @@ print(json.dumps(out))
 """
 
 CHILDREN = {"row_lines": ROW_LINES, "kept_lines": KEPT_LINES}
-FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages,heads_per_program", "kept_lines": "tile,warps,digit_bits"}
+FIELDS = {"row_lines": "key_tile,programs_per_sm,warps,stages,heads_per_program", "kept_lines": "tile,warps,digit_bits,compact_after"}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -322,11 +323,14 @@ def test_kept_lines_kernel_equals_the_sorting_reference(seq_len, threshold, vert
     assert torch.equal(prefix, offset_prefix(offsets))
 
 
-@pytest.mark.parametrize("digit_bits,threshold,total", [(2, 0.9, 0.5), (1, 0.9, 1.0)])
-def test_kept_lines_kernel_finds_the_same_cut_with_narrower_digits(monkeypatch, digit_bits, threshold, total):
+@pytest.mark.parametrize("digit_bits,compact_after,threshold,total",
+                         [(2, None, 0.9, 0.5), (1, None, 0.9, 1.0), (4, 2, 0.9, 1.0), (2, 3, 0.9, 0.5)])
+def test_kept_lines_kernel_finds_the_same_cut_with_narrower_digits_or_a_compacted_bucket(
+        monkeypatch, digit_bits, compact_after, threshold, total):
     import pbs.kernels.vertical_slash as vertical_slash
 
     monkeypatch.setattr(vertical_slash, "KEPT_LINES_DIGIT_BITS", digit_bits)
+    monkeypatch.setattr(vertical_slash, "KEPT_LINES_COMPACT_AFTER", compact_after)
     scores = _line_scores_with_ties(2500, seed=3) * total
     vertical_blocks, prefix = vertical_slash.kept_line_blocks(scores, threshold, 0.6, 64)
     keys, offsets = kept_lines(scores[0], scores[1], threshold, 0.6)
@@ -335,13 +339,20 @@ def test_kept_lines_kernel_finds_the_same_cut_with_narrower_digits(monkeypatch, 
     assert torch.equal(prefix, offset_prefix(offsets))
 
 
-def test_kept_lines_kernel_takes_tied_scores_in_index_order():
+# 0.125 has the float bits 0x3E000000: after two passes its ties sit on the compacted bucket's lower edge.
+@pytest.mark.parametrize("value,count", [(0.1, 10), (0.125, 8)])
+@pytest.mark.parametrize("compact_after", [None, 2])
+def test_kept_lines_kernel_takes_tied_scores_in_index_order(monkeypatch, value, count, compact_after):
+    import pbs.kernels.vertical_slash as vertical_slash
     from pbs.kernels.vertical_slash import kept_line_blocks
 
+    monkeypatch.setattr(vertical_slash, "KEPT_LINES_COMPACT_AFTER", compact_after)
     scores = torch.zeros(2, 1, 1, 64)
-    scores[:, ..., 10:20] = 0.1  # ten equal shares: 0.35 needs four of them, the first four
+    scores[:, ..., 10:10 + count] = value  # equal shares: 0.35 needs the first ceil(0.35 / value) of them
     vertical_blocks, prefix = kept_line_blocks(scores, 0.35, None, 16)
-    assert prefix[0, 0, 1:].diff(prepend=torch.zeros(1, dtype=torch.int32)).nonzero().flatten().tolist() == [10, 11, 12, 13]
+    needed = math.ceil(0.35 / value)
+    assert prefix[0, 0, 1:].diff(prepend=torch.zeros(1, dtype=torch.int32)).nonzero().flatten().tolist() == \
+        list(range(10, 10 + needed))
     assert vertical_blocks[0, 0].tolist() == [1, 0, 0, 0]
 
 

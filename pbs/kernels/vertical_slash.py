@@ -45,9 +45,12 @@ program of `_row_stats` and `_row_lines` stacks on one read of K (1: each head a
 KEPT_LINES_TILES = (8192, 8192)
 KEPT_LINES_WARPS = 16
 KEPT_LINES_DIGIT_BITS = 4
-"""Scores per step of `_kept_lines` below / from 64K keys, its warps, and the bits of the cut found
-per pass over a row (4: eight passes of 16 candidates; 2: sixteen of 4; 1: thirty-two of 2): the
-tiles and warps are the fastest of the same sweep at 32K and 128K."""
+KEPT_LINES_COMPACT_AFTER: int | None = None
+"""Scores per step of `_kept_lines` below / from 64K keys, its warps, the bits of the cut found per
+pass over a row (4: eight passes of 16 candidates; 2: sixteen of 4; 1: thirty-two of 2), and after
+how many passes the later ones read only the scores that share the cut's leading digits (None:
+every pass reads the whole row): the tiles and warps are the fastest of the same sweep at 32K and
+128K; the other two stay as timed until the sweep has timed them."""
 
 
 @triton.jit
@@ -432,30 +435,61 @@ def _share_at_or_above(row_ptr, seq_len, cut, TILE: tl.constexpr, SHIFT: tl.cons
 
 
 @triton.jit
-def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, lines, seq_len, num_key_blocks,
-                vertical_share, slash_share, TILE: tl.constexpr, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+def _compact_bucket(row_ptr, bucket_ptr, seq_len, cut, SHIFT: tl.constexpr, TILE: tl.constexpr):
+    """Copies the row's scores whose float bits lie in ``[cut, cut + 1 << SHIFT)`` to ``bucket_ptr``
+    in index order; returns how many."""
+    end = tl.minimum(cut.to(tl.int64) + (1 << SHIFT), 0x7FFFFFFF)
+    count = tl.zeros([], tl.int32)
+    for t0 in range(0, seq_len, TILE):
+        cols = t0 + tl.arange(0, TILE)
+        x = tl.load(row_ptr + cols, mask=cols < seq_len, other=0.0)
+        bits = x.to(tl.int32, bitcast=True)
+        inside = (cols < seq_len) & (bits >= cut) & (bits.to(tl.int64) < end)
+        slot = count + tl.cumsum(inside.to(tl.int32), 0) - 1
+        tl.store(bucket_ptr + slot, x, mask=inside)
+        count += tl.sum(inside.to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, bucket_ptr, lines, seq_len, num_key_blocks,
+                vertical_share, slash_share, TILE: tl.constexpr, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                COMPACT_AFTER: tl.constexpr):
     # One program per (line kind, batch x head) row of Nk scores. The kept set of Algorithm 2's
     # cumulative rule is "every score above a cut, plus the first few equal to it": the cut is
     # the largest float c whose scores >= c still sum to the share, found digit by digit
     # (DIGIT_BITS bits of the float's bit pattern per pass over the row, 2**DIGIT_BITS candidates
-    # at once) instead of sorting.
+    # at once) instead of sorting. After COMPACT_AFTER passes the scores that share the cut's
+    # leading digits (its bucket) are copied out, and the later passes read only them: every
+    # score above the bucket counts for every later candidate, every score below it for none.
     CANDIDATES: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0)
     kind = tl.program_id(1)  # 0: keys (vertical scores), 1: offsets (slash scores)
     share = tl.where(kind == 0, vertical_share, slash_share)
     row_ptr = scores_ptr + (kind * lines + row).to(tl.int64) * seq_len
+    bucket_row = bucket_ptr + (kind * lines + row).to(tl.int64) * seq_len
     o_c = tl.arange(0, CANDIDATES)
     cut = tl.zeros([], tl.int32)
     above = tl.zeros([], tl.float32)  # the sum of the scores at or above the next candidate over the cut
     total = tl.zeros([], tl.float32)
+    over_bucket = tl.zeros([], tl.float32)
+    in_bucket = seq_len
     for digit in tl.static_range(32 // DIGIT_BITS):
         shift: tl.constexpr = 32 - DIGIT_BITS * (digit + 1)
-        sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, shift, CANDIDATES)
+        if digit >= COMPACT_AFTER:
+            sums = over_bucket + _share_at_or_above(bucket_row, in_bucket, cut, TILE, shift, CANDIDATES)
+        else:
+            sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, shift, CANDIDATES)
         if digit == 0:
             total = tl.sum(tl.where(o_c == 0, sums, 0.0), 0)  # candidate 0 of the first pass: every score
         k = tl.sum((sums >= share).to(tl.int32), 0) - 1
         above = tl.where(k < CANDIDATES - 1, tl.sum(tl.where(o_c == k + 1, sums, 0.0), 0), above)
         cut += tl.maximum(k, 0) << shift
+        if digit + 1 == COMPACT_AFTER:
+            # The bucket is [cut, cut + 1 << shift); `above` sums the scores from its end up.
+            over_bucket = above
+            in_bucket = _compact_bucket(row_ptr, bucket_row, seq_len, cut, shift, TILE)
+            tl.debug_barrier()  # the copies are read back by other threads of the program
     keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
     cut_value = cut.to(tl.float32, bitcast=True)
     # Scores equal to the cut are taken in index order (the reference's stable sort) until the share is reached.
@@ -505,10 +539,12 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     vertical_blocks = torch.empty(b, hq, tk, dtype=torch.int8, device=scores.device)
     prefix = torch.empty(b, hq, nk + 1, dtype=torch.int32, device=scores.device)
     tile = max(block_size, 1024 if interpreting() else KEPT_LINES_TILES[nk >= 65536])
-    _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, b * hq, nk, tk,
+    compact = KEPT_LINES_COMPACT_AFTER is not None
+    bucket = torch.empty_like(scores) if compact else scores  # unread without compaction
+    _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, bucket, b * hq, nk, tk,
                              float(vertical_threshold or threshold), float(threshold),
                              TILE=tile, BLOCK=block_size, DIGIT_BITS=KEPT_LINES_DIGIT_BITS,
-                             num_warps=KEPT_LINES_WARPS)
+                             COMPACT_AFTER=KEPT_LINES_COMPACT_AFTER if compact else 64, num_warps=KEPT_LINES_WARPS)
     return vertical_blocks, prefix
 
 
