@@ -383,3 +383,48 @@ def test_the_preset_is_the_measured_configuration():
     out, plan = pbs.attention(q, k, v, config.model_copy(update={"backend": "reference"}), return_plan=True)
     assert plan is not None and 0 < plan.density < 1  # the dense fallback applies on CUDA only
     assert out.shape == q.shape
+
+
+def line_kernels_compile_report() -> dict:
+    """Compiles, for sm_90 (run by compile_in_subprocess), the line kernels as the GPU builds them
+    (bf16, D 128, 64 rows, 32 query and 8 KV heads): `line_scores`' two kernels with one head per
+    program and with four stacked, and `kept_line_blocks`' kernel with its knobs at their defaults,
+    2-bit digits, and compaction after three passes. Returns registers and spills per variant."""
+    import pbs.kernels.vertical_slash as vertical_slash
+    from pbs.planning import make_layout
+    from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
+    from tests.test_paged import _compile_only
+
+    q = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
+    layout = make_layout(q, k, pbs.PBSConfig())
+    report = {}
+    with sm90_driver():
+        for heads in (1, 4):
+            compiled = []
+            vertical_slash.LINES_HEADS_PER_PROGRAM = heads
+            with _compile_only(vertical_slash, ["_row_stats", "_row_lines"], compiled):
+                vertical_slash.line_scores(q, k, layout, 0.1, 64)
+            report[f"line_scores heads {heads}"] = [resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
+        vertical_slash.LINES_HEADS_PER_PROGRAM = 1
+        scores = torch.empty(2, 1, 32, 4096, dtype=torch.float32)
+        for bits, compact_after in ((4, None), (2, None), (4, 3)):
+            compiled = []
+            vertical_slash.KEPT_LINES_DIGIT_BITS, vertical_slash.KEPT_LINES_COMPACT_AFTER = bits, compact_after
+            with _compile_only(vertical_slash, ["_kept_lines"], compiled):
+                vertical_slash.kept_line_blocks(scores, 0.75, None, 128)
+            report[f"kept_lines {bits} bits, compact {compact_after}"] = [
+                resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
+    return report
+
+
+def test_the_line_kernels_compile_for_sm90():
+    # The interpreter runs none of the code generator: a construct it accepts (a constexpr name
+    # bound again in an unrolled loop, say) can still fail to compile for the GPU.
+    from tests.sm90_compile import compile_in_subprocess
+
+    report = compile_in_subprocess("tests.test_vertical_slash:line_kernels_compile_report")
+    assert len(report) == 5 and all(len(kernels) >= 1 for kernels in report.values())
+    # The launches the defaults run keep everything in registers.
+    for name in ("line_scores heads 1", "kept_lines 4 bits, compact None"):
+        assert all(usage["LOCAL"] == 0 for usage in report[name]), f"register spills ({name}): {report[name]}"

@@ -475,20 +475,22 @@ def _kept_lines(scores_ptr, vertical_blocks_ptr, prefix_ptr, bucket_ptr, lines, 
     over_bucket = tl.zeros([], tl.float32)
     in_bucket = seq_len
     for digit in tl.static_range(32 // DIGIT_BITS):
-        shift: tl.constexpr = 32 - DIGIT_BITS * (digit + 1)
+        # This pass's digit is the bits from 32 - DIGIT_BITS * (digit + 1) up (a constant per pass:
+        # written out, since a constexpr name cannot be rebound in an unrolled loop).
         if digit >= COMPACT_AFTER:
-            sums = over_bucket + _share_at_or_above(bucket_row, in_bucket, cut, TILE, shift, CANDIDATES)
+            sums = over_bucket + _share_at_or_above(bucket_row, in_bucket, cut, TILE, 32 - DIGIT_BITS * (digit + 1),
+                                                    CANDIDATES)
         else:
-            sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, shift, CANDIDATES)
+            sums = _share_at_or_above(row_ptr, seq_len, cut, TILE, 32 - DIGIT_BITS * (digit + 1), CANDIDATES)
         if digit == 0:
             total = tl.sum(tl.where(o_c == 0, sums, 0.0), 0)  # candidate 0 of the first pass: every score
         k = tl.sum((sums >= share).to(tl.int32), 0) - 1
         above = tl.where(k < CANDIDATES - 1, tl.sum(tl.where(o_c == k + 1, sums, 0.0), 0), above)
-        cut += tl.maximum(k, 0) << shift
+        cut += tl.maximum(k, 0) << (32 - DIGIT_BITS * (digit + 1))
         if digit + 1 == COMPACT_AFTER:
-            # The bucket is [cut, cut + 1 << shift); `above` sums the scores from its end up.
+            # The bucket is [cut, cut + 1 << that shift); `above` sums the scores from its end up.
             over_bucket = above
-            in_bucket = _compact_bucket(row_ptr, bucket_row, seq_len, cut, shift, TILE)
+            in_bucket = _compact_bucket(row_ptr, bucket_row, seq_len, cut, 32 - DIGIT_BITS * (digit + 1), TILE)
             tl.debug_barrier()  # the copies are read back by other threads of the program
     keep_all = total < share  # rounding left the whole row short of the share: keep every score > 0
     cut_value = cut.to(tl.float32, bitcast=True)
