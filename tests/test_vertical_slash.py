@@ -273,6 +273,7 @@ def test_stacked_heads_score_what_each_head_scores_alone(monkeypatch, causal, ra
     q, k = torch.randn(2, 8, 150, 32, generator=gen), torch.randn(2, 2, 300, 32, generator=gen)
     layout = make_layout(q, k, pbs.PBSConfig(causal=causal))
     lengths = torch.tensor([[150, 300], [40, 90]], dtype=torch.int32) if ragged else None
+    monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 1)
     alone = vertical_slash.line_scores(q, k, layout, 0.2, 64, lengths=lengths)
     monkeypatch.setattr(vertical_slash, "LINES_HEADS_PER_PROGRAM", 4)
     assert vertical_slash._heads_per_program(4, 64) == 4
@@ -388,9 +389,9 @@ def test_the_preset_is_the_measured_configuration():
 def line_kernels_compile_report() -> dict:
     """Compiles, for sm_90 (run by compile_in_subprocess), the line kernels as the GPU builds them
     (bf16, D 128, 64 rows, 32 query and 8 KV heads): `line_scores`' two kernels with one head per
-    program and with four stacked, and `kept_line_blocks`' kernel with its knobs at their defaults
-    and with compaction after three passes (other digit widths only change constants). Returns
-    registers and spills per variant."""
+    program, two (the default) and four stacked, and `kept_line_blocks`' kernel with compaction
+    after three passes (the default) and without (other digit widths only change constants).
+    Returns registers and spills per variant."""
     import pbs.kernels.vertical_slash as vertical_slash
     from pbs.planning import make_layout
     from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
@@ -401,13 +402,13 @@ def line_kernels_compile_report() -> dict:
     layout = make_layout(q, k, pbs.PBSConfig())
     report = {}
     with sm90_driver():
-        for heads in (1, 4):
+        for heads in (1, 2, 4):
             compiled = []
             vertical_slash.LINES_HEADS_PER_PROGRAM = heads
             with _compile_only(vertical_slash, ["_row_stats", "_row_lines"], compiled):
                 vertical_slash.line_scores(q, k, layout, 0.1, 64)
             report[f"line_scores heads {heads}"] = [resource_usage(c.asm["cubin"], scratch_dir()) for c in compiled]
-        vertical_slash.LINES_HEADS_PER_PROGRAM = 1
+        vertical_slash.LINES_HEADS_PER_PROGRAM = 2
         scores = torch.empty(2, 1, 32, 4096, dtype=torch.float32)
         for bits, compact_after in ((4, None), (4, 3)):
             compiled = []
@@ -425,7 +426,7 @@ def test_the_line_kernels_compile_for_sm90():
     from tests.sm90_compile import compile_in_subprocess
 
     report = compile_in_subprocess("tests.test_vertical_slash:line_kernels_compile_report")
-    assert len(report) == 4 and all(len(kernels) >= 1 for kernels in report.values())
+    assert len(report) == 5 and all(len(kernels) >= 1 for kernels in report.values())
     # The launches the defaults run keep everything in registers.
-    for name in ("line_scores heads 1", "kept_lines 4 bits, compact None"):
+    for name in ("line_scores heads 2", "kept_lines 4 bits, compact 3"):
         assert all(usage["LOCAL"] == 0 for usage in report[name]), f"register spills ({name}): {report[name]}"

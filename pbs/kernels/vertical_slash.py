@@ -38,19 +38,19 @@ from pbs.types import BlockMask, block_index_dtype
 PROGRAMS_PER_SM = 8
 KEY_TILE = 64
 LINES_STAGES = 2
-LINES_HEADS_PER_PROGRAM = 1
-"""`_row_lines`' launch: programs per SM, keys per tile and pipeline stages, the fastest of the sweep
-in docs/notes.md ("Where a chunk's planning goes"), and how many query heads of a KV group one
-program of `_row_stats` and `_row_lines` stacks on one read of K (1: each head alone, as timed)."""
+LINES_HEADS_PER_PROGRAM = 2
+"""`_row_lines`' launch: programs per SM, keys per tile and pipeline stages, and how many query heads
+of a KV group one program of `_row_stats` and `_row_lines` stacks on one read of K: the fastest of
+the sweeps in docs/notes.md ("Where a chunk's planning goes")."""
 KEPT_LINES_TILES = (8192, 8192)
 KEPT_LINES_WARPS = 16
 KEPT_LINES_DIGIT_BITS = 4
-KEPT_LINES_COMPACT_AFTER: int | None = None
+KEPT_LINES_COMPACT_AFTER: int | None = 3
 """Scores per step of `_kept_lines` below / from 64K keys, its warps, the bits of the cut found per
 pass over a row (4: eight passes of 16 candidates; 2: sixteen of 4; 1: thirty-two of 2), and after
 how many passes the later ones read only the scores that share the cut's leading digits (None:
-every pass reads the whole row): the tiles and warps are the fastest of the same sweep at 32K and
-128K; the other two stay as timed until the sweep has timed them."""
+every pass reads the whole row; a compaction holds a second copy of the scores): the fastest of the
+same sweeps at 32K and 128K."""
 
 
 @triton.jit
