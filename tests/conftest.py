@@ -7,6 +7,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (README's test command runs the suite on one worker per core, at most 4) each
+# worker takes its share of the cores for torch's own threads: as many threads as cores in every
+# worker would make them wait on one another in the model and reference tests.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import pytest  # noqa: E402
 
 

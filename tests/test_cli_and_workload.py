@@ -234,8 +234,10 @@ def test_ci_runs_exactly_the_readme_test_command_in_a_virtual_environment():
     venv = "python3 -m venv .venv && . .venv/bin/activate && "
     assert all(command.startswith(venv) for command in (cpu, cuda, demo, tests))
     assert demo.endswith("&& pbs demo")
-    # the main suite, then the vLLM engine tests CI can afford, in the vLLM venv (tests/test_vllm_plugin.py)
-    assert tests.endswith("&& python -m pytest -q && bash scripts/setup_vllm_cpu.sh && "
+    # the main suite on one worker per core (at most 4), the CPU benchmarks alone (pytest-benchmark
+    # times nothing under xdist), then the vLLM engine tests CI can afford, in the vLLM venv
+    assert tests.endswith("&& python -m pytest -q -n auto --maxprocesses=4 tests && python -m pytest -q benchmarks/cpu"
+                          " && bash scripts/setup_vllm_cpu.sh && "
                           ".venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py -m vllm_ci")
     # the commands CI and a fresh clone here run ask the package index only
     assert "download.pytorch.org" not in demo + tests and "torch==2.13.0" in demo and "torch==2.13.0" in tests
