@@ -166,12 +166,13 @@ def attention(
     config = PBSConfig.coerce(config)
     policy = DensePolicy(config, return_lse=return_lse)
     # Nq > Nk is refused below, before SDPA could warn about the NaN rows it would produce.
-    if (not return_lse and _is_4d_tensor(q) and _is_4d_tensor(k) and q.shape[2] <= k.shape[2]
-            and policy.runs_dense_by_length(q, k)):
+    decided = (policy.shape_decision(q, k) if not return_lse and _is_4d_tensor(q) and _is_4d_tensor(k)
+               and q.shape[2] <= k.shape[2] else None)
+    if decided is not None:
         out = _dense_then_checks(config, q, k, v, scale)
         if not return_plan:
             return out
-        attended = Attended(out, None, policy.length_reason(q, k), None, "length")
+        attended = Attended(out, None, decided[1], None, decided[0])
     else:
         attended = attend(q, k, v, policy, scale=scale)
     if not return_plan:

@@ -153,7 +153,19 @@ def probe_says_dense(kept: int, visible: int, max_density: float) -> bool:
     """The probe's verdict from its two counters: ``kept / visible > max_density``, computed as
     ``kept * 2**20 > probe_gate_limit(max_density) * visible`` in integers, exactly as the gated
     dense kernel computes it on the GPU (`pbs.kernels.hopper_attn.launch_hopper_dense`)."""
-    return kept * _GATE_UNIT > probe_gate_limit(max_density) * visible
+    return _above_gate(kept, visible, probe_gate_limit(max_density))
+
+
+def _above_gate(kept: int, visible: int, gate_limit: int) -> bool:
+    return kept * _GATE_UNIT > gate_limit * visible
+
+
+def _planning_share_limit(len_q: Any, rows: int) -> Any:
+    """``1 - rows / len_q`` in units of 2**-20, rounded down, for an int or an int64 tensor (the
+    same integers on the host and on the device)."""
+    if isinstance(len_q, torch.Tensor):
+        return ((len_q - rows) * _GATE_UNIT).div(len_q.clamp(min=1), rounding_mode="floor")
+    return (len_q - rows) * _GATE_UNIT // max(len_q, 1)
 
 
 def _capturing(device: torch.device, rule: str) -> bool:
@@ -174,8 +186,8 @@ class Attended(NamedTuple):
         reason: why dense attention ran, or None when PBS ran.
         lse: with ``return_lse``, the float32 ``(B, Hq, Nq)`` log-sum-exp of each query's scaled
             scores over the keys it attended to (all visible keys where dense attention ran).
-        rule: the rule that decided dense (``"length"``, ``"probe"``, ``"planned_density"``), or
-            None when PBS ran.
+        rule: the rule that decided dense (``"length"``, ``"queries"``, ``"probe"``,
+            ``"planned_density"``), or None when PBS ran.
     """
 
     out: torch.Tensor
@@ -198,18 +210,21 @@ class DensePolicy:
     The rules, in the order `attend` applies them (``backend="auto"`` on the policy's devices only):
 
     1. **length**: fewer than ``min_seq_len`` keys (shapes only: no planning, no sync);
-    2. **probe**: the density probe, before planning, estimates more than ``max_density``;
-    3. **planned density**: the plan selects more than ``max_planned_density`` of the blocks.
+    2. **queries**: at most ``planning_cost_rows`` queries, where planning would cost about as
+       much as dense attention (shapes only);
+    3. **probe**: the density probe, before planning, estimates more than ``max_density``, or
+       more than ``1 - planning_cost_rows / Nq`` where that is lower (`probe_limit`);
+    4. **planned density**: the plan selects more than ``max_planned_density`` of the blocks.
 
-    Rules 2 and 3 read one number on the host each, and are skipped (logged once) inside a CUDA
-    graph capture. On a Hopper GPU with inputs the Gluon kernel takes, rule 2 queues the kernel in
+    Rules 2-4 apply only with ``max_density`` set. Rules 3 and 4 read one number on the host each, and are skipped (logged once) inside a CUDA
+    graph capture. On a Hopper GPU with inputs the Gluon kernel takes, rule 3 queues the kernel in
     dense mode behind the probe, gated on the probe's counters on the GPU, so the GPU never waits
     for the host read (`probe`).
 
     Args:
         config: the call's config.
         reduce: turns a density measured on this process's heads (a float, or a 0-d tensor not
-            yet read) into the number rules 2 and 3 compare. The default reads it; tensor
+            yet read) into the number rules 3 and 4 compare. The default reads it; tensor
             parallelism averages it over the ranks (one all-reduce), so every rank decides as one
             process would. A policy with a ``reduce`` never uses the gated kernel, whose gate sees
             only this process's heads.
@@ -268,22 +283,58 @@ class DensePolicy:
             return None
         return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {self.fallback.min_seq_len}"
 
+    def runs_dense_by_queries(self, len_q: int, device: torch.device) -> bool:
+        """Rule 2 for a call (or a whole sequence) of ``len_q`` queries: shapes only."""
+        rows = self.fallback.planning_cost_rows
+        return self.fallback.max_density is not None and 0 < len_q <= rows and self.applies(device)
+
+    def queries_reason(self, len_q: int, device: torch.device) -> str | None:
+        """Why rule 2 sends a call of ``len_q`` queries to dense attention, or None."""
+        if not self.runs_dense_by_queries(len_q, device):
+            return None
+        return (f"Nq = {len_q} queries: planning costs about as much as dense attention over "
+                f"dense_fallback.planning_cost_rows = {self.fallback.planning_cost_rows} query rows")
+
+    def shape_decision(self, q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
+        """``(rule, reason)`` of rules 1 and 2, decided from the shapes of ``q`` ``(B, Hq, Nq, D)``
+        and ``k`` ``(B, Hkv, Nk, D)`` alone, or None."""
+        reason = self.length_reason(q, k)
+        if reason is not None:
+            return "length", reason
+        reason = self.queries_reason(q.shape[2], q.device)
+        return None if reason is None else ("queries", reason)
+
+    def probe_limit(self, len_q: int) -> int:
+        """Rule 3's limit for a call of ``len_q`` queries, in units of 2**-20 (the integer the
+        gated dense kernel compares): ``max_density``, or ``1 - planning_cost_rows / len_q``
+        rounded down where that is lower (the blocks the plan would skip must save more than
+        planning costs)."""
+        limit = probe_gate_limit(self.fallback.max_density)
+        rows = self.fallback.planning_cost_rows
+        return min(limit, _planning_share_limit(len_q, rows)) if rows else limit
+
     def probe_runs(self, device: torch.device) -> bool:
         """Whether rule 2 runs on ``device``: ``max_density`` set, the policy applies, and no CUDA
         graph is being captured (the rule reads a number on the host)."""
         return self.fallback.max_density is not None and self.applies(device) and not _capturing(device, "max_density")
 
-    def probe_reason(self, estimate: float) -> str | None:
-        """Rule 2's verdict on an estimate read on the host (``reduce`` applied): the reason when
-        it is above ``max_density``, else None."""
-        limit = self.fallback.max_density
-        if limit is None or estimate <= limit:
+    def probe_reason(self, estimate: float, len_q: int) -> str | None:
+        """Rule 3's verdict on an estimate read on the host (``reduce`` applied) for a call of
+        ``len_q`` queries: the reason when it is above `probe_limit`, else None."""
+        if self.fallback.max_density is None:
             return None
-        return self._probe_text(estimate)
+        limit = self.probe_limit(len_q)
+        if not estimate * _GATE_UNIT > limit:
+            return None
+        return self._probe_text(estimate, len_q, limit)
 
-    def _probe_text(self, estimate: float) -> str:
-        return (f"the density probe estimates {estimate:.3f}{self.scope}, above dense_fallback.max_density = "
-                f"{self.fallback.max_density}")
+    def _probe_text(self, estimate: float, len_q: int, limit: int) -> str:
+        text = f"the density probe estimates {estimate:.3f}{self.scope}, above "
+        if limit < probe_gate_limit(self.fallback.max_density):
+            rows = self.fallback.planning_cost_rows
+            return text + (f"1 - dense_fallback.planning_cost_rows / Nq = 1 - {rows} / {len_q} = "
+                           f"{limit / _GATE_UNIT:.3f}")
+        return text + f"dense_fallback.max_density = {self.fallback.max_density}"
 
     def probe_arguments(self, scale: float) -> dict[str, Any] | None:
         """The probe's keyword arguments, or None where it does not run (``probe_blocks == 0``, or
@@ -302,7 +353,7 @@ class DensePolicy:
         return None if args is None else probe_estimate(q, k, args)
 
     def probe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor | None, str | None]:
-        """Rule 2: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
+        """Rule 3: ``(dense output, reason)`` when the probe finds the call too dense to plan, else
         ``(None, None)``. With ``return_lse`` the dense output is ``(out, lse)``.
 
         Args:
@@ -313,22 +364,23 @@ class DensePolicy:
         args = self.probe_arguments(scale)
         if args is None:
             return None, None
-        limit = self.fallback.max_density
+        len_q = q.shape[2]
+        limit = self.probe_limit(len_q)
         if (self.reduce is None and not self.return_lse and args["threshold"] < 1.0
                 and gated_dense_available(q, v.shape[-1], self.config.block_size, page_size_of(k))):
             out, (kept, visible) = probe_then_gated_dense(q, k, v, args, causal=self.config.causal,
-                                                           gate_limit=probe_gate_limit(limit))
-            if not probe_says_dense(kept, visible, limit):
+                                                           gate_limit=limit)
+            if not _above_gate(kept, visible, limit):
                 return None, None
-            return out, self._probe_text(kept / max(visible, 1))
-        reason = self.probe_reason((self.reduce or _read)(probe_estimate(q, k, args)))
+            return out, self._probe_text(kept / max(visible, 1), len_q, limit)
+        reason = self.probe_reason((self.reduce or _read)(probe_estimate(q, k, args)), len_q)
         if reason is None:
             return None, None
         out, lse = self.dense(q, k, v, scale)
         return (out if lse is None else (out, lse)), reason
 
     def planned_density_reason(self, plan: Plan | tuple[Plan, ...]) -> str | None:
-        """Rule 3: why dense attention should run although a plan exists, or None.
+        """Rule 4: why dense attention should run although a plan exists, or None.
 
         ``plan`` may be several plans of one call's query chunks (context parallelism plans a
         rank's two chunks apart): their density is selected over allowed blocks of all of them.
@@ -357,10 +409,10 @@ class DensePolicy:
                 in place.
             scale: softmax scale.
         """
-        reason = self.length_reason(q, k)
-        if reason is not None:
+        decided = self.shape_decision(q, k)
+        if decided is not None:
             out, lse = self.dense(q, k, v, scale)
-            return Attended(out, None, reason, lse, "length")
+            return Attended(out, None, decided[1], lse, decided[0])
         dense_out, reason = self.probe(q, k, v, scale)
         if dense_out is not None:
             out, lse = dense_out if isinstance(dense_out, tuple) else (dense_out, None)
@@ -388,40 +440,50 @@ class DensePolicy:
         plan = full_plan(q, k, self.config, head_dim_v, return_lse=self.return_lse)
         return dataclasses.replace(plan, fallback=reason, dense_rule=rule)
 
-    def all_dense_by_length(self, padded_len_k: int, device: torch.device) -> bool:
-        """Rule 1 for a padded batch whose every key length is at most ``padded_len_k``: true when
-        the padded length itself is below ``min_seq_len`` (a host decision from shapes alone, the
-        same in every CUDA-graph replay)."""
-        return self.applies(device) and self.too_short(padded_len_k)
+    def all_dense_by_shape(self, padded_len_q: int, padded_len_k: int, device: torch.device) -> bool:
+        """Rules 1 and 2 for a padded batch whose every query and key length is at most
+        ``padded_len_q`` and ``padded_len_k``: true when the padded lengths themselves send a
+        sequence to dense attention (a host decision from shapes alone, the same in every
+        CUDA-graph replay)."""
+        return self.applies(device) and (self.too_short(padded_len_k)
+                                         or self.runs_dense_by_queries(padded_len_q, device))
 
     def sequence_decisions(
-        self, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
+        self, len_q: torch.Tensor, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
         selected_blocks: torch.Tensor | None = None, allowed_blocks: torch.Tensor | None = None,
-        length_only: bool = False,
+        shapes_only: bool = False,
     ) -> torch.Tensor | None:
-        """The three rules per sequence, on the device, with no host read (for CUDA graphs): ``(N,)``
+        """The four rules per sequence, on the device, with no host read (for CUDA graphs): ``(N,)``
         bool, or None where the policy does not apply (a named backend, a device outside
-        ``dense_fallback.devices``).
+        ``dense_fallback.devices``). The integers compared are those of the eager call
+        (`probe_limit`), so each sequence is decided as it would be alone.
 
         Args:
-            len_k: ``(N,)`` int64 key lengths.
+            len_q, len_k: ``(N,)`` int64 query and key lengths.
             probe_counters: ``(kept, visible)`` ``(N,)`` int64 counters of the density probe, or
                 None where it does not run (`probe_arguments` is None).
             selected_blocks, allowed_blocks: ``(N,)`` selected and causally allowed blocks of
                 each sequence, summed over its query heads (float64); None before planning (the
-                decisions of the length and probe rules, which spare the planning of those
-                sequences).
-            length_only: the length rule's decisions alone (before the probe's inputs exist).
+                decisions of the rules before it, which spare the planning of those sequences).
+            shapes_only: the decisions of rules 1 and 2 alone (before the probe's inputs exist).
         """
         if not self.applies(len_k.device):
             return None
         fallback = self.fallback
         dense = len_k < fallback.min_seq_len
-        if length_only or fallback.max_density is None:
+        if fallback.max_density is None:
+            return dense
+        rows = fallback.planning_cost_rows
+        if rows:
+            dense = dense | ((len_q > 0) & (len_q <= rows))
+        if shapes_only:
             return dense
         if probe_counters is not None:
             kept, visible = probe_counters
-            dense = dense | (kept * _GATE_UNIT > probe_gate_limit(fallback.max_density) * visible)
+            limit = probe_gate_limit(fallback.max_density)
+            if rows:
+                limit = torch.clamp(_planning_share_limit(len_q.to(torch.int64), rows), max=limit)
+            dense = dense | (kept * _GATE_UNIT > limit * visible)
         if fallback.max_planned_density is not None and selected_blocks is not None:
             dense = dense | (selected_blocks > fallback.max_planned_density * allowed_blocks)
         return dense

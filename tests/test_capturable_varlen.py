@@ -139,7 +139,8 @@ def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(m
     import pbs.backends.ragged_planners as planners
     import pbs.serving.capturable as capturable
 
-    fallback = ({"min_seq_len": 100, "max_density": 1.0, "max_planned_density": 1.0, "devices": ["cpu"]}
+    fallback = ({"min_seq_len": 100, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 0,
+                 "devices": ["cpu"]}
                 if policy == "length" else {"devices": []})
     config = {**CONFIGS[name], **SMALL, "dense_fallback": fallback}  # "auto": a named backend skips the policy
     sequences = make_sequences([(40, 40), (1, 90), (0, 0), (70, 200), (16, 17), (129, 129)], heads_q=4, heads_kv=2)
@@ -250,9 +251,16 @@ POLICIES = {
     "length": {"min_seq_len": 150},
     # Above the padded key length: every sequence is dense, decided from the shapes without planning.
     "length, every sequence": {"min_seq_len": 1000},
-    "probe": {"min_seq_len": 0, "max_density": 0.9},
-    "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95},
-    "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0},
+    # The sequences of at most 100 queries (96, 32 and 5 of them) are dense from their shapes; the
+    # probe is off, so that the others (200 and 129 queries) are planned.
+    "queries": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 100,
+                "probe_blocks": 0},
+    "probe": {"min_seq_len": 0, "max_density": 0.9, "planning_cost_rows": 0},
+    # max_density 1.0 sends nothing to dense: the probe's limit lowered per sequence, 1 - 4 / Nq, does.
+    "probe at 1 - planning_cost_rows / Nq": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0,
+                                              "planning_cost_rows": 4},
+    "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95, "planning_cost_rows": 0},
+    "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 0},
 }
 
 
@@ -269,11 +277,16 @@ def test_the_dense_policy_decides_each_sequence_as_it_decides_alone(rule):
     config = pbs.PBSConfig.coerce({**SMALL, "dense_fallback": {**POLICIES[rule], "devices": ["cpu"]}})
     sequences = mixed_sequences()
     mask, dense = padded_plan(sequences, config)
-    expected = []
+    expected, rules = [], []
     for q, k, v in sequences:
         attended = DensePolicy(config).attend(q, k, v, q.shape[-1] ** -0.5)
         expected.append(attended.reason is not None)
+        rules.append(attended.rule)
     assert dense.tolist() == expected
+    if rule == "queries":
+        assert rules == ["queries", "queries", None, None, "queries"]
+    if rule.startswith("probe at"):
+        assert "probe" in rules and "queries" not in rules
     if rule != "none":
         assert any(expected), "the rule must send a sequence to dense attention for the test to mean anything"
     if not rule.startswith("length"):
@@ -302,7 +315,8 @@ def test_nothing_is_planned_when_every_key_length_is_below_min_seq_len(monkeypat
     eager = pbs.varlen_attention(*packed, config)  # SDPA per sequence
     torch.testing.assert_close(pbs.varlen_attention(*packed, config, capturable=True), eager, rtol=0, atol=1e-5)
     with pytest.raises(AssertionError, match="planned although"):  # the patch bites where planning runs
-        pbs.varlen_attention(*packed, {**config, "dense_fallback": {"min_seq_len": 100, "devices": ["cpu"]}},
+        pbs.varlen_attention(*packed, {**config, "dense_fallback": {"min_seq_len": 100, "planning_cost_rows": 0,
+                                                                    "devices": ["cpu"]}},
                              capturable=True)
 
 

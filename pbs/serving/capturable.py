@@ -59,7 +59,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     ``q_row_starts``, the packed ``(Tq, Hq, D)`` queries starting there), ``k (N, Hkv, Tk*B, D)``,
     and the per-sequence dense decisions (None where the policy does not apply).
 
-    The length and probe rules are decided first, so that the planners skip the sequences they
+    The length, queries and probe rules are decided first, so that the planners skip the sequences they
     send to dense attention (as the eager path plans none of them); the planned-density rule then
     reads the lists. A dense sequence's rows are replaced by every allowed block in the lists
     themselves: no ``(N, Hq, Tq, Tk)`` bool mask is built on the GPU path.
@@ -71,22 +71,22 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     hq = q.shape[1]
     layout = geometry.layout(hq, k.shape[1])
     policy = DensePolicy(config)
-    if policy.all_dense_by_length(geometry.padded_len_k, geometry.device):
-        # Known from the shapes: every key length is below min_seq_len, so nothing is planned.
+    if policy.all_dense_by_shape(geometry.padded_len_q, geometry.padded_len_k, geometry.device):
+        # Known from the padded shapes: every sequence is dense by length or queries, so nothing is planned.
         counts, indices, full = geometry.every_allowed_block(block_index_dtype(layout.num_key_blocks))
         shape = (geometry.batch, hq, layout.num_query_blocks)
         return (BlockMask(counts.expand(shape).contiguous(), indices.expand(*shape, -1).contiguous(), layout,
                           full.expand(shape).contiguous()),
                 torch.ones(geometry.batch, dtype=torch.bool, device=q.device))
-    by_length = policy.sequence_decisions(geometry.len_k, None, length_only=True)
-    len_q, len_k = ((geometry.len_q, geometry.len_k) if by_length is None else
-                    (torch.where(by_length, 0, geometry.len_q), torch.where(by_length, 0, geometry.len_k)))
-    # The sequences dense by length are not pooled (their blocks average nothing: zeros).
+    by_shape = policy.sequence_decisions(geometry.len_q, geometry.len_k, None, shapes_only=True)
+    len_q, len_k = ((geometry.len_q, geometry.len_k) if by_shape is None else
+                    (torch.where(by_shape, 0, geometry.len_q), torch.where(by_shape, 0, geometry.len_k)))
+    # The sequences dense by their shapes are not pooled (their blocks average nothing: zeros).
     pooled = (block_means(q, len_q, geometry.block_size, q_row_starts, geometry.padded_len_q),
               block_means(k, len_k, geometry.block_size))
     probe_args = policy.probe_arguments(scale)
     counters = None if probe_args is None else probe_counters(geometry, *pooled, probe_args)
-    decided = policy.sequence_decisions(geometry.len_k, counters)
+    decided = policy.sequence_decisions(geometry.len_q, geometry.len_k, counters)
     inputs = RaggedInputs(geometry, q, k, pooled, scale, config.force_sink_block,
                           planned=None if decided is None else ~decided, q_row_starts=q_row_starts)
     mask = member_mask(config.selector, inputs)
@@ -95,7 +95,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     if decided is not None:
         selected_blocks = mask.counts.sum((1, 2), dtype=torch.float64)
         allowed_blocks = geometry.allowed_counts.sum(1, dtype=torch.float64) * hq
-        dense = policy.sequence_decisions(geometry.len_k, counters, selected_blocks, allowed_blocks)
+        dense = policy.sequence_decisions(geometry.len_q, geometry.len_k, counters, selected_blocks, allowed_blocks)
         mask, full = _dense_rows(mask, full, dense, geometry)
     if full is None:
         full = geometry.full_counts(mask.counts, mask.indices)
