@@ -30,13 +30,14 @@ class DenseFallback(BaseModel):
         max_density: run dense, before planning, when the density probe estimates more than
             this (one read on the host, skipped inside a CUDA graph capture; on Hopper the dense
             kernel is queued behind the probe so the GPU does not wait for that read). None turns
-            both density rules and ``planning_cost_rows`` off.
-        planning_cost_rows: planning a call costs about as much as dense attention for this many
-            query rows (it scores a few query rows against every key, whatever the call's
-            queries), so a call of ``Nq`` queries runs dense when the probe estimates more than
-            ``1 - planning_cost_rows / Nq`` (if that is below ``max_density``), and without the
-            probe when ``Nq <= planning_cost_rows``: chunks of few queries after a long prefix.
-            0 turns it off.
+            both density rules and ``planning_cost_pairs`` off.
+        planning_cost_pairs: planning a call costs about as much as dense attention over this
+            many query-key pairs (most of it does not shrink with the call's queries: the line
+            scores of a few query rows against every key, and the launches the host queues), so
+            a call of ``Nq`` queries and ``Nk`` keys runs dense from its shapes alone when
+            ``Nq * Nk`` is at most this, and when the probe estimates more than
+            ``1 - planning_cost_pairs / (Nq * Nk)`` where that is below ``max_density``: chunks
+            of few queries after a long prefix. 0 turns it off.
         max_planned_density: run dense when the planned density is above this (planning is paid
             by then, so dense wins only near full density). None turns this rule off.
         probe_blocks: query blocks the density probe samples (evenly spaced, the last included;
@@ -51,7 +52,7 @@ class DenseFallback(BaseModel):
     min_seq_len: int = Field(32768, ge=0)
     max_density: float | None = Field(0.8, gt=0.0, le=1.0)
     max_planned_density: float | None = Field(0.95, gt=0.0, le=1.0)
-    planning_cost_rows: int = Field(1024, ge=0)
+    planning_cost_pairs: int = Field(1 << 27, ge=0)
     probe_blocks: int = Field(16, ge=0)
     devices: tuple[str, ...] = ("cuda",)
 

@@ -160,12 +160,14 @@ def _above_gate(kept: int, visible: int, gate_limit: int) -> bool:
     return kept * _GATE_UNIT > gate_limit * visible
 
 
-def _planning_share_limit(len_q: Any, rows: int) -> Any:
-    """``1 - rows / len_q`` in units of 2**-20, rounded down, for an int or an int64 tensor (the
-    same integers on the host and on the device)."""
-    if isinstance(len_q, torch.Tensor):
-        return ((len_q - rows) * _GATE_UNIT).div(len_q.clamp(min=1), rounding_mode="floor")
-    return (len_q - rows) * _GATE_UNIT // max(len_q, 1)
+def _planning_share_limit(pairs: Any, planning_pairs: int) -> Any:
+    """``1 - planning_pairs / pairs`` in units of 2**-20, rounded down, for an int or an int64
+    tensor of query-key pairs (the same integers on the host and on the device), computed as
+    ``2**20 - ceil(planning_pairs * 2**20 / pairs)`` so that no product overflows int64."""
+    scaled = -planning_pairs * _GATE_UNIT
+    if isinstance(pairs, torch.Tensor):
+        return _GATE_UNIT + scaled // pairs.clamp(min=1)
+    return _GATE_UNIT + scaled // max(pairs, 1)
 
 
 def _capturing(device: torch.device, rule: str) -> bool:
@@ -186,7 +188,7 @@ class Attended(NamedTuple):
         reason: why dense attention ran, or None when PBS ran.
         lse: with ``return_lse``, the float32 ``(B, Hq, Nq)`` log-sum-exp of each query's scaled
             scores over the keys it attended to (all visible keys where dense attention ran).
-        rule: the rule that decided dense (``"length"``, ``"queries"``, ``"probe"``,
+        rule: the rule that decided dense (``"length"``, ``"planning_cost"``, ``"probe"``,
             ``"planned_density"``), or None when PBS ran.
     """
 
@@ -210,10 +212,10 @@ class DensePolicy:
     The rules, in the order `attend` applies them (``backend="auto"`` on the policy's devices only):
 
     1. **length**: fewer than ``min_seq_len`` keys (shapes only: no planning, no sync);
-    2. **queries**: at most ``planning_cost_rows`` queries, where planning would cost about as
-       much as dense attention (shapes only);
+    2. **planning cost**: at most ``planning_cost_pairs`` query-key pairs (``Nq x Nk``), where
+       planning would cost about as much as dense attention (shapes only);
     3. **probe**: the density probe, before planning, estimates more than ``max_density``, or
-       more than ``1 - planning_cost_rows / Nq`` where that is lower (`probe_limit`);
+       more than ``1 - planning_cost_pairs / (Nq x Nk)`` where that is lower (`probe_limit`);
     4. **planned density**: the plan selects more than ``max_planned_density`` of the blocks.
 
     Rules 2-4 apply only with ``max_density`` set. Rules 3 and 4 read one number on the host each, and are skipped (logged once) inside a CUDA
@@ -283,17 +285,18 @@ class DensePolicy:
             return None
         return f"Nk = {k.shape[2]} is below dense_fallback.min_seq_len = {self.fallback.min_seq_len}"
 
-    def runs_dense_by_queries(self, len_q: int, device: torch.device) -> bool:
-        """Rule 2 for a call (or a whole sequence) of ``len_q`` queries: shapes only."""
-        rows = self.fallback.planning_cost_rows
-        return self.fallback.max_density is not None and 0 < len_q <= rows and self.applies(device)
+    def runs_dense_by_planning_cost(self, len_q: int, len_k: int, device: torch.device) -> bool:
+        """Rule 2 for a call (or a whole sequence) of ``len_q`` queries and ``len_k`` keys: at
+        most ``planning_cost_pairs`` query-key pairs (shapes only)."""
+        pairs = self.fallback.planning_cost_pairs
+        return self.fallback.max_density is not None and 0 < len_q * len_k <= pairs and self.applies(device)
 
-    def queries_reason(self, len_q: int, device: torch.device) -> str | None:
-        """Why rule 2 sends a call of ``len_q`` queries to dense attention, or None."""
-        if not self.runs_dense_by_queries(len_q, device):
+    def planning_cost_reason(self, len_q: int, len_k: int, device: torch.device) -> str | None:
+        """Why rule 2 sends a call of ``len_q`` queries and ``len_k`` keys to dense attention, or None."""
+        if not self.runs_dense_by_planning_cost(len_q, len_k, device):
             return None
-        return (f"Nq = {len_q} queries: planning costs about as much as dense attention over "
-                f"dense_fallback.planning_cost_rows = {self.fallback.planning_cost_rows} query rows")
+        return (f"Nq x Nk = {len_q} x {len_k} is at most dense_fallback.planning_cost_pairs = "
+                f"{self.fallback.planning_cost_pairs}: planning would cost about as much as dense attention")
 
     def shape_decision(self, q: torch.Tensor, k: torch.Tensor) -> tuple[str, str] | None:
         """``(rule, reason)`` of rules 1 and 2, decided from the shapes of ``q`` ``(B, Hq, Nq, D)``
@@ -301,39 +304,39 @@ class DensePolicy:
         reason = self.length_reason(q, k)
         if reason is not None:
             return "length", reason
-        reason = self.queries_reason(q.shape[2], q.device)
-        return None if reason is None else ("queries", reason)
+        reason = self.planning_cost_reason(q.shape[2], k.shape[2], q.device)
+        return None if reason is None else ("planning_cost", reason)
 
-    def probe_limit(self, len_q: int) -> int:
-        """Rule 3's limit for a call of ``len_q`` queries, in units of 2**-20 (the integer the
-        gated dense kernel compares): ``max_density``, or ``1 - planning_cost_rows / len_q``
-        rounded down where that is lower (the blocks the plan would skip must save more than
-        planning costs)."""
+    def probe_limit(self, len_q: int, len_k: int) -> int:
+        """Rule 3's limit for a call of ``len_q`` queries and ``len_k`` keys, in units of 2**-20
+        (the integer the gated dense kernel compares): ``max_density``, or
+        ``1 - planning_cost_pairs / (len_q * len_k)`` rounded down where that is lower (the blocks
+        the plan would skip must save more than planning costs)."""
         limit = probe_gate_limit(self.fallback.max_density)
-        rows = self.fallback.planning_cost_rows
-        return min(limit, _planning_share_limit(len_q, rows)) if rows else limit
+        pairs = self.fallback.planning_cost_pairs
+        return min(limit, _planning_share_limit(len_q * len_k, pairs)) if pairs else limit
 
     def probe_runs(self, device: torch.device) -> bool:
         """Whether rule 2 runs on ``device``: ``max_density`` set, the policy applies, and no CUDA
         graph is being captured (the rule reads a number on the host)."""
         return self.fallback.max_density is not None and self.applies(device) and not _capturing(device, "max_density")
 
-    def probe_reason(self, estimate: float, len_q: int) -> str | None:
+    def probe_reason(self, estimate: float, len_q: int, len_k: int) -> str | None:
         """Rule 3's verdict on an estimate read on the host (``reduce`` applied) for a call of
-        ``len_q`` queries: the reason when it is above `probe_limit`, else None."""
+        ``len_q`` queries and ``len_k`` keys: the reason when it is above `probe_limit`, else None."""
         if self.fallback.max_density is None:
             return None
-        limit = self.probe_limit(len_q)
+        limit = self.probe_limit(len_q, len_k)
         if not estimate * _GATE_UNIT > limit:
             return None
-        return self._probe_text(estimate, len_q, limit)
+        return self._probe_text(estimate, len_q, len_k, limit)
 
-    def _probe_text(self, estimate: float, len_q: int, limit: int) -> str:
+    def _probe_text(self, estimate: float, len_q: int, len_k: int, limit: int) -> str:
         text = f"the density probe estimates {estimate:.3f}{self.scope}, above "
         if limit < probe_gate_limit(self.fallback.max_density):
-            rows = self.fallback.planning_cost_rows
-            return text + (f"1 - dense_fallback.planning_cost_rows / Nq = 1 - {rows} / {len_q} = "
-                           f"{limit / _GATE_UNIT:.3f}")
+            pairs = self.fallback.planning_cost_pairs
+            return text + (f"1 - dense_fallback.planning_cost_pairs / (Nq x Nk) = 1 - {pairs} / ({len_q} x {len_k}) "
+                           f"= {limit / _GATE_UNIT:.3f}")
         return text + f"dense_fallback.max_density = {self.fallback.max_density}"
 
     def probe_arguments(self, scale: float) -> dict[str, Any] | None:
@@ -364,16 +367,16 @@ class DensePolicy:
         args = self.probe_arguments(scale)
         if args is None:
             return None, None
-        len_q = q.shape[2]
-        limit = self.probe_limit(len_q)
+        len_q, len_k = q.shape[2], k.shape[2]
+        limit = self.probe_limit(len_q, len_k)
         if (self.reduce is None and not self.return_lse and args["threshold"] < 1.0
                 and gated_dense_available(q, v.shape[-1], self.config.block_size, page_size_of(k))):
             out, (kept, visible) = probe_then_gated_dense(q, k, v, args, causal=self.config.causal,
                                                            gate_limit=limit)
             if not _above_gate(kept, visible, limit):
                 return None, None
-            return out, self._probe_text(kept / max(visible, 1), len_q, limit)
-        reason = self.probe_reason((self.reduce or _read)(probe_estimate(q, k, args)), len_q)
+            return out, self._probe_text(kept / max(visible, 1), len_q, len_k, limit)
+        reason = self.probe_reason((self.reduce or _read)(probe_estimate(q, k, args)), len_q, len_k)
         if reason is None:
             return None, None
         out, lse = self.dense(q, k, v, scale)
@@ -446,7 +449,7 @@ class DensePolicy:
         sequence to dense attention (a host decision from shapes alone, the same in every
         CUDA-graph replay)."""
         return self.applies(device) and (self.too_short(padded_len_k)
-                                         or self.runs_dense_by_queries(padded_len_q, device))
+                                         or self.runs_dense_by_planning_cost(padded_len_q, padded_len_k, device))
 
     def sequence_decisions(
         self, len_q: torch.Tensor, len_k: torch.Tensor, probe_counters: tuple[torch.Tensor, torch.Tensor] | None,
@@ -473,16 +476,17 @@ class DensePolicy:
         dense = len_k < fallback.min_seq_len
         if fallback.max_density is None:
             return dense
-        rows = fallback.planning_cost_rows
-        if rows:
-            dense = dense | ((len_q > 0) & (len_q <= rows))
+        planning_pairs = fallback.planning_cost_pairs
+        pairs = len_q.to(torch.int64) * len_k.to(torch.int64)
+        if planning_pairs:
+            dense = dense | ((pairs > 0) & (pairs <= planning_pairs))
         if shapes_only:
             return dense
         if probe_counters is not None:
             kept, visible = probe_counters
             limit = probe_gate_limit(fallback.max_density)
-            if rows:
-                limit = torch.clamp(_planning_share_limit(len_q.to(torch.int64), rows), max=limit)
+            if planning_pairs:
+                limit = torch.clamp(_planning_share_limit(pairs, planning_pairs), max=limit)
             dense = dense | (kept * _GATE_UNIT > limit * visible)
         if fallback.max_planned_density is not None and selected_blocks is not None:
             dense = dense | (selected_blocks > fallback.max_planned_density * allowed_blocks)

@@ -267,7 +267,7 @@ class Plan:
             allowed block selected (density 1.0), nothing permuted; `pbs.run` of it is dense
             attention on the block-sparse backend.
         dense_rule: the `pbs.dense.DensePolicy` rule that sent the call to dense attention:
-            ``"length"``, ``"queries"``, ``"probe"`` or ``"planned_density"``; None when PBS ran.
+            ``"length"``, ``"planning_cost"``, ``"probe"`` or ``"planned_density"``; None when PBS ran.
     """
 
     key_permutation: Permutation

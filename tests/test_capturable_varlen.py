@@ -139,7 +139,7 @@ def test_the_gpu_planners_write_each_sequence_s_lists_as_the_cpu_path_masks_it(m
     import pbs.backends.ragged_planners as planners
     import pbs.serving.capturable as capturable
 
-    fallback = ({"min_seq_len": 100, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 0,
+    fallback = ({"min_seq_len": 100, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_pairs": 0,
                  "devices": ["cpu"]}
                 if policy == "length" else {"devices": []})
     config = {**CONFIGS[name], **SMALL, "dense_fallback": fallback}  # "auto": a named backend skips the policy
@@ -251,16 +251,17 @@ POLICIES = {
     "length": {"min_seq_len": 150},
     # Above the padded key length: every sequence is dense, decided from the shapes without planning.
     "length, every sequence": {"min_seq_len": 1000},
-    # The sequences of at most 100 queries (96, 32 and 5 of them) are dense from their shapes; the
-    # probe is off, so that the others (200 and 129 queries) are planned.
-    "queries": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 100,
-                "probe_blocks": 0},
-    "probe": {"min_seq_len": 0, "max_density": 0.9, "planning_cost_rows": 0},
-    # max_density 1.0 sends nothing to dense: the probe's limit lowered per sequence, 1 - 4 / Nq, does.
-    "probe at 1 - planning_cost_rows / Nq": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0,
-                                              "planning_cost_rows": 4},
-    "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95, "planning_cost_rows": 0},
-    "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_rows": 0},
+    # The sequences of at most 10000 query-key pairs (96 x 96, 32 x 160 and 5 x 40) are dense from
+    # their shapes; the probe is off, so that the others (200 x 200 and 129 x 300) are planned.
+    "planning cost": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_pairs": 10000,
+                      "probe_blocks": 0},
+    "probe": {"min_seq_len": 0, "max_density": 0.9, "planning_cost_pairs": 0},
+    # max_density 1.0 sends nothing to dense: the probe's limit lowered per sequence,
+    # 1 - 150 / (Nq x Nk), does (0.25 for 5 x 40, 0.97 and more for the others).
+    "probe at 1 - planning_cost_pairs / (Nq x Nk)": {"min_seq_len": 0, "max_density": 1.0,
+                                                      "max_planned_density": 1.0, "planning_cost_pairs": 150},
+    "planned density": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.95, "planning_cost_pairs": 0},
+    "none": {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "planning_cost_pairs": 0},
 }
 
 
@@ -283,10 +284,10 @@ def test_the_dense_policy_decides_each_sequence_as_it_decides_alone(rule):
         expected.append(attended.reason is not None)
         rules.append(attended.rule)
     assert dense.tolist() == expected
-    if rule == "queries":
-        assert rules == ["queries", "queries", None, None, "queries"]
+    if rule == "planning cost":
+        assert rules == ["planning_cost", "planning_cost", None, None, "planning_cost"]
     if rule.startswith("probe at"):
-        assert "probe" in rules and "queries" not in rules
+        assert "probe" in rules and "planning_cost" not in rules
     if rule != "none":
         assert any(expected), "the rule must send a sequence to dense attention for the test to mean anything"
     if not rule.startswith("length"):
@@ -315,7 +316,7 @@ def test_nothing_is_planned_when_every_key_length_is_below_min_seq_len(monkeypat
     eager = pbs.varlen_attention(*packed, config)  # SDPA per sequence
     torch.testing.assert_close(pbs.varlen_attention(*packed, config, capturable=True), eager, rtol=0, atol=1e-5)
     with pytest.raises(AssertionError, match="planned although"):  # the patch bites where planning runs
-        pbs.varlen_attention(*packed, {**config, "dense_fallback": {"min_seq_len": 100, "planning_cost_rows": 0,
+        pbs.varlen_attention(*packed, {**config, "dense_fallback": {"min_seq_len": 100, "planning_cost_pairs": 0,
                                                                     "devices": ["cpu"]}},
                              capturable=True)
 

@@ -49,10 +49,13 @@ CASES = {
     "pbs_xattention": {"permuter": "last_block", "selector": "antidiagonal", "dense_fallback": SPARSE},
     # the dense policy on the CPU: the probe over the whole sequence, and the length rule
     "probe": {"selector": {"name": "mean_pool", "threshold": 0.9},
-              "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_density": 0.3}},
+              "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_density": 0.3, "planning_cost_pairs": 0}},
     "planned_density": {"selector": {"name": "budget", "density": 1.0},
-                        "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_planned_density": 0.9}},
+                        "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "max_planned_density": 0.9,
+                                           "planning_cost_pairs": 0}},
     "length": {"dense_fallback": {"min_seq_len": 1 << 20, "devices": ["cpu"]}},
+    # the whole sequence's Nq x Nk (not a rank's chunk) is below the planning cost
+    "planning_cost": {"dense_fallback": {"min_seq_len": 0, "devices": ["cpu"]}},
 }
 
 
@@ -200,9 +203,11 @@ def test_dense_decision_equals_one_process(cp_run, name):
     assert len(reasons) == 1, f"ranks decided differently: {reasons}"
     (reason,) = reasons
     assert (reason is None) == (attended.reason is None), (reason, attended.reason)
-    expected_dense = {"probe", "planned_density", "length"}
+    expected_dense = {"probe", "planned_density", "length", "planning_cost"}
     assert (reason is not None) == (name in expected_dense), reason
-    if reason is not None and name != "length":
+    if name == "planning_cost":
+        assert reason == attended.reason  # the whole sequence's Nq x Nk, as one process sees it
+    elif reason is not None and name != "length":
         assert f"over the {world} context-parallel ranks" in reason
 
 

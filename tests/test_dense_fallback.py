@@ -76,7 +76,7 @@ def test_dense_selection_falls_back_after_planning():
     q, k, v = _qkv()
     sparse = pbs.plan(q, k, SMALL)
     config = {**SMALL, "dense_fallback": {
-        "min_seq_len": 0, "max_planned_density": sparse.density - 0.01, "probe_blocks": 0, "planning_cost_rows": 0,
+        "min_seq_len": 0, "max_planned_density": sparse.density - 0.01, "probe_blocks": 0, "planning_cost_pairs": 0,
         "devices": ["cpu"]}}
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and "max_planned_density" in plan.fallback
@@ -96,7 +96,7 @@ def test_the_planned_density_limit_is_separate_from_the_probes():
     q, k, v = _qkv()
     sparse = pbs.plan(q, k, SMALL)
     policy = {"min_seq_len": 0, "probe_blocks": 0, "devices": ["cpu"], "max_density": sparse.density - 0.05,
-              "max_planned_density": sparse.density + 0.01, "planning_cost_rows": 0}
+              "max_planned_density": sparse.density + 0.01, "planning_cost_pairs": 0}
     _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": policy}, return_plan=True)
     assert plan is not None and plan.fallback is None
     assert pbs.PBSConfig().dense_fallback.max_planned_density == 0.95
@@ -106,7 +106,7 @@ def test_flat_attention_goes_dense_before_planning():
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 512, 32, generator=gen)
     k, v = torch.randn(1, 2, 512, 32, generator=gen), torch.randn(1, 2, 512, 32, generator=gen)
-    policy = {"min_seq_len": 0, "devices": ["cpu"], "planning_cost_rows": 0}
+    policy = {"min_seq_len": 0, "devices": ["cpu"], "planning_cost_pairs": 0}
     calls = []
     real = pbs.dense.build_plan
     try:
@@ -131,7 +131,7 @@ def test_the_probe_leaves_fixed_density_selectors_alone():
     q = torch.randn(1, 4, 512, 32, generator=gen)
     k, v = torch.randn(1, 2, 512, 32, generator=gen), torch.randn(1, 2, 512, 32, generator=gen)
     config = {**SMALL, "selector": {"name": "budget", "density": 0.3},
-              "dense_fallback": {"min_seq_len": 0, "planning_cost_rows": 0, "devices": ["cpu"]}}
+              "dense_fallback": {"min_seq_len": 0, "planning_cost_pairs": 0, "devices": ["cpu"]}}
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and plan.fallback is None and plan.density < 0.6
     assert pbs.PBSConfig(**config).selector.mass_share() is None
@@ -207,7 +207,7 @@ def test_gpu_auto_falls_back_below_the_crossover_and_is_sparse_above():
     out, plan = pbs.attention(q, k, v, {"check_finite": False}, return_plan=True)
     assert plan.dense_rule == "length" and plan.density == 1.0  # 4K < the default min_seq_len
     assert relative_error(out, pbs.reference.dense_attention(q, k, v)) < 1e-2
-    config = {"check_finite": False, "dense_fallback": {"min_seq_len": 0, "max_density": 1.0, "planning_cost_rows": 0}}
+    config = {"check_finite": False, "dense_fallback": {"min_seq_len": 0, "max_density": 1.0, "planning_cost_pairs": 0}}
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan is not None and plan.fallback is None
 
@@ -329,9 +329,9 @@ def test_gpu_inputs_on_another_gpu_than_the_current_one():
 
 @pytest.mark.parametrize("rule, fallback, expected", [
     ("length", {"min_seq_len": 10**6}, "below dense_fallback.min_seq_len"),
-    ("queries", {"min_seq_len": 0}, "Nq = 256 queries: planning costs"),
-    ("probe", {"min_seq_len": 0, "max_density": 0.01, "planning_cost_rows": 0}, "the density probe estimates"),
-    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01, "planning_cost_rows": 0},
+    ("planning_cost", {"min_seq_len": 0}, "is at most dense_fallback.planning_cost_pairs"),
+    ("probe", {"min_seq_len": 0, "max_density": 0.01, "planning_cost_pairs": 0}, "the density probe estimates"),
+    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01, "planning_cost_pairs": 0},
      "above dense_fallback.max_planned_density"),
 ])
 def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
@@ -357,9 +357,9 @@ def test_every_dense_rule_records_its_reason_on_cpu(rule, fallback, expected):
 
 @pytest.mark.parametrize("rule, fallback", [
     ("length", {"min_seq_len": 10**6}),
-    ("queries", {"min_seq_len": 0}),
-    ("probe", {"min_seq_len": 0, "max_density": 0.01, "planning_cost_rows": 0}),
-    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01, "planning_cost_rows": 0}),
+    ("planning_cost", {"min_seq_len": 0}),
+    ("probe", {"min_seq_len": 0, "max_density": 0.01, "planning_cost_pairs": 0}),
+    ("planned_density", {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 0.01, "planning_cost_pairs": 0}),
 ])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_return_plan_always_returns_the_plan_of_what_ran(rule, fallback, return_lse):
@@ -378,9 +378,9 @@ def test_return_plan_always_returns_the_plan_of_what_ran(rule, fallback, return_
     assert not sparse.ran_dense and sparse.dense_rule is None and sparse.decision == "pbs"
 
 
-def test_calls_of_few_queries_run_dense_without_the_probe(monkeypatch):
-    """Rule 2: a call of at most ``planning_cost_rows`` queries runs dense from its shapes alone
-    (no probe, no planning), and says so; one query more and the probe decides."""
+def test_calls_of_few_query_key_pairs_run_dense_without_the_probe(monkeypatch):
+    """Rule 2: a call of at most ``planning_cost_pairs`` query-key pairs runs dense from its shapes
+    alone (no probe, no planning), and says so; one pair more and the probe decides."""
     import pbs.dense
 
     probed = []
@@ -388,64 +388,67 @@ def test_calls_of_few_queries_run_dense_without_the_probe(monkeypatch):
     monkeypatch.setattr(pbs.dense, "probe_estimate", lambda *a: probed.append(1) or real(*a))
     q, k, v = _qkv(seq_len=512, seq_len_q=128)  # a chunk of 128 queries after 384 cached keys
     fallback = {"min_seq_len": 0, "max_density": 1.0, "max_planned_density": 1.0, "devices": ["cpu"]}
-    out, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**fallback, "planning_cost_rows": 128}},
+    pairs = 128 * 512
+    out, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**fallback, "planning_cost_pairs": pairs}},
                               return_plan=True)
-    assert plan.dense_rule == "queries" and not probed
-    assert plan.fallback == ("Nq = 128 queries: planning costs about as much as dense attention over "
-                             "dense_fallback.planning_cost_rows = 128 query rows")
+    assert plan.dense_rule == "planning_cost" and not probed
+    assert plan.fallback == ("Nq x Nk = 128 x 512 is at most dense_fallback.planning_cost_pairs = 65536: planning "
+                             "would cost about as much as dense attention")
     torch.testing.assert_close(out, dense_attention_sdpa(q, k, v, scale=32**-0.5))
-    _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**fallback, "planning_cost_rows": 127}},
+    _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**fallback, "planning_cost_pairs": pairs - 1}},
                             return_plan=True)
-    assert probed and plan.dense_rule != "queries"
+    assert probed and plan.dense_rule != "planning_cost"
     # max_density None turns the rule off with the other density rules; so does 0.
-    for off in ({"planning_cost_rows": 128, "max_density": None}, {"planning_cost_rows": 0}):
+    for off in ({"planning_cost_pairs": pairs, "max_density": None}, {"planning_cost_pairs": 0}):
         _, plan = pbs.attention(q, k, v, {**SMALL, "dense_fallback": {**fallback, **off}}, return_plan=True)
         assert plan.dense_rule is None
-    assert pbs.PBSConfig().dense_fallback.planning_cost_rows == 1024
+    assert pbs.PBSConfig().dense_fallback.planning_cost_pairs == 1 << 27
 
 
 def test_the_probes_limit_falls_to_one_minus_the_planning_share():
-    """Rule 3 compares the probe with ``min(max_density, 1 - planning_cost_rows / Nq)``: a call whose
-    estimate sits between the two runs dense with that reason, and sparse without the rows."""
+    """Rule 3 compares the probe with ``min(max_density, 1 - planning_cost_pairs / (Nq Nk))``: a
+    call whose estimate sits between the two runs dense with that reason, and sparse without it."""
     from pbs.dense import DensePolicy, probe_gate_limit
 
-    policy = DensePolicy(pbs.PBSConfig(dense_fallback={"max_density": 0.8, "planning_cost_rows": 1024}))
-    assert policy.probe_limit(2048) == 1 << 19  # 0.5
-    assert policy.probe_limit(3000) == (3000 - 1024) * 2**20 // 3000
-    # 1 - 1024 / 5120 is 0.8 exactly, rounded down; from 5121 queries max_density decides alone.
-    assert policy.probe_limit(5120) == probe_gate_limit(0.8) - 1
-    assert policy.probe_limit(5121) == policy.probe_limit(1 << 20) == probe_gate_limit(0.8)
+    policy = DensePolicy(pbs.PBSConfig(dense_fallback={"max_density": 0.8, "planning_cost_pairs": 1 << 27}))
+    assert policy.probe_limit(2048, 131072) == policy.probe_limit(8192, 32768) == 1 << 19  # 0.5
+    assert policy.probe_limit(3000, 65536) == (3000 * 65536 - (1 << 27)) * 2**20 // (3000 * 65536)
+    # 1 - 1 / 5 is 0.8 exactly, rounded down; above that max_density decides alone, at any size.
+    assert policy.probe_limit(4096, 5 << 15) == probe_gate_limit(0.8) - 1
+    assert policy.probe_limit(4097, 5 << 15) == policy.probe_limit(1 << 21, 1 << 21) == probe_gate_limit(0.8)
     q, k, v = _qkv(seq_len=512, seq_len_q=256)
     cpu = {"min_seq_len": 0, "max_planned_density": 1.0, "devices": ["cpu"]}
     estimate = float(DensePolicy(pbs.PBSConfig(**SMALL, dense_fallback=cpu)).probe_estimate(q, k, 32**-0.5))
     assert 0.1 < estimate < 0.95, estimate
-    rows = int(256 * (1 - estimate)) + 2  # 1 - rows / 256 is just below the estimate
-    config = {**SMALL, "dense_fallback": {**cpu, "max_density": min(1.0, estimate + 0.04), "planning_cost_rows": rows}}
+    pairs = int(256 * 512 * (1 - estimate)) + 2  # 1 - pairs / (256 x 512) is just below the estimate
+    config = {**SMALL, "dense_fallback": {**cpu, "max_density": min(1.0, estimate + 0.04), "planning_cost_pairs": pairs}}
     out, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan.dense_rule == "probe"
-    assert f"above 1 - dense_fallback.planning_cost_rows / Nq = 1 - {rows} / 256 = " in plan.fallback
+    assert f"above 1 - dense_fallback.planning_cost_pairs / (Nq x Nk) = 1 - {pairs} / (256 x 512) = " in plan.fallback
     torch.testing.assert_close(out, dense_attention_sdpa(q, k, v, scale=32**-0.5))
-    config["dense_fallback"]["planning_cost_rows"] = 0
+    config["dense_fallback"]["planning_cost_pairs"] = 0
     _, plan = pbs.attention(q, k, v, config, return_plan=True)
     assert plan.dense_rule is None
 
 
 def test_sequence_decisions_use_the_eager_calls_integers():
     """Per sequence on the device, rules 2 and 3 compare the same integers as the eager call of
-    that sequence alone (`probe_limit`, `_above_gate`), for many query counts and counters."""
+    that sequence alone (`probe_limit`, `_above_gate`), for many sizes and counters."""
     from pbs.dense import DensePolicy, _above_gate
 
     gen = torch.Generator().manual_seed(0)
     policy = DensePolicy(pbs.PBSConfig(dense_fallback={"min_seq_len": 0, "max_density": 0.8,
-                                                        "planning_cost_rows": 1024, "devices": ["cpu"]}))
-    len_q = torch.cat([torch.tensor([1, 1024, 1025, 1500, 2048, 4096, 5119, 5120, 5121, 131072]),
-                       torch.randint(1, 200_000, (300,), generator=gen)])
+                                                        "planning_cost_pairs": 1 << 27, "devices": ["cpu"]}))
+    sizes = [(1, 8), (1024, 131072), (1025, 131072), (2048, 131072), (4096, 131072), (4096, 32768), (8192, 32768),
+             (16384, 131072), (131072, 131072), (2_000_000, 2_000_000)]
+    len_q = torch.cat([torch.tensor([q for q, _ in sizes]), torch.randint(1, 200_000, (300,), generator=gen)])
+    len_k = torch.cat([torch.tensor([k for _, k in sizes]), len_q[len(sizes):] + torch.randint(0, 200_000, (300,), generator=gen)])
     visible = torch.randint(1, 3_000_000, len_q.shape, generator=gen)
     kept = (visible * torch.rand(len_q.shape, generator=gen, dtype=torch.float64)).long()
-    kept[:10] = visible[:10] * 3 // 4  # estimates of 0.75: dense below 4096 queries, sparse from 4096
-    decided = policy.sequence_decisions(len_q, len_q + 7, (kept, visible))
+    kept[:len(sizes)] = visible[:len(sizes)] * 3 // 4  # estimates of 0.75
+    decided = policy.sequence_decisions(len_q, len_k, (kept, visible))
     device = torch.device("cpu")
-    eager = [policy.runs_dense_by_queries(n, device) or _above_gate(a, b, policy.probe_limit(n))
-             for n, a, b in zip(len_q.tolist(), kept.tolist(), visible.tolist())]
+    eager = [policy.runs_dense_by_planning_cost(n, m, device) or _above_gate(a, b, policy.probe_limit(n, m))
+             for n, m, a, b in zip(len_q.tolist(), len_k.tolist(), kept.tolist(), visible.tolist())]
     assert decided.tolist() == eager
-    assert decided[:10].tolist() == [True, True, True, True, True, False, False, False, False, False]
+    assert decided[:len(sizes)].tolist() == [True, True, True, True, False, True, True, False, False, False]

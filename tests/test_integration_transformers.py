@@ -506,7 +506,7 @@ def test_trace_records_the_dense_fallback_of_pbs_attention(model):
     # the density probe before planning: the trace says so instead of failing on a missing plan,
     # and the logits are SDPA's.
     # (the probe covers a selector's threshold: budget selectors, such as EXACT's, are not probed)
-    policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": 16, "planning_cost_rows": 0}
+    policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": 16, "planning_cost_pairs": 0}
     probed = {**EXACT, "selector": {"name": "mean_pool", "threshold": 0.99}}
     pbs_hf.register({**probed, "backend": "auto", "dense_fallback": policy}, min_query_len=2)
     ids = prompt()
@@ -524,7 +524,7 @@ def test_dense_fallback_is_logged_at_warning_without_a_trace(model, caplog, prob
     # probe on, the probe (about 0.9 on a random model) says so before planning (it covers a
     # selector's threshold, so that case selects by one: budget selectors are not probed)
     policy = {"min_seq_len": 0, "max_density": 0.5, "devices": ["cpu"], "probe_blocks": probe_blocks,
-              "planning_cost_rows": 0}
+              "planning_cost_pairs": 0}
     selector = {"name": "mean_pool", "threshold": 0.99} if probe_blocks else EXACT["selector"]
     pbs_hf.register({**EXACT, "selector": selector, "backend": "auto", "dense_fallback": policy}, min_query_len=2)
     with caplog.at_level(logging.INFO, logger="pbs.integrations.transformers"):

@@ -128,7 +128,7 @@ def density_rule_cases(rank: int) -> dict:
         local = [measure(q[:, r * hq : (r + 1) * hq], k[:, r * hkv : (r + 1) * hkv]) for r in range(WORLD)]
         return measure(q, k), local
 
-    plan_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "planning_cost_rows": 0,
+    plan_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "planning_cost_pairs": 0,
                                               **({"probe_blocks": 0} if has_probe else {})}}
     whole, local = ranks_view(lambda q_, k_: pbs.plan(q_, k_, plan_config).density)
     limits = {"plan_above": (whole + max(local)) / 2, "plan_below": (whole + min(local)) / 2}
@@ -136,7 +136,7 @@ def density_rule_cases(rank: int) -> dict:
                for name, limit in limits.items()}
     if has_probe:
         probe_config = {**base, "dense_fallback": {"min_seq_len": 0, "devices": ["cpu"], "probe_blocks": 16,
-                                                   "planning_cost_rows": 0}}
+                                                   "planning_cost_pairs": 0}}
         whole, local = ranks_view(
             lambda q_, k_: float(pbs.reference.density_probe.probe_density(q_, k_, block_size=16, num_blocks=16, threshold=0.9, scale=0.25))
         )
