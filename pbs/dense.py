@@ -218,8 +218,8 @@ class DensePolicy:
        more than ``1 - planning_cost_pairs / (Nq x Nk)`` where that is lower (`probe_limit`);
     4. **planned density**: the plan selects more than ``max_planned_density`` of the blocks.
 
-    Rules 2-4 apply only with ``max_density`` set. Rules 3 and 4 read one number on the host each, and are skipped (logged once) inside a CUDA
-    graph capture. On a Hopper GPU with inputs the Gluon kernel takes, rule 3 queues the kernel in
+    Rules 2-4 apply only with ``max_density`` set. Rules 3 and 4 read one number on the host each,
+    and are skipped (logged once) inside a CUDA graph capture. On a Hopper GPU with inputs the Gluon kernel takes, rule 3 queues the kernel in
     dense mode behind the probe, gated on the probe's counters on the GPU, so the GPU never waits
     for the host read (`probe`).
 

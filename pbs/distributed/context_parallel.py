@@ -18,10 +18,10 @@ causal), with the selection inputs that read the whole sequence given to the sel
   block is broadcast, each rank scores its own keys (row maxima and sums all-reduced, since the
   softmax spans every key) and sorts its own segments, and the ranks all-gather the order
   (``B * Hk * N`` int64: 256 MiB at 1M tokens in ``per_head`` mode, 64 MiB in ``shared``);
-* the dense policy decides as one process: the length and planning-cost rules read the whole sequence's length,
-  the density probe pools its sampled query blocks on the ranks that hold them (one small
-  all-reduce) against the gathered pooled keys, and the planned density is summed over every
-  rank's blocks (the policy's ``reduce`` hook, as tensor parallelism uses it).
+* the dense policy decides as one process: the length and planning-cost rules read the whole
+  sequence's length, the density probe pools its sampled query blocks on the ranks that hold them
+  (one small all-reduce) against the gathered pooled keys, and the planned density is summed over
+  every rank's blocks (the policy's ``reduce`` hook, as tensor parallelism uses it).
 
 None of this moves keys. Attention then needs the keys and values of every earlier position: they
 are all-gathered (the simplest exact scheme the issue allows), the gather started before the
@@ -303,7 +303,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
 
     policy = DensePolicy(config, reduce=over_ranks, scope=f" over the {world} context-parallel ranks",
                          return_lse=return_lse)
-    reason = policy.length_reason(q, _shape_only(k, seq_len)) or policy.planning_cost_reason(seq_len, seq_len, q.device)
+    reason = (policy.length_reason(q, _shape_only(k, seq_len))
+              or policy.planning_cost_reason(seq_len, seq_len, q.device))
     probe_args = policy.probe_arguments(scale) if reason is None and policy.probe_runs(q.device) else None
     bs = config.block_size
     src = global_rank(group, 0)  # rank 0 holds the last chunk, and so the sequence's last queries
@@ -323,7 +324,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: PBSConfig
     original_means = None
     if probe_args is not None:
         original_means = pooled_keys(None)
-        reason = policy.probe_reason(probe_estimate(q, local, original_means, seq_len, probe_args, group), seq_len, seq_len)
+        estimate = probe_estimate(q, local, original_means, seq_len, probe_args, group)
+        reason = policy.probe_reason(estimate, seq_len, seq_len)
     summaries = SequenceSummaries()
     if reason is None:
         key_perm = order = None

@@ -59,9 +59,9 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     ``q_row_starts``, the packed ``(Tq, Hq, D)`` queries starting there), ``k (N, Hkv, Tk*B, D)``,
     and the per-sequence dense decisions (None where the policy does not apply).
 
-    The length, queries and probe rules are decided first, so that the planners skip the sequences they
-    send to dense attention (as the eager path plans none of them); the planned-density rule then
-    reads the lists. A dense sequence's rows are replaced by every allowed block in the lists
+    The length, planning-cost and probe rules are decided first, so that the planners skip the
+    sequences they send to dense attention (as the eager path plans none of them); the
+    planned-density rule then reads the lists. A dense sequence's rows are replaced by every allowed block in the lists
     themselves: no ``(N, Hq, Tq, Tk)`` bool mask is built on the GPU path.
 
     Returns:
@@ -72,7 +72,7 @@ def plan_ragged(config: PBSConfig, geometry: RaggedGeometry, q: torch.Tensor, k:
     layout = geometry.layout(hq, k.shape[1])
     policy = DensePolicy(config)
     if policy.all_dense_by_shape(geometry.padded_len_q, geometry.padded_len_k, geometry.device):
-        # Known from the padded shapes: every sequence is dense by length or queries, so nothing is planned.
+        # Known from the padded shapes: every sequence is dense by length or planning cost: nothing is planned.
         counts, indices, full = geometry.every_allowed_block(block_index_dtype(layout.num_key_blocks))
         shape = (geometry.batch, hq, layout.num_query_blocks)
         return (BlockMask(counts.expand(shape).contiguous(), indices.expand(*shape, -1).contiguous(), layout,
