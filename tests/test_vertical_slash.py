@@ -430,3 +430,16 @@ def test_the_line_kernels_compile_for_sm90():
     # The launches the defaults run keep everything in registers.
     for name in ("line_scores heads 2", "kept_lines 4 bits, compact 3"):
         assert all(usage["LOCAL"] == 0 for usage in report[name]), f"register spills ({name}): {report[name]}"
+
+
+def test_the_launch_sweeps_start_from_the_module_defaults():
+    # benchmarks/sweep_line_scores.py times its first variant as the default launch: it must be.
+    import pbs.kernels.vertical_slash as vs
+    from benchmarks.sweep_line_scores import VARIANTS
+
+    # `_row_lines` launches with Triton's default of 4 warps.
+    row_default = f"{vs.KEY_TILE},{vs.PROGRAMS_PER_SM},4,{vs.LINES_STAGES},{vs.LINES_HEADS_PER_PROGRAM}"
+    assert VARIANTS["row_lines"][0] == row_default
+    tile = vs.KEPT_LINES_TILES[1]
+    kept_default = f"{tile},{vs.KEPT_LINES_WARPS},{vs.KEPT_LINES_DIGIT_BITS},{vs.KEPT_LINES_COMPACT_AFTER or 0}"
+    assert VARIANTS["kept_lines"][0] == kept_default
