@@ -50,16 +50,21 @@ import inspect
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, sm_count, tma_descriptor
+from pbs.kernels._common import FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
 from pbs.layout import cdiv
 from pbs.types import PRECISION_FORMATS
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load.
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-if _tma_load is None or "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters:
+_tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
+_partition_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
+if (_tma_load is None or _tma_store is None or _partition_barrier is None
+        or "functions_and_args" not in inspect.signature(gl.warp_specialize).parameters):
     raise ImportError("pbs.kernels.hopper_attn is written for the Gluon API of Triton 3.6-3.9")
 
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
@@ -239,11 +244,11 @@ def _ragged_rank(draw, b, first, ptrs, dims):
 def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENSE: gl.constexpr,
               GATED: gl.constexpr, CAUSAL: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr,
               PV_FP8: gl.constexpr):
-    q_desc, k_desc, v_desc, v_last_desc = descs
+    q_desc, k_desc, v_desc, v_last_desc, _ = descs
     table_ptr = ptrs[9]
     seq_len_k = dims[3]
     q_smem, k_smem, v_smem = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty, _ = bars
     tile_counter_ptr = ptrs[5]
     num_tiles = dims[5]
 
@@ -263,6 +268,10 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
             rank = num_tiles
     while rank < num_tiles:
         _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)
+        # The next tile is claimed now and used after this one's loads, so the atomic's round trip
+        # overlaps them (tiles of one or two blocks left it exposed). Relaxed: the counter hands out
+        # tickets and publishes no data, and an acquire would hold back the list reads below.
+        draw = gl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
         row0 = i_t * BLOCK
 
@@ -335,7 +344,7 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
                                   v_smem.index(slot).slice(j * PAGE_SIZE, PAGE_SIZE, dim=2))
             kv_i += 1
         t += 1
-        rank = gl.atomic_add(tile_counter_ptr, 1)
+        rank = draw
         if RAGGED:
             rank, ragged_b, ragged_first = _ragged_rank(rank, ragged_b, ragged_first, ptrs, dims)
     _publish_tile(rank, t, tile_ids, tile_ready, tile_empty)  # the end mark
@@ -346,10 +355,10 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr,
-              RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr):
-    q_desc, k_desc, v_desc, _ = descs
+              RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr):
+    q_desc, k_desc, v_desc, _, o_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty, o_staged = bars
     qpos_ptr, kpos_ptr, o_ptr = ptrs[2], ptrs[3], ptrs[4]
     (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
      stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on, stride_fb, stride_fh, stride_fi,
@@ -376,6 +385,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
 
     kv_i = 0
     t = 0
+    staged = 0  # tiles whose output went out through a K slot (O_TMA): the phase of o_staged
     rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
     while rank < num_tiles:
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
@@ -407,6 +417,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
 
         mbarrier.wait(q_ready, t & 1)
         q = q_smem.index(WG).reshape([HALF, HEAD_DIM])
+        prev_slot = 0
         if count > 0:
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
@@ -417,7 +428,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
             next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_FP8)
             s = warpgroup_mma_wait(0, deps=[s])
-            mbarrier.arrive(k_empty.index(slot))
+            _release_keys(k_empty, o_staged, slot, count == 1, O_TMA)
             if n_unmasked == 0:
                 s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
@@ -439,7 +450,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
                 s = warpgroup_mma_wait(1, deps=[s])
-                mbarrier.arrive(k_empty.index(slot))
+                _release_keys(k_empty, o_staged, slot, it == count - 1, O_TMA)
                 if it >= n_unmasked:
                     s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
@@ -483,8 +494,24 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             rows = seq_len_q
             o_base = o_ptr + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh
             lse_base = ptrs[8] + i_b.to(gl.int64) * stride_lb + i_hq.to(gl.int64) * stride_lh
-        p_out = o_base + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0)
-        gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < rows, 1))
+        if O_TMA:
+            if count > 0:
+                # Through the tile's last K slot, whose release `_release_keys` held back: written
+                # there in one pass and sent by one TMA copy (rows past Nq clipped by the descriptor),
+                # where stores from the accumulator's layout write 4 bytes each and half-fill sectors.
+                mbarrier.wait(o_staged, staged & 1)
+                k_smem.index(prev_slot).reshape([BLOCK, HEAD_DIM]).slice(WG * HALF, HALF, dim=0).store(out)
+                staging = k_smem.index(prev_slot).slice(WG * HALF, HALF, dim=2)  # the same rows, as the copy takes them
+                fence_async_shared()
+                _partition_barrier()
+                _tma_store(o_desc, [i_b, i_hq, row0 + WG * HALF, 0], staging)
+                tma.store_wait(0)
+                mbarrier.arrive(k_empty.index(prev_slot))
+                staged += 1
+            else:
+                _store_rows(out, o_base, o_rows_idx, rows, stride_on, o_d)
+        else:
+            _store_rows(out, o_base, o_rows_idx, rows, stride_on, o_d)
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
             lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero) - LOG2_GAIN) * 0.6931471805599453)
@@ -497,6 +524,27 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             gl.store(lse_base + o_m, lse, mask=o_m < rows)
         t += 1
         rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
+
+
+@gluon.jit
+def _store_rows(out, o_base, o_rows_idx, rows, stride_on, o_d):
+    """Consumer: its output rows stored from registers, rows past ``rows`` left alone."""
+    p_out = o_base + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0)
+    gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < rows, 1))
+
+
+@gluon.jit
+def _release_keys(k_empty, o_staged, slot, last, O_TMA: gl.constexpr):
+    """Consumer, once a block's ``S = Q K^T`` retired: hands its K slot back to the producer. Under
+    ``O_TMA`` the tile's last block keeps its slot, where the output is staged; the warpgroup then
+    only says, on ``o_staged``, that it has read the slot (the other one may still be reading)."""
+    if O_TMA:
+        if last:
+            mbarrier.arrive(o_staged)
+        else:
+            mbarrier.arrive(k_empty.index(slot))
+    else:
+        mbarrier.arrive(k_empty.index(slot))
 
 
 @gluon.jit
@@ -595,18 +643,19 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
                WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr, QK_FP8: gl.constexpr,
-               PV_FP8: gl.constexpr):
+               PV_FP8: gl.constexpr, O_TMA: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
         _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, RAGGED, PV_FP8)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED, QK_FP8, PV_FP8)
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED, QK_FP8, PV_FP8,
+                  O_TMA)
 
 
 @gluon.jit
 def _hopper_block_sparse_attn_fwd(
-    q_desc, k_desc, v_desc, v_last_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
+    q_desc, k_desc, v_desc, v_last_desc, o_desc, counts_ptr, full_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr,
     tile_counter_ptr, gate_ptr, lse_ptr, table_ptr, row_starts_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, shift_ptr,
     stride_cb, stride_ch, stride_ci, stride_fb, stride_fh, stride_fi, stride_ib, stride_ih, stride_ii,
     stride_qpb, stride_qph, stride_qpn, stride_kpb, stride_kph, stride_kpn, stride_ob, stride_oh, stride_on,
@@ -615,7 +664,7 @@ def _hopper_block_sparse_attn_fwd(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr,
+    RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
@@ -634,6 +683,9 @@ def _hopper_block_sparse_attn_fwd(
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Both consumer warpgroups have read the tile's last K slot, which then holds the output (O_TMA).
+    o_staged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(o_staged, count=2)
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)
     for i in gl.static_range(2):
@@ -645,9 +697,9 @@ def _hopper_block_sparse_attn_fwd(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
 
-    descs = (q_desc, k_desc, v_desc, v_last_desc)
+    descs = (q_desc, k_desc, v_desc, v_last_desc, o_desc)
     bufs = (q_smem, k_smem, v_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty, o_staged)
     ptrs = (counts_ptr, indices_ptr, qpos_ptr, kpos_ptr, o_ptr, tile_counter_ptr, full_ptr, gate_ptr, lse_ptr,
             table_ptr, row_starts_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, shift_ptr)
     strides = (stride_cb, stride_ch, stride_ci, stride_ib, stride_ih, stride_ii, stride_qpb, stride_qph, stride_qpn,
@@ -659,13 +711,13 @@ def _hopper_block_sparse_attn_fwd(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8)),
+                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -769,6 +821,10 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     num_tiles = b * hq * tiles_per_head
     counts, full_counts, indices, qpos, kpos = lists
     pv_fp8 = quantized is not None and quantized.pv_fp8
+    # The output leaves through a K slot by TMA (see _consumer) where it has K's dtype and width
+    # and the descriptor covers exactly the tiles' rows (not the packed rows of a ragged batch).
+    o_tma = (quantized is None and row_starts is None and out.shape[-1] == d and out.dtype == k.dtype
+             and descriptor_ready(out) is out)
     # e4m3 values are (B, Hk, Dv, N): a block's copy is all Dv rows and BLOCK columns.
     v_desc = _nvmma_descriptor(v, v.shape[2], BLOCK_SIZE) if pv_fp8 else _nvmma_descriptor(v, copy_rows)
     args = (
@@ -776,6 +832,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         _nvmma_descriptor(k, copy_rows),
         v_desc,
         v_desc if v_last is None else _nvmma_descriptor(v_last, copy_rows),  # read only when paged
+        _nvmma_descriptor(out, HALF_ROWS) if o_tma else v_desc,  # any descriptor will do when unused
         counts, full_counts, indices, qpos, kpos, out, tile_counter, gate,
         tile_counter if lse is None else lse,  # any pointer will do when unused
         tile_counter if block_table is None else block_table,
@@ -802,6 +859,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         RAGGED=row_starts is not None,
         QK_FP8=quantized is not None,
         PV_FP8=pv_fp8,
+        O_TMA=o_tma,
         num_warps=4,
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.

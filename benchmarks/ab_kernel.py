@@ -1,0 +1,125 @@
+"""A/B of the Gluon kernel against another copy of its module, on the kernel benchmark's inputs.
+
+A kernel change moves its time by a few percent, less than the drift between runs on the GPU
+machine, so two separate runs of `bench_kernel.py` cannot tell it. This times the two kernels
+alternately (``--rounds`` rounds, each one median of CUDA-event timings per kernel) on the same
+prepared calls, so both see the same drift, and checks that their outputs are bit-identical.
+
+``--before`` is a copy of ``pbs/kernels/hopper_attn.py`` from another revision
+(``git show REV:pbs/kernels/hopper_attn.py > /tmp/hopper_before.py``); "after" is the module in
+this tree. Sparse points use `bench_kernel.py`'s shapes and masks (``budget`` selections on
+``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
+``launch_hopper_dense``) beside cuDNN's dense causal time.
+
+    python benchmarks/ab_kernel.py --before /tmp/hopper_before.py --json benchmarks/results/kernel/ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: python3 benchmarks/ab_kernel.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_kernel import BATCH, HEAD_DIM, HEADS_KV, HEADS_Q, make_plan  # noqa: E402
+from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from pbs.kernels import hopper_attn  # noqa: E402
+from pbs.kernels._common import sm_count  # noqa: E402
+from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
+
+
+def load_module(path: str):
+    """The kernel module in ``path``, imported under its own name (its Gluon functions compile apart)."""
+    spec = importlib.util.spec_from_file_location("hopper_attn_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def alternate(runs: dict, rounds: int) -> dict:
+    """``{name: median ms}`` of ``rounds`` rounds that time every entry of ``runs`` in turn."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].append(time_ms(fn, repeats=1))
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+def run(args) -> dict:
+    before = load_module(args.before)
+    kernels = {"before": before, "after": hopper_attn}
+    sms = sm_count(torch.device("cuda"))
+    result = {**environment("cuda"), "before": args.before, "rounds": args.rounds,
+              "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
+                        "dtype": "bfloat16", "causal": True, "masks": "bench_kernel.py (budget, last_block)"},
+              "timing": "median over rounds of one median of CUDA-event times per kernel, kernels alternating",
+              "points": []}
+    for n in args.n:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q = torch.randn(BATCH, HEADS_Q, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(BATCH, HEADS_KV, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(BATCH, HEADS_KV, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        cudnn_ms = cudnn_dense(q, k, v)[0] if args.dense else None
+        for density in args.densities:
+            plan = make_plan(q, k, density)
+            kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+            calls = {name: prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
+                     for name in kernels}
+            for name, call in calls.items():
+                call.out.fill_(float("nan"))
+                kernels[name].launch_hopper(call, sms)
+            identical = torch.equal(calls["before"].out, calls["after"].out)
+            runs = {name: (lambda m=kernels[name], c=calls[name]: m.launch_hopper(c, sms)) for name in kernels}
+            ms = alternate(runs, args.rounds)
+            point = {"n": n, "mode": "sparse", "density": plan.density, "before_ms": ms["before"],
+                     "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], "identical": identical}
+            result["points"].append(point)
+            print(f"N={n} density {plan.density:.3f}: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
+                  f"({point['after_over_before']:.3f}x), identical {identical}", flush=True)
+            calls = kp = vp = plan = None
+        if args.dense:
+            outs = {name: torch.full((BATCH, HEADS_Q, n, HEAD_DIM), float("nan"), dtype=q.dtype, device="cuda")
+                    for name in kernels}
+            runs = {name: (lambda m=kernels[name], o=outs[name]: m.launch_hopper_dense(
+                q, k, v, o, scale=HEAD_DIM ** -0.5, causal=True, sm_count=sms)) for name in kernels}
+            for fn in runs.values():
+                fn()
+            identical = torch.equal(outs["before"], outs["after"])
+            ms = alternate(runs, args.rounds)
+            point = {"n": n, "mode": "dense", "density": 1.0, "before_ms": ms["before"], "after_ms": ms["after"],
+                     "after_over_before": ms["after"] / ms["before"], "identical": identical, "cudnn_ms": cudnn_ms,
+                     "cudnn_over_after": cudnn_ms / ms["after"], "cudnn_over_before": cudnn_ms / ms["before"]}
+            result["points"].append(point)
+            print(f"N={n} dense mode: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
+                  f"({point['after_over_before']:.3f}x), cuDNN {cudnn_ms:.3f} ms ({point['cudnn_over_after']:.3f}x "
+                  f"after), identical {identical}", flush=True)
+            outs = runs = None
+        q = k = v = None
+        torch.cuda.empty_cache()
+        if args.json:
+            save(result, args.json)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="a copy of pbs/kernels/hopper_attn.py to compare against")
+    parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
+    parser.add_argument("--dense", action="store_true", help="also the dense mode, beside cuDNN")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_kernel.py times the Gluon kernel: it needs a Hopper GPU")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
