@@ -13,6 +13,9 @@ through mbarriers:
   softmax of ``S_j`` while that product runs, so exponentials overlap tensor-core work; the two
   warpgroups drift apart freely and fill each other's gaps.
 
+Each warpgroup's output leaves through shared memory by one TMA copy: the tile's last K slot,
+which the producer gets back only once the copy has read it, holds it (`_consumer`).
+
 The grid is persistent (one CTA per SM). The producer takes tiles from a global counter, in the
 Triton kernel's order (query heads of one KV head side by side, heaviest tiles first), and hands
 each tile's rank to the consumers through shared memory. A CTA that drew light tiles draws more,
