@@ -27,11 +27,11 @@ import torch
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/ab_kernel.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_kernel import BATCH, HEAD_DIM, HEADS_KV, HEADS_Q, make_plan  # noqa: E402
-from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from benchmarks.common import KERNEL_SHAPE, cudnn_dense, environment, kernel_plan, save, time_ms  # noqa: E402
 from pbs.kernels import hopper_attn  # noqa: E402
-from pbs.kernels._common import sm_count  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
+
+BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 
 
 def load_module(path: str):
@@ -54,7 +54,7 @@ def alternate(runs: dict, rounds: int) -> dict:
 def run(args) -> dict:
     before = load_module(args.before)
     kernels = {"before": before, "after": hopper_attn}
-    sms = sm_count(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {**environment("cuda"), "before": args.before, "rounds": args.rounds,
               "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
                         "dtype": "bfloat16", "causal": True, "masks": "bench_kernel.py (budget, last_block)"},
@@ -67,7 +67,7 @@ def run(args) -> dict:
         v = torch.randn(BATCH, HEADS_KV, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
         cudnn_ms = cudnn_dense(q, k, v)[0] if args.dense else None
         for density in args.densities:
-            plan = make_plan(q, k, density)
+            plan = kernel_plan(q, k, density)
             kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
             calls = {name: prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
                      for name in kernels}

@@ -31,27 +31,21 @@ import torch
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_fp8.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pbs  # noqa: E402
-from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    KERNEL_BLOCK, KERNEL_SHAPE, cudnn_dense, environment, save, time_ms,
+)
+from benchmarks.common import kernel_plan as make_plan  # noqa: E402
 from pbs.kernels.block_sparse_attn import (  # noqa: E402
     attach_lse, block_sparse_attention, prepare_call, quantize_call, run_prepared,
 )
 
 # The kernel benchmark's protocol (benchmarks/bench_kernel.py).
-BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SEGMENT, BLOCK = 1, 32, 8, 128, 256, 128
+(BATCH, HEADS_Q, HEADS_KV, HEAD_DIM), BLOCK = KERNEL_SHAPE, KERNEL_BLOCK
 
 
 def block_tflops(num_blocks: int, ms: float) -> float:
     """FLOPs of the computed 128x128 blocks per second."""
     return 4 * BLOCK * BLOCK * HEAD_DIM * num_blocks / (ms * 1e-3) / 1e12
-
-
-def make_plan(q, k, density: float):
-    config = pbs.PBSConfig(block_size=BLOCK, segment_size=SEGMENT, permuter="last_block", gqa="shared",
-                           selector={"name": "budget", "density": density}, backend="reference", check_finite=False)
-    return pbs.plan(q, k, config)
-
-PRECISIONS = ["fp8_qk", "fp8"]  # --precisions replaces them
 
 
 def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:

@@ -24,15 +24,16 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_kernel.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchmarks.common as common  # noqa: E402
-import pbs  # noqa: E402
-from benchmarks.common import cudnn_dense, environment, save, time_ms  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    KERNEL_BLOCK, KERNEL_SEGMENT, KERNEL_SHAPE, cudnn_dense, environment, save, time_ms,
+)
+from benchmarks.common import kernel_plan as make_plan  # noqa: E402
 from pbs.backends import CallSpec, resolve_backend  # noqa: E402
-from pbs.config import PBSConfig  # noqa: E402
 from pbs.kernels.block_sparse_attn import (  # noqa: E402
     TUNED_CONFIGS, KernelConfig, block_sparse_attention, prepare_call, select_config,
 )
 
-BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SEGMENT, BLOCK = 1, 32, 8, 128, 256, 128
+(BATCH, HEADS_Q, HEADS_KV, HEAD_DIM), SEGMENT, BLOCK = KERNEL_SHAPE, KERNEL_SEGMENT, KERNEL_BLOCK
 
 
 def causal_tflops(n: int, ms: float) -> float:
@@ -58,19 +59,6 @@ def gather_ms(point: dict, plan, k, v) -> None:
     moved = 2 * (k.numel() + v.numel()) * k.element_size() * (perm.heads // k.shape[1])
     print(f"  gather K+V: torch {point['gather_kv_torch_ms']:.3f} ms, triton {point['gather_kv_triton_ms']:.3f} ms "
           f"({moved / (point['gather_kv_triton_ms'] * 1e-3) / 1e12:.2f} TB/s read+write)", flush=True)
-
-
-def make_plan(q, k, density: float):
-    config = PBSConfig(
-        block_size=BLOCK,
-        segment_size=SEGMENT,
-        permuter="last_block",
-        selector={"name": "budget", "density": density},
-        gqa="shared",
-        backend="reference",
-        check_finite=False,
-    )
-    return pbs.plan(q, k, config)
 
 
 def run(args) -> dict:

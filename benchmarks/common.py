@@ -125,6 +125,23 @@ def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
     return benchmark_cuda(fn, warmup=2, iters=iters)
 
 
+# The kernel benchmark's protocol (bench_kernel.py, bench_fp8.py, ab_kernel.py): one sequence, 32 query heads on 8
+# KV heads of dim 128 in bf16, causal, segment 256, block 128, masks of a chosen density.
+KERNEL_SHAPE = (1, 32, 8, 128)  # batch, query heads, KV heads, head dim
+KERNEL_SEGMENT, KERNEL_BLOCK = 256, 128
+
+
+def kernel_plan(q: torch.Tensor, k: torch.Tensor, density: float):
+    """The kernel benchmark's plan: ``budget`` blocks of ``density`` on ``last_block``-permuted keys
+    (shared by the query heads of a KV head), planned by the reference backend without the
+    finiteness check (its inputs are random normals)."""
+    import pbs
+
+    config = pbs.PBSConfig(block_size=KERNEL_BLOCK, segment_size=KERNEL_SEGMENT, permuter="last_block", gqa="shared",
+                           selector={"name": "budget", "density": density}, backend="reference", check_finite=False)
+    return pbs.plan(q, k, config)
+
+
 def cudnn_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timer: Callable[[Callable[[], object]], float] = time_ms,
 ) -> tuple[float, str]:

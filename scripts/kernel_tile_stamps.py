@@ -27,13 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_kernel import HEAD_DIM, HEADS_KV, HEADS_Q, make_plan  # noqa: E402
+from benchmarks.common import KERNEL_SHAPE  # noqa: E402
+from benchmarks.common import kernel_plan as make_plan  # noqa: E402
 from benchmarks.common import environment, save  # noqa: E402
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels._common import sm_count  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 from pbs.testing import benchmark_cuda_interleaved  # noqa: E402
 
+_, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 POINTS = ["received", "q_ready", "first_scores", "loop_end", "last_pv", "slot_free", "in_shared", "tma_issued",
           "read_done", "end"]
 SLOTS = 16  # int64 per tile: the ten points, then the block count (14) and the SM (15)

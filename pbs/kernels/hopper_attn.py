@@ -48,6 +48,7 @@ rounded to e4m3 four to a register next to the product (`_operand`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -734,8 +735,14 @@ def _nvmma_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> Te
     """A TMA descriptor of ``x`` ``(B, H, N, D)`` moving ``[1, 1, rows, cols]`` tiles (``cols``:
     all of ``D``) into the tensor cores' swizzled shared-memory layout."""
     cols = x.shape[-1] if cols is None else cols
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], _GLUON_DTYPES[x.dtype])
-    return tma_descriptor(TensorDescriptor, x, rows, cols, layout=layout)
+    return tma_descriptor(TensorDescriptor, x, rows, cols, layout=_swizzled_layout(rows, cols, x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _swizzled_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``[1, 1, rows, cols]`` tile: kept once per shape and dtype, as
+    Gluon works it out through its constexpr machinery at about 40 us a call (several per launch)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], _GLUON_DTYPES[dtype])
 
 
 def launch_arguments(call, sm_count: int, stages: int = STAGES, row_starts: torch.Tensor | None = None
