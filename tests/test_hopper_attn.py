@@ -342,3 +342,19 @@ def test_gpu_dense_mode_matches_torch_and_its_gate_decides(batch, seq_len, seq_l
         else:
             assert out.isnan().all(), f"a closed gate ({kept}/{visible}) must leave the output untouched"
     assert [probe_says_dense(a, b, 0.8) for a, b in ((80, 100), (81, 100), (0, 7), (7, 7))] == [False, True, False, True]
+
+
+def test_a_launch_builds_its_shared_memory_layouts_once_per_shape():
+    # Gluon works a layout out through its constexpr machinery (about 40 us a call on the CPU),
+    # several per launch: the launch keeps them per shape and dtype, so a second launch of the same
+    # shapes builds none.
+    from pbs.kernels import hopper_attn
+
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(heads_q=4, heads_kv=2, seq_len=300, head_dim=64, seed=0))
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="none", causal=True)
+    call = prepare_call(q, k, v, plan.mask, None, None, None, True, None)
+    hopper_attn.launch_arguments(call, sm_count=132)
+    built = hopper_attn._swizzled_layout.cache_info().misses
+    grid, args, kwargs = hopper_attn.launch_arguments(call, sm_count=132)
+    assert hopper_attn._swizzled_layout.cache_info().misses == built
+    assert kwargs["O_TMA"] and args[4].layout == args[0].layout  # the output's copy: Q's tile shape and layout
