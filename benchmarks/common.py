@@ -33,6 +33,7 @@ from pbs.analysis import result_files
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 REPEATS = 3  # medians of time_ms
+BUSY_GPU_CYCLES = 2_000_000  # queued before a device_ms run: about a millisecond on an H100/H200
 GIB = 2**30
 
 
@@ -102,6 +103,16 @@ def time_ms(fn: Callable[[], object], budget_ms: float = 1000.0, repeats: int | 
     run-to-run drift on the GPU machine was larger than the spread within one run."""
     repeats = REPEATS if repeats is None else repeats
     return sorted(_time_once(fn, budget_ms) for _ in range(repeats))[repeats // 2]
+
+
+def device_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Median CUDA-event time of ``fn`` with the GPU kept busy while the host launches it
+    (`pbs.testing.benchmark_cuda_interleaved` with ``BUSY_GPU_CYCLES``, L2 flushed before each
+    run): device time alone. :func:`time_ms` times an idle GPU, whose events also hold the host's
+    time before the first launch wherever it outlasts the flush (short calls)."""
+    from pbs.testing import benchmark_cuda_interleaved
+
+    return benchmark_cuda_interleaved({"fn": fn}, iters=iters, busy_gpu_cycles=BUSY_GPU_CYCLES)["fn"]
 
 
 def wall_clock_ms(fn: Callable[[], object], budget_ms: float = 0.0, repeats: int | None = None) -> float:
