@@ -532,7 +532,8 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
 
 @gluon.jit
 def _store_rows(out, o_base, o_rows_idx, rows, stride_on, o_d):
-    """Consumer: its output rows stored from registers, rows past ``rows`` left alone."""
+    """Consumer: its output rows stored from registers, rows past ``rows`` left alone (a ragged
+    batch's packed rows, the e4m3 precisions, a tile without blocks; see `_consumer`)."""
     p_out = o_base + gl.expand_dims(o_rows_idx.to(gl.int64) * stride_on, 1) + gl.expand_dims(o_d, 0)
     gl.store(p_out, out, mask=gl.expand_dims(o_rows_idx < rows, 1))
 
@@ -542,11 +543,11 @@ def _release_keys(k_empty, o_staged, slot, last, O_TMA: gl.constexpr):
     """Consumer, once a block's ``S = Q K^T`` retired: hands its K slot back to the producer. Under
     ``O_TMA`` the tile's last block keeps its slot, where the output is staged; the warpgroup then
     only says, on ``o_staged``, that it has read the slot (the other one may still be reading)."""
+    keeps_slot = False
     if O_TMA:
-        if last:
-            mbarrier.arrive(o_staged)
-        else:
-            mbarrier.arrive(k_empty.index(slot))
+        keeps_slot = last
+    if keeps_slot:
+        mbarrier.arrive(o_staged)
     else:
         mbarrier.arrive(k_empty.index(slot))
 
