@@ -9,6 +9,8 @@ poisoned with NaN first so that every element must be written.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -74,8 +76,10 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3",
                "WARPGROUP.DEPBAR.LE gsb0, 0x1", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "UTMASTG")
     opcodes = [line.split()[1] for line in code.splitlines() if line.strip().startswith("/*") and len(line.split()) > 1]
+    ptx = compiled.asm["ptx"]
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers},
+            "tile_claims": sorted(set(re.findall(r"atom\.global\.gpu\.[a-z_]+\.add", ptx))),
             "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX")}}
 
 
@@ -108,6 +112,9 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     # The output leaves through shared memory by a TMA store where the tiles' rows are the output's
     # (not a ragged batch's packed rows) and it has the keys' dtype (not under e4m3).
     assert markers["UTMASTG"] == (not ragged and precision == "native")
+    # Tiles are claimed from the global counter with relaxed atomics: a ticket publishes no data,
+    # and an acquire would hold back the producer's list reads behind the claim's round trip.
+    assert report["tile_claims"] == ["atom.global.gpu.relaxed.add"]
     # The softmax weights reach P V's operand registers in the thread that computed them: no
     # shuffles, and no byte-by-byte repacking of e4m3 weights (585 PRMT and 68 SHFL.IDX before
     # `_weights` reordered the keys and `_operand` packed four to a register).

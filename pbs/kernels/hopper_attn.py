@@ -261,7 +261,7 @@ def _producer(descs, bufs, bars, ptrs, strides, dims, STAGES: gl.constexpr, DENS
     # Tiles are taken in rank order from a global counter, so a CTA that got light tiles takes more
     # of them (the hardware's own balance for a non-persistent grid), while CTAs running at the
     # same time still work on neighbouring ranks, which share K/V in L2.
-    rank = gl.atomic_add(tile_counter_ptr, 1)
+    rank = gl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
     ragged_b = 0
     ragged_first = 0
     if RAGGED:
