@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|kernel-ab|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -17,6 +17,10 @@
 # then 512-4K queries after 32K and 128K keys, planned sparse against dense (bench_dense_chunks.py --structured);
 # capturable: the GPU tests of the serving entry points (CUDA-graph capture and replay among them), then
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
+# kernel-ab: a Gluon kernel change against a copy of the module from another revision (BEFORE=<file>,
+# e.g. git show main:pbs/kernels/hopper_attn.py > .scratch/before.py, carried): the GPU tests of the files that run
+# the Gluon kernel (contiguous, dense mode, paged), two pytest processes at once, then benchmarks/ab_kernel.py --dense
+# and scripts/kernel_tile_stamps.py against it;
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
 # requests of 16K-64K tokens on a Llama-3.1-8B-shaped model, SDPA and PBS), with fastapi, uvicorn and
 # openai installed from .device-wheels as well.
@@ -100,6 +104,21 @@ if [[ $mode == chunked ]]; then
     --json "$OUT/chunked.json" "$@" 2>&1 | tee "$OUT/chunked.log" | tail -n 40
   timeout 200 python3 benchmarks/bench_dense_chunks.py --structured --shapes 512x32768 1024x32768 2048x32768 \
     1024x131072 2048x131072 4096x131072 --json "$OUT/dense_chunks_structured.json" 2>&1 | tee "$OUT/dense_chunks_structured.log"
+fi
+if [[ $mode == kernel-ab ]]; then
+  [[ -f ${BEFORE:-} ]] || { echo "kernel-ab needs BEFORE=<a copy of pbs/kernels/hopper_attn.py>"; exit 2; }
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_paged.py -m gpu -k gluon_kernel_reads -q -p no:cacheprovider -rf \
+    > "$OUT/gpu_tests_paged_gluon.log" 2>&1 &
+  paged=$!
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_hopper_attn.py tests/test_dense_fallback.py -m gpu -q -p no:cacheprovider -rf \
+    2>&1 | tee "$OUT/gpu_tests_hopper.log" | tail -n 5
+  status=${PIPESTATUS[0]}
+  wait $paged || status=1
+  tail -n 3 "$OUT/gpu_tests_paged_gluon.log"
+  [[ $status == 0 ]] || exit $status
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/ab_kernel.py --before "$BEFORE" --dense --json "$OUT/kernel_ab.json" "$@" \
+    2>&1 | tee "$OUT/kernel_ab.log" | grep "^N="
+  timeout 120 python3 scripts/kernel_tile_stamps.py --before "$BEFORE" --json "$OUT/tile_stamps.json" 2>&1 | cut -c1-600
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
