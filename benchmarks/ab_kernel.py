@@ -9,7 +9,9 @@ prepared calls, so both see the same drift, and checks that their outputs are bi
 (``git show REV:pbs/kernels/hopper_attn.py > /tmp/hopper_before.py``); "after" is the module in
 this tree. Sparse points use `bench_kernel.py`'s shapes and masks (``budget`` selections on
 ``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
-``launch_hopper_dense``) beside cuDNN's dense causal time.
+``launch_hopper_dense``) beside cuDNN's dense causal time. ``--precision fp8`` (or another of
+`pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`) times the e4m3 kernels on calls quantized once,
+outside the timing, by each module's own ``quantize_for_hopper``.
 
     python benchmarks/ab_kernel.py --before /tmp/hopper_before.py --json benchmarks/results/kernel/ab.json
 """
@@ -55,7 +57,7 @@ def run(args) -> dict:
     before = load_module(args.before)
     kernels = {"before": before, "after": hopper_attn}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    result = {**environment("cuda"), "before": args.before, "rounds": args.rounds,
+    result = {**environment("cuda"), "before": args.before, "rounds": args.rounds, "precision": args.precision,
               "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
                         "dtype": "bfloat16", "causal": True, "masks": "bench_kernel.py (budget, last_block)"},
               "timing": "median over rounds of one median of CUDA-event times per kernel, kernels alternating",
@@ -72,6 +74,7 @@ def run(args) -> dict:
             calls = {name: prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
                      for name in kernels}
             for name, call in calls.items():
+                kernels[name].quantize_for_hopper(call, args.precision)
                 call.out.fill_(float("nan"))
                 kernels[name].launch_hopper(call, sms)
             identical = torch.equal(calls["before"].out, calls["after"].out)
@@ -114,8 +117,12 @@ def main() -> None:
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--dense", action="store_true", help="also the dense mode, beside cuDNN")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precision", default="native", choices=["native", *hopper_attn.QUANTIZED_PRECISIONS],
+                        help="the sparse points' precision (the dense mode runs natively only)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.dense and args.precision != "native":
+        parser.error("--dense times the dense mode, which runs in the inputs' precision only: leave out --precision")
     if not torch.cuda.is_available():
         raise SystemExit("ab_kernel.py times the Gluon kernel: it needs a Hopper GPU")
     run(args)
