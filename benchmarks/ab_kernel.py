@@ -19,7 +19,6 @@ outside the timing, by each module's own ``quantize_for_hopper``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -29,19 +28,13 @@ import torch
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/ab_kernel.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import KERNEL_SHAPE, cudnn_dense, environment, kernel_plan, save, time_ms  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    KERNEL_SHAPE, cudnn_dense, environment, kernel_plan, load_module_file, save, time_ms,
+)
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
-
-
-def load_module(path: str):
-    """The kernel module in ``path``, imported under its own name (its Gluon functions compile apart)."""
-    spec = importlib.util.spec_from_file_location("hopper_attn_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def alternate(runs: dict, rounds: int) -> dict:
@@ -54,7 +47,7 @@ def alternate(runs: dict, rounds: int) -> dict:
 
 
 def run(args) -> dict:
-    before = load_module(args.before)
+    before = load_module_file("hopper_attn_before", args.before)
     kernels = {"before": before, "after": hopper_attn}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {**environment("cuda"), "before": args.before, "rounds": args.rounds, "precision": args.precision,

@@ -136,6 +136,17 @@ def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
     return benchmark_cuda(fn, warmup=2, iters=iters)
 
 
+def load_module_file(name: str, path: str | os.PathLike):
+    """The Python module in ``path``, imported under ``name`` (a kernel module's copy from another
+    revision, say: its Gluon functions then compile apart from the tree's own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # The kernel benchmark's protocol (bench_kernel.py, bench_fp8.py, ab_kernel.py): one sequence, 32 query heads on 8
 # KV heads of dim 128 in bf16, causal, segment 256, block 128, masks of a chosen density.
 KERNEL_SHAPE = (1, 32, 8, 128)  # batch, query heads, KV heads, head dim

@@ -18,7 +18,6 @@ script with the anchor it could not find.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import KERNEL_SHAPE  # noqa: E402
 from benchmarks.common import kernel_plan as make_plan  # noqa: E402
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import BUSY_GPU_CYCLES, environment, load_module_file, save  # noqa: E402
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels._common import sm_count  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
@@ -90,13 +89,6 @@ def instrumented_source(src: str) -> str:
     return src
 
 
-def load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def summarize(stamps: torch.Tensor) -> dict:
     """Median cycles between consecutive points (tiles with blocks), gaps between an SM's tiles."""
     s = stamps.double()
@@ -130,8 +122,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "hopper_stamps.py").write_text(instrumented_source(Path(hopper_attn.__file__).read_text()))
-    stamped = load_module("hopper_stamps", workdir / "hopper_stamps.py")
-    before = load_module("hopper_before", Path(args.before)) if args.before else None
+    stamped = load_module_file("hopper_stamps", workdir / "hopper_stamps.py")
+    before = load_module_file("hopper_before", args.before) if args.before else None
     result = {**environment("cuda"), "points": POINTS, "before": args.before, "rows": []}
     sms = sm_count(torch.device("cuda"))
     for spec in args.points:
@@ -145,7 +137,7 @@ def main() -> None:
         row = {"n": n, "density": plan.density}
         if before is not None:
             fns = {"before": lambda: before.launch_hopper(call, sms), "after": lambda: hopper_attn.launch_hopper(call, sms)}
-            row["device_ms"] = benchmark_cuda_interleaved(fns, iters=30, busy_gpu_cycles=2_000_000)
+            row["device_ms"] = benchmark_cuda_interleaved(fns, iters=30, busy_gpu_cycles=BUSY_GPU_CYCLES)
             row["idle_gpu_ms"] = benchmark_cuda_interleaved(fns, iters=30)
         grid, launch_args, kwargs = stamped.launch_arguments(call, sms)
         stamps = torch.zeros(call.counts.numel() * SLOTS, dtype=torch.int64, device="cuda")
