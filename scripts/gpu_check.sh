@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|kernel-ab|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|kernel-ab|clock|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -21,6 +21,8 @@
 # e.g. git show main:pbs/kernels/hopper_attn.py > .scratch/before.py, carried): the GPU tests of the files that run
 # the Gluon kernel (contiguous, dense mode, paged), two pytest processes at once, then benchmarks/ab_kernel.py --dense
 # and scripts/kernel_tile_stamps.py against it;
+# clock: the SM clock, power and cycles per block of the Gluon kernel (bf16, e4m3) and cuDNN dense, each run
+# back to back at density 1.0, 128K and 32K (scripts/gpu_clock_under_load.py);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
 # requests of 16K-64K tokens on a Llama-3.1-8B-shaped model, SDPA and PBS), with fastapi, uvicorn and
 # openai installed from .device-wheels as well.
@@ -119,6 +121,11 @@ if [[ $mode == kernel-ab ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/ab_kernel.py --before "$BEFORE" --dense --json "$OUT/kernel_ab.json" "$@" \
     2>&1 | tee "$OUT/kernel_ab.log" | grep "^N="
   timeout 120 python3 scripts/kernel_tile_stamps.py --before "$BEFORE" --json "$OUT/tile_stamps.json" 2>&1 | cut -c1-600
+fi
+if [[ $mode == clock ]]; then
+  for n in 131072 32768; do
+    timeout ${BENCH_TIMEOUT:-200} python3 scripts/gpu_clock_under_load.py --n $n --json "$OUT/clock_under_load_$n.json" 2>&1 | tail -n 3
+  done
 fi
 if [[ $mode == all || $mode == bench || $mode == hopper ]]; then
   timeout ${BENCH_TIMEOUT:-320} python3 benchmarks/bench_kernel.py --json "$OUT/bench_kernel.json" "$@" 2>&1 | tee "$OUT/bench.log"
