@@ -1,0 +1,134 @@
+"""Whether the Gluon kernel's two consumer warpgroups compute their softmax at the same time.
+
+Writes an instrumented copy of ``pbs/kernels/hopper_attn.py`` (into ``--workdir``) in which both
+consumer warpgroups store ``%clock64`` twice in each step of the loop over a tile's blocks (steps 1
+to ``STEPS - 1``): when the step's scores are ready (after the wait for ``S = Q K^T``) and when its
+weights are (after ``_weights``, the end of the step). The two warpgroups of a tile run on one SM,
+so their clocks compare. On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in
+bf16 and e4m3 (``precision="fp8"``), it prints per point the median step (scores to the next
+step's scores, first warpgroup), the median softmax window (scores to weights), the median offset
+between the warpgroups' scores of the same step, and the share of steps whose two windows overlap
+by more than half of the shorter one. Lock-step warpgroups show offsets near 0 and overlaps near 1; a ping-pong, offsets
+near half a step and no overlap.
+
+    python3 scripts/kernel_softmax_windows.py --json $OUT/softmax_windows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import KERNEL_SHAPE, environment, kernel_plan, load_module_file, save  # noqa: E402
+from pbs.kernels import hopper_attn  # noqa: E402
+from pbs.kernels._common import sm_count  # noqa: E402
+from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
+
+_, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
+STEPS = 64  # steps per tile stamped (the first STEPS - 1 of the loop)
+SHIFT_ARG = 19  # the launch argument that carries the stamps: the LSE shift pointer, unused without the LSE
+
+# (anchor, which stamp): each stamp goes after its anchor's line, inside the loop over the blocks.
+ANCHORS = [
+    ("                s = warpgroup_mma_wait(1, deps=[s])\n", 0),
+    ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)\n", 1),
+]
+
+
+COUNT_ANCHOR = "        n_unmasked = count\n"  # the tile's block count goes to its step 0 (never stamped)
+
+
+def instrumented_source(src: str) -> str:
+    """The kernel module's source with the two stamps per step (see the module docstring)."""
+    if src.count(COUNT_ANCHOR) != 1:
+        raise SystemExit(f"anchor not found once in hopper_attn.py: {COUNT_ANCHOR!r}")
+    cut = src.index(COUNT_ANCHOR) + len(COUNT_ANCHOR)
+    src = (src[:cut] + f"        if WG == 0:\n            gl.store(ptrs[14] + rank.to(gl.int64) * {4 * STEPS}, "
+           f"count.to(gl.int64))\n" + src[cut:])
+    for anchor, which in ANCHORS:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"anchor not found once in hopper_attn.py: {anchor!r}")
+        cut = src.index(anchor) + len(anchor)
+        pad = " " * 16
+        stamp = (f"{pad}if it < {STEPS}:\n{pad}    gl.store(ptrs[14] + ((rank.to(gl.int64) * 2 + WG) * {STEPS} + it) * 2"
+                 f" + {which}, gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [rank], "
+                 f"dtype=gl.int64, is_pure=False, pack=1))\n")
+        src = src[:cut] + stamp + src[cut:]
+    return src
+
+
+def summarize(stamps: torch.Tensor) -> dict:
+    """Medians over every stamped step (1 to count - 1) of every tile.
+
+    ``stamps``: ``(tiles, 2, STEPS, 2)`` int64 by tile rank (warpgroup, step, scores/weights),
+    the tile's block count at ``[:, 0, 0, 0]``."""
+    s = stamps.double()
+    steps = stamps[:, 0, 0, 0].clamp(max=STEPS)
+    scores0, weights0, scores1, weights1 = s[:, 0, :, 0], s[:, 0, :, 1], s[:, 1, :, 0], s[:, 1, :, 1]
+    index = torch.arange(STEPS)
+    stamped = (index[None, :] >= 1) & (index[None, :] < steps[:, None])  # steps 1 .. count - 1
+    has_next = stamped & (index[None, :] + 1 < steps[:, None])
+    period = (scores0[:, 1:] - scores0[:, :-1])[has_next[:, :-1]]
+    window0, window1 = (weights0 - scores0)[stamped], (weights1 - scores1)[stamped]
+    offset = (scores1 - scores0)[stamped]
+    overlap = (torch.minimum(weights0, weights1) - torch.maximum(scores0, scores1)).clamp(min=0)[stamped]
+    shorter = torch.minimum(window0, window1).clamp(min=1)
+    return {"steps": int(stamped.sum()), "step_cycles": float(period.median()),
+            "softmax_window_cycles_wg0": float(window0.median()), "softmax_window_cycles_wg1": float(window1.median()),
+            "offset_cycles_median_abs": float(offset.abs().median()),
+            "offset_over_step_median": float(offset.abs().median() / period.median()),
+            "share_overlapping_over_half": float((overlap / shorter > 0.5).double().mean())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", nargs="+", default=["32768:1.0", "65536:0.3"], help="N:density")
+    parser.add_argument("--precisions", nargs="+", default=["native", "fp8"], choices=["native", "fp8"])
+    parser.add_argument("--workdir", default="/tmp/pbs_softmax_windows")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "hopper_windows.py").write_text(instrumented_source(Path(hopper_attn.__file__).read_text()))
+    stamped = load_module_file("hopper_windows", workdir / "hopper_windows.py")
+    result = {**environment("cuda"), "steps_stamped": STEPS, "rows": []}
+    sms = sm_count(torch.device("cuda"))
+    for spec in args.points:
+        n, density = int(spec.split(":")[0]), float(spec.split(":")[1])
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v = (torch.randn(1, h, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+                   for h in (HEADS_Q, HEADS_KV, HEADS_KV))
+        plan = kernel_plan(q, k, density)
+        kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
+        for precision in args.precisions:
+            call = prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
+            stamped.quantize_for_hopper(call, precision)
+            grid, launch_args, kwargs = stamped.launch_arguments(call, sms)
+            tiles = call.counts.numel()
+            stamps = torch.zeros(tiles * 2 * STEPS * 2, dtype=torch.int64, device="cuda")
+            launch_args = list(launch_args)
+            launch_args[SHIFT_ARG] = stamps
+            tile_counter = launch_args[11]
+            for _ in range(3):  # the last run's stamps are kept (warm caches, compiled)
+                tile_counter.zero_()
+                stamped._hopper_block_sparse_attn_fwd[grid](*launch_args, **kwargs)
+            torch.cuda.synchronize()
+            row = {"n": n, "density": plan.density, "precision": precision,
+                   **summarize(stamps.view(tiles, 2, STEPS, 2).cpu())}
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            call = stamps = None
+        plan = kp = vp = q = k = v = None
+        torch.cuda.empty_cache()
+    if args.json:
+        save(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The GPU machine's kernel scripts that instrument a copy of the Gluon kernel: their anchors still
+name lines of the kernel, the instrumented copy compiles for sm_90, and their summaries read lock
+step and ping-pong apart (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sm90_compile import compile_in_subprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_source() -> str:
+    return (ROOT / "pbs" / "kernels" / "hopper_attn.py").read_text()
+
+
+@pytest.mark.parametrize("name", ["kernel_tile_stamps", "kernel_softmax_windows"])
+def test_instrumentation_finds_its_anchors_in_the_kernel(name):
+    source = _kernel_source()
+    instrumented = _script(name).instrumented_source(source)
+    assert instrumented.count("%clock64") > source.count("%clock64")
+
+
+def _stamps(offset: int, steps: int = 40, tiles: int = 3) -> torch.Tensor:
+    """Synthetic stamps: a step every 1000 cycles, a 400-cycle softmax window, the second
+    warpgroup ``offset`` cycles after the first."""
+    windows = _script("kernel_softmax_windows")
+    stamps = torch.zeros(tiles, 2, windows.STEPS, 2, dtype=torch.int64)
+    stamps[:, 0, 0, 0] = steps
+    for i in range(1, steps):
+        stamps[:, 0, i] = torch.tensor([1000 * i, 1000 * i + 400])
+        stamps[:, 1, i] = torch.tensor([1000 * i + offset, 1000 * i + offset + 400])
+    return stamps
+
+
+def test_softmax_windows_read_lock_step_and_ping_pong_apart():
+    summarize = _script("kernel_softmax_windows").summarize
+    lock_step, ping_pong = summarize(_stamps(0)), summarize(_stamps(500))
+    assert lock_step["steps"] == ping_pong["steps"] == 3 * 39
+    assert lock_step["step_cycles"] == ping_pong["step_cycles"] == 1000
+    assert lock_step["softmax_window_cycles_wg1"] == 400
+    assert (lock_step["offset_over_step_median"], lock_step["share_overlapping_over_half"]) == (0.0, 1.0)
+    assert (ping_pong["offset_over_step_median"], ping_pong["share_overlapping_over_half"]) == (0.5, 0.0)
+
+
+def test_softmax_windows_ignore_steps_past_a_tiles_count():
+    stamps = _stamps(0)
+    stamps[:, 0, 0, 0] = 2  # one stamped step per tile; the rest are leftovers of a longer tile
+    assert _script("kernel_softmax_windows").summarize(stamps)["steps"] == 3
+
+
+def compile_softmax_windows(precision: str) -> dict:
+    """Compiles the instrumented kernel for sm_90 (run by compile_in_subprocess)."""
+    from benchmarks.common import load_module_file
+    from pbs.kernels.block_sparse_attn import prepare_call
+    from pbs.testing import make_qkv
+    from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
+    from tests.test_block_sparse_attn import make_plan
+    from tests.test_hopper_attn import _stand_in_quantized
+
+    windows = _script("kernel_softmax_windows")
+    path = scratch_dir() / "hopper_windows.py"
+    path.write_text(windows.instrumented_source(_kernel_source()))
+    kernel = load_module_file("hopper_windows", path)
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(heads_q=4, heads_kv=2, seq_len=1000, head_dim=128, seed=0))
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="last_block", causal=True)
+    call = prepare_call(q, k, v, plan.mask, None, plan.key_positions(), None, True, None)
+    if precision != "native":
+        _stand_in_quantized(call, precision)
+    grid, args, kwargs = kernel.launch_arguments(call, sm_count=132)
+    args = list(args)
+    args[windows.SHIFT_ARG] = torch.zeros(8, dtype=torch.int64)
+    with sm90_driver():
+        compiled = kernel._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
+    return {"usage": resource_usage(compiled.asm["cubin"], scratch_dir()),
+            "clock_reads": compiled.asm["ptx"].count("%clock64")}
+
+
+def test_softmax_windows_kernel_compiles_for_sm90_with_its_stamps():
+    report = compile_in_subprocess("tests.test_kernel_scripts:compile_softmax_windows", precision="fp8")
+    assert report["usage"]["LOCAL"] == 0
+    assert report["clock_reads"] == 4  # two stamps, in each consumer warpgroup's copy of the loop
