@@ -7,6 +7,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Gluon wraps triton.language's functions when it is first imported, and asserts that they are
+    # the interpreter's only while the interpreter is on. Tests that unset TRITON_INTERPRET (the doc
+    # examples run as a user would) may be the first to import it, after other tests imported
+    # triton.language under the interpreter: importing it here, once, keeps the outcome independent
+    # of which tests a process runs, and in which order.
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon: pbs.kernels.hopper_attn is then unavailable anyway
+        pass
+
 # Under pytest-xdist (README's test command runs the suite on one worker per core, at most 4) each
 # worker takes its share of the cores for torch's own threads: as many threads as cores in every
 # worker would make them wait on one another in the model and reference tests.

@@ -174,3 +174,17 @@ def test_a_wrong_number_fails():
     assert not checker.check_output("density 0.391\n", "density 0.392\n", OPTIONFLAGS)
     assert not checker.check_output("identity density 0.465 coverage 0.876\n",
                                     "identity density 0.733 coverage 0.988\n", OPTIONFLAGS)
+
+
+
+def test_an_example_may_import_gluon_after_tests_imported_triton_under_the_interpreter():
+    # The examples above unset TRITON_INTERPRET. A process that had imported triton.language under
+    # the interpreter (any Triton test) and then imported Gluon for the first time failed Gluon's
+    # own assert: every example after tests/test_hopper_attn.py in one process did. The conftest
+    # imports Gluon while the interpreter is on; this replays that order in a fresh process.
+    pytest.importorskip("triton.experimental.gluon")
+    code = ("import os, tests.conftest, triton.language; os.environ.pop('TRITON_INTERPRET', None); "
+            "import pbs.kernels.hopper_attn")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
