@@ -1,12 +1,14 @@
 """Whether the Gluon kernel's two consumer warpgroups compute their softmax at the same time.
 
 Writes an instrumented copy of ``pbs/kernels/hopper_attn.py`` (into ``--workdir``) in which both
-consumer warpgroups store ``%clock64`` twice in each step of the loop over a tile's blocks (steps 1
-to ``STEPS - 1``): when the step's scores are ready (after the wait for ``S = Q K^T``) and when its
-weights are (after ``_weights``, the end of the step). The two warpgroups of a tile run on one SM,
-so their clocks compare. On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in
+consumer warpgroups store ``%clock64`` four times in each step of the loop over a tile's blocks
+(steps 1 to ``STEPS - 1``): when the step's scores are ready (after the wait for ``S = Q K^T``),
+when its exponentials are issued (after ``_softmax_step``), when the previous step's ``P V`` has
+retired (after ``_wait_pv``) and when its weights are ready (after ``_weights``, the end of the
+step). The two warpgroups of a tile run on one SM, so their clocks compare. On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in
 bf16 and e4m3 (``precision="fp8"``), it prints per point the median step (scores to the next
-step's scores, first warpgroup), the median softmax window (scores to weights), the median offset
+step's scores, first warpgroup), the median softmax window (scores to weights) and its three parts
+(first warpgroup), the median offset
 between the warpgroups' scores of the same step, and the share of steps whose two windows overlap
 by more than half of the shorter one. Lock-step warpgroups show offsets near 0 and overlaps near 1; a ping-pong, offsets
 near half a step and no overlap.
@@ -34,11 +36,15 @@ _, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 STEPS = 64  # steps per tile stamped (the first STEPS - 1 of the loop)
 SHIFT_ARG = 19  # the launch argument that carries the stamps: the LSE shift pointer, unused without the LSE
 
+POINTS = ["scores", "exponentials", "pv_retired", "weights"]
 # (anchor, which stamp): each stamp goes after its anchor's line, inside the loop over the blocks.
 ANCHORS = [
     ("                s = warpgroup_mma_wait(1, deps=[s])\n", 0),
-    ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)\n", 1),
+    ("                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)\n", 1),
+    ("                acc = _wait_pv(acc, p, PV_FP8)\n", 2),
+    ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)\n", 3),
 ]
+SLOTS = len(POINTS)
 
 
 COUNT_ANCHOR = "        n_unmasked = count\n"  # the tile's block count goes to its step 0 (never stamped)
@@ -49,14 +55,14 @@ def instrumented_source(src: str) -> str:
     if src.count(COUNT_ANCHOR) != 1:
         raise SystemExit(f"anchor not found once in hopper_attn.py: {COUNT_ANCHOR!r}")
     cut = src.index(COUNT_ANCHOR) + len(COUNT_ANCHOR)
-    src = (src[:cut] + f"        if WG == 0:\n            gl.store(ptrs[14] + rank.to(gl.int64) * {4 * STEPS}, "
+    src = (src[:cut] + f"        if WG == 0:\n            gl.store(ptrs[14] + rank.to(gl.int64) * {2 * STEPS * SLOTS}, "
            f"count.to(gl.int64))\n" + src[cut:])
     for anchor, which in ANCHORS:
         if src.count(anchor) != 1:
             raise SystemExit(f"anchor not found once in hopper_attn.py: {anchor!r}")
         cut = src.index(anchor) + len(anchor)
         pad = " " * 16
-        stamp = (f"{pad}if it < {STEPS}:\n{pad}    gl.store(ptrs[14] + ((rank.to(gl.int64) * 2 + WG) * {STEPS} + it) * 2"
+        stamp = (f"{pad}if it < {STEPS}:\n{pad}    gl.store(ptrs[14] + ((rank.to(gl.int64) * 2 + WG) * {STEPS} + it) * {SLOTS}"
                  f" + {which}, gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [rank], "
                  f"dtype=gl.int64, is_pure=False, pack=1))\n")
         src = src[:cut] + stamp + src[cut:]
@@ -66,11 +72,11 @@ def instrumented_source(src: str) -> str:
 def summarize(stamps: torch.Tensor) -> dict:
     """Medians over every stamped step (1 to count - 1) of every tile.
 
-    ``stamps``: ``(tiles, 2, STEPS, 2)`` int64 by tile rank (warpgroup, step, scores/weights),
-    the tile's block count at ``[:, 0, 0, 0]``."""
+    ``stamps``: ``(tiles, 2, STEPS, SLOTS)`` int64 by tile rank (warpgroup, step, point of
+    ``POINTS``), the tile's block count at ``[:, 0, 0, 0]``."""
     s = stamps.double()
     steps = stamps[:, 0, 0, 0].clamp(max=STEPS)
-    scores0, weights0, scores1, weights1 = s[:, 0, :, 0], s[:, 0, :, 1], s[:, 1, :, 0], s[:, 1, :, 1]
+    scores0, weights0, scores1, weights1 = s[:, 0, :, 0], s[:, 0, :, -1], s[:, 1, :, 0], s[:, 1, :, -1]
     index = torch.arange(STEPS)
     stamped = (index[None, :] >= 1) & (index[None, :] < steps[:, None])  # steps 1 .. count - 1
     has_next = stamped & (index[None, :] + 1 < steps[:, None])
@@ -83,7 +89,9 @@ def summarize(stamps: torch.Tensor) -> dict:
             "softmax_window_cycles_wg0": float(window0.median()), "softmax_window_cycles_wg1": float(window1.median()),
             "offset_cycles_median_abs": float(offset.abs().median()),
             "offset_over_step_median": float(offset.abs().median() / period.median()),
-            "share_overlapping_over_half": float((overlap / shorter > 0.5).double().mean())}
+            "share_overlapping_over_half": float((overlap / shorter > 0.5).double().mean()),
+            **{f"{a}->{b}_cycles_wg0": float((s[:, 0, :, i + 1] - s[:, 0, :, i])[stamped].median())
+               for i, (a, b) in enumerate(zip(POINTS, POINTS[1:]))}}
 
 
 def main() -> None:
@@ -111,7 +119,7 @@ def main() -> None:
             stamped.quantize_for_hopper(call, precision)
             grid, launch_args, kwargs = stamped.launch_arguments(call, sms)
             tiles = call.counts.numel()
-            stamps = torch.zeros(tiles * 2 * STEPS * 2, dtype=torch.int64, device="cuda")
+            stamps = torch.zeros(tiles * 2 * STEPS * SLOTS, dtype=torch.int64, device="cuda")
             launch_args = list(launch_args)
             launch_args[SHIFT_ARG] = stamps
             tile_counter = launch_args[11]
@@ -120,7 +128,7 @@ def main() -> None:
                 stamped._hopper_block_sparse_attn_fwd[grid](*launch_args, **kwargs)
             torch.cuda.synchronize()
             row = {"n": n, "density": plan.density, "precision": precision,
-                   **summarize(stamps.view(tiles, 2, STEPS, 2).cpu())}
+                   **summarize(stamps.view(tiles, 2, STEPS, SLOTS).cpu())}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             call = stamps = None

@@ -34,14 +34,15 @@ def test_instrumentation_finds_its_anchors_in_the_kernel(name):
 
 
 def _stamps(offset: int, steps: int = 40, tiles: int = 3) -> torch.Tensor:
-    """Synthetic stamps: a step every 1000 cycles, a 400-cycle softmax window, the second
-    warpgroup ``offset`` cycles after the first."""
+    """Synthetic stamps: a step every 1000 cycles, a 400-cycle softmax window (exponentials issued
+    after 100 cycles, the previous P V retired after 300), the second warpgroup ``offset`` cycles
+    after the first."""
     windows = _script("kernel_softmax_windows")
-    stamps = torch.zeros(tiles, 2, windows.STEPS, 2, dtype=torch.int64)
+    stamps = torch.zeros(tiles, 2, windows.STEPS, windows.SLOTS, dtype=torch.int64)
     stamps[:, 0, 0, 0] = steps
     for i in range(1, steps):
-        stamps[:, 0, i] = torch.tensor([1000 * i, 1000 * i + 400])
-        stamps[:, 1, i] = torch.tensor([1000 * i + offset, 1000 * i + offset + 400])
+        for wg, start in ((0, 1000 * i), (1, 1000 * i + offset)):
+            stamps[:, wg, i] = torch.tensor([start, start + 100, start + 300, start + 400])
     return stamps
 
 
@@ -51,6 +52,8 @@ def test_softmax_windows_read_lock_step_and_ping_pong_apart():
     assert lock_step["steps"] == ping_pong["steps"] == 3 * 39
     assert lock_step["step_cycles"] == ping_pong["step_cycles"] == 1000
     assert lock_step["softmax_window_cycles_wg1"] == 400
+    assert [lock_step[f"{a}->{b}_cycles_wg0"] for a, b in [("scores", "exponentials"), ("exponentials", "pv_retired"),
+                                                           ("pv_retired", "weights")]] == [100, 200, 100]
     assert (lock_step["offset_over_step_median"], lock_step["share_overlapping_over_half"]) == (0.0, 1.0)
     assert (ping_pong["offset_over_step_median"], ping_pong["share_overlapping_over_half"]) == (0.5, 0.0)
 
@@ -91,4 +94,4 @@ def compile_softmax_windows(precision: str) -> dict:
 def test_softmax_windows_kernel_compiles_for_sm90_with_its_stamps():
     report = compile_in_subprocess("tests.test_kernel_scripts:compile_softmax_windows", precision="fp8")
     assert report["usage"]["LOCAL"] == 0
-    assert report["clock_reads"] == 4  # two stamps, in each consumer warpgroup's copy of the loop
+    assert report["clock_reads"] == 8  # four stamps, in each consumer warpgroup's copy of the loop
