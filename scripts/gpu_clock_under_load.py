@@ -51,8 +51,10 @@ def _phase(fn, seconds: float) -> dict:
             times.append((time.perf_counter() - start, begin.elapsed_time(end)))
         smi.terminate()
         smi.wait()
-        rows = [row for row in csv.reader(open(log.name)) if len(row) == 5]
+        rows = [row for row in csv.reader(log) if len(row) == 5]
     settled = rows[10:]  # the first second of samples
+    if not settled:
+        raise SystemExit(f"nvidia-smi gave {len(rows)} samples in {seconds} s: run longer (--seconds)")
     clocks = [float(r[1]) for r in settled]
     power = [float(r[2]) for r in settled]
     return {"samples": len(settled), "sm_clock_mhz_median": statistics.median(clocks),
@@ -65,7 +67,7 @@ def _phase(fn, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=131072)
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
