@@ -153,6 +153,43 @@ KERNEL_SHAPE = (1, 32, 8, 128)  # batch, query heads, KV heads, head dim
 KERNEL_SEGMENT, KERNEL_BLOCK = 256, 128
 
 
+def kernel_inputs(n: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel benchmark's q, k, v: ``(1, 32, n, 128)`` and ``(1, 8, n, 128)`` x 2 random normals
+    in bf16, seeded by ``n``."""
+    batch, heads_q, heads_kv, head_dim = KERNEL_SHAPE
+    gen = torch.Generator(device=device).manual_seed(n)
+    return tuple(torch.randn(batch, h, n, head_dim, device=device, generator=gen).bfloat16()
+                 for h in (heads_q, heads_kv, heads_kv))
+
+
+# The launch argument that instrumented copies of the Gluon kernel store their clock stamps through:
+# the pointer to the LSE's smoothing shift, read by the kernel only when it writes the LSE in e4m3.
+STAMPS_ARG = 19
+
+
+def instrumented_kernel(source: str, workdir: str | os.PathLike, name: str):
+    """An instrumented copy of ``pbs/kernels/hopper_attn.py`` (its source after the stamps went in),
+    written to ``workdir/name.py`` and imported under ``name``."""
+    path = Path(workdir) / f"{name}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    return load_module_file(name, path)
+
+
+def launch_with_stamps(kernel, call, sms: int, stamps: torch.Tensor, runs: int = 3) -> None:
+    """Runs an instrumented copy of the Gluon kernel (`instrumented_kernel`) on a prepared call,
+    its stamps going to ``stamps`` (int64 on the GPU); the last of ``runs`` runs (warm caches,
+    compiled) leaves them."""
+    grid, args, kwargs = kernel.launch_arguments(call, sms)
+    args = list(args)
+    args[STAMPS_ARG] = stamps
+    tile_counter = args[11]
+    for _ in range(runs):
+        tile_counter.zero_()
+        kernel._hopper_block_sparse_attn_fwd[grid](*args, **kwargs)
+    torch.cuda.synchronize()
+
+
 def kernel_plan(q: torch.Tensor, k: torch.Tensor, density: float):
     """The kernel benchmark's plan: ``budget`` blocks of ``density`` on ``last_block``-permuted keys
     (shared by the query heads of a KV head), planned by the reference backend without the

@@ -27,14 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import KERNEL_SHAPE, environment, kernel_plan, load_module_file, save  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    environment, instrumented_kernel, kernel_inputs, kernel_plan, launch_with_stamps, save,
+)
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels._common import sm_count  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 
-_, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 STEPS = 64  # steps per tile stamped (the first STEPS - 1 of the loop)
-SHIFT_ARG = 19  # the launch argument that carries the stamps: the LSE shift pointer, unused without the LSE
 
 POINTS = ["scores", "exponentials", "pv_retired", "weights"]
 # (anchor, which stamp): each stamp goes after its anchor's line, inside the loop over the blocks.
@@ -101,32 +101,21 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/pbs_softmax_windows")
     parser.add_argument("--json")
     args = parser.parse_args()
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "hopper_windows.py").write_text(instrumented_source(Path(hopper_attn.__file__).read_text()))
-    stamped = load_module_file("hopper_windows", workdir / "hopper_windows.py")
+    stamped = instrumented_kernel(instrumented_source(Path(hopper_attn.__file__).read_text()), args.workdir,
+                                  "hopper_windows")
     result = {**environment("cuda"), "steps_stamped": STEPS, "rows": []}
     sms = sm_count(torch.device("cuda"))
     for spec in args.points:
         n, density = int(spec.split(":")[0]), float(spec.split(":")[1])
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        q, k, v = (torch.randn(1, h, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-                   for h in (HEADS_Q, HEADS_KV, HEADS_KV))
+        q, k, v = kernel_inputs(n)
         plan = kernel_plan(q, k, density)
         kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
         for precision in args.precisions:
             call = prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
             stamped.quantize_for_hopper(call, precision)
-            grid, launch_args, kwargs = stamped.launch_arguments(call, sms)
             tiles = call.counts.numel()
             stamps = torch.zeros(tiles * 2 * STEPS * SLOTS, dtype=torch.int64, device="cuda")
-            launch_args = list(launch_args)
-            launch_args[SHIFT_ARG] = stamps
-            tile_counter = launch_args[11]
-            for _ in range(3):  # the last run's stamps are kept (warm caches, compiled)
-                tile_counter.zero_()
-                stamped._hopper_block_sparse_attn_fwd[grid](*launch_args, **kwargs)
-            torch.cuda.synchronize()
+            launch_with_stamps(stamped, call, sms, stamps)
             row = {"n": n, "density": plan.density, "precision": precision,
                    **summarize(stamps.view(tiles, 2, STEPS, SLOTS).cpu())}
             result["rows"].append(row)

@@ -26,19 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import KERNEL_SHAPE  # noqa: E402
 from benchmarks.common import kernel_plan as make_plan  # noqa: E402
-from benchmarks.common import BUSY_GPU_CYCLES, environment, load_module_file, save  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    BUSY_GPU_CYCLES, environment, instrumented_kernel, kernel_inputs, launch_with_stamps, load_module_file, save,
+)
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels._common import sm_count  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 from pbs.testing import benchmark_cuda_interleaved  # noqa: E402
 
-_, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 POINTS = ["received", "q_ready", "first_scores", "loop_end", "last_pv", "slot_free", "in_shared", "tma_issued",
           "read_done", "end"]
 SLOTS = 16  # int64 per tile: the ten points, then the block count (14) and the SM (15)
-SHIFT_ARG = 19  # the launch argument that carries the stamps: the LSE shift pointer, unused in bf16
 
 # (anchor, point, indent, where): the stamp goes after the anchor's line ("after") or before it.
 ANCHORS = [
@@ -119,18 +118,14 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/pbs_tile_stamps")
     parser.add_argument("--json")
     args = parser.parse_args()
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "hopper_stamps.py").write_text(instrumented_source(Path(hopper_attn.__file__).read_text()))
-    stamped = load_module_file("hopper_stamps", workdir / "hopper_stamps.py")
+    stamped = instrumented_kernel(instrumented_source(Path(hopper_attn.__file__).read_text()), args.workdir,
+                                  "hopper_stamps")
     before = load_module_file("hopper_before", args.before) if args.before else None
     result = {**environment("cuda"), "points": POINTS, "before": args.before, "rows": []}
     sms = sm_count(torch.device("cuda"))
     for spec in args.points:
         n, density = int(spec.split(":")[0]), float(spec.split(":")[1])
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        q, k, v = (torch.randn(1, h, n, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-                   for h in (HEADS_Q, HEADS_KV, HEADS_KV))
+        q, k, v = kernel_inputs(n)
         plan = make_plan(q, k, density)
         kp, vp = plan.key_permutation.apply(k), plan.key_permutation.apply(v)
         call = prepare_call(q, kp, vp, plan.mask, None, plan.key_positions(), None, True, None)
@@ -139,15 +134,8 @@ def main() -> None:
             fns = {"before": lambda: before.launch_hopper(call, sms), "after": lambda: hopper_attn.launch_hopper(call, sms)}
             row["device_ms"] = benchmark_cuda_interleaved(fns, iters=30, busy_gpu_cycles=BUSY_GPU_CYCLES)
             row["idle_gpu_ms"] = benchmark_cuda_interleaved(fns, iters=30)
-        grid, launch_args, kwargs = stamped.launch_arguments(call, sms)
         stamps = torch.zeros(call.counts.numel() * SLOTS, dtype=torch.int64, device="cuda")
-        launch_args = list(launch_args)
-        launch_args[SHIFT_ARG] = stamps
-        tile_counter = launch_args[11]
-        for _ in range(3):  # the last run's stamps are kept (warm caches, compiled)
-            tile_counter.zero_()
-            stamped._hopper_block_sparse_attn_fwd[grid](*launch_args, **kwargs)
-        torch.cuda.synchronize()
+        launch_with_stamps(stamped, call, sms, stamps)
         row["cycles"] = summarize(stamps.view(-1, SLOTS).cpu())
         result["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -66,7 +66,7 @@ def test_softmax_windows_ignore_steps_past_a_tiles_count():
 
 def compile_softmax_windows(precision: str) -> dict:
     """Compiles the instrumented kernel for sm_90 (run by compile_in_subprocess)."""
-    from benchmarks.common import load_module_file
+    from benchmarks.common import STAMPS_ARG, instrumented_kernel
     from pbs.kernels.block_sparse_attn import prepare_call
     from pbs.testing import make_qkv
     from tests.sm90_compile import resource_usage, scratch_dir, sm90_driver
@@ -74,9 +74,7 @@ def compile_softmax_windows(precision: str) -> dict:
     from tests.test_hopper_attn import _stand_in_quantized
 
     windows = _script("kernel_softmax_windows")
-    path = scratch_dir() / "hopper_windows.py"
-    path.write_text(windows.instrumented_source(_kernel_source()))
-    kernel = load_module_file("hopper_windows", path)
+    kernel = instrumented_kernel(windows.instrumented_source(_kernel_source()), scratch_dir(), "hopper_windows")
     q, k, v = (x.to(torch.bfloat16) for x in make_qkv(heads_q=4, heads_kv=2, seq_len=1000, head_dim=128, seed=0))
     plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="last_block", causal=True)
     call = prepare_call(q, k, v, plan.mask, None, plan.key_positions(), None, True, None)
@@ -84,7 +82,7 @@ def compile_softmax_windows(precision: str) -> dict:
         _stand_in_quantized(call, precision)
     grid, args, kwargs = kernel.launch_arguments(call, sm_count=132)
     args = list(args)
-    args[windows.SHIFT_ARG] = torch.zeros(8, dtype=torch.int64)
+    args[STAMPS_ARG] = torch.zeros(8, dtype=torch.int64)
     with sm90_driver():
         compiled = kernel._hopper_block_sparse_attn_fwd.warmup(*args, grid=grid, **kwargs)
     return {"usage": resource_usage(compiled.asm["cubin"], scratch_dir()),
@@ -95,3 +93,23 @@ def test_softmax_windows_kernel_compiles_for_sm90_with_its_stamps():
     report = compile_in_subprocess("tests.test_kernel_scripts:compile_softmax_windows", precision="fp8")
     assert report["usage"]["LOCAL"] == 0
     assert report["clock_reads"] == 8  # four stamps, in each consumer warpgroup's copy of the loop
+
+
+def test_the_stamps_go_through_the_lse_shift_pointer():
+    # The stamping scripts put their buffer at launch argument STAMPS_ARG, which must be the
+    # pointer the kernel reads only when it writes the LSE in e4m3 (else the stamps overwrite an
+    # argument the kernel uses).
+    from benchmarks.common import STAMPS_ARG
+    from pbs.kernels import hopper_attn
+    from pbs.kernels.block_sparse_attn import prepare_call
+    from pbs.testing import make_qkv
+    from tests.test_block_sparse_attn import make_plan
+    from tests.test_hopper_attn import _stand_in_quantized
+
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(heads_q=4, heads_kv=2, seq_len=300, head_dim=128, seed=0))
+    plan = make_plan(q.float(), k.float(), block=128, segment=256, permuter="last_block", causal=True)
+    call = prepare_call(q, k, v, plan.mask, None, plan.key_positions(), None, True, None)
+    call.lse = torch.empty(q.shape[:3], dtype=torch.float32)
+    _stand_in_quantized(call, "fp8")
+    _, args, _ = hopper_attn.launch_arguments(call, sm_count=132)
+    assert args[STAMPS_ARG] is call.lse_shift
