@@ -224,7 +224,9 @@ def _refuse_unexpected(function: str, unexpected: dict[str, Any]) -> None:
 
 
 def _is_4d_tensor(x: object) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() == 4
+    """A plain 4-D tensor: what the shape-only dense decision may read ``shape`` of (a nested
+    tensor's sizes are ragged or unreadable; `check_qkv` names the problem instead)."""
+    return isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 4
 
 
 def _dense_then_checks(config: PBSConfig, q: torch.Tensor, k: torch.Tensor, v: object, scale: float | None) -> torch.Tensor:

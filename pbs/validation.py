@@ -66,14 +66,17 @@ def _raise_first_problem(q: object, k: object, v: object) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.layout is not torch.strided or x.is_nested:
-            got, fix = (
-                ("a nested tensor", "torch.nested.to_padded_tensor") if x.is_nested
-                else (f"layout {x.layout}", f"{name}.to_dense()")
-            )
+        if x.is_nested:
             raise TypeError(
-                f"{name} must be a strided (dense) tensor, got {got}; PBS attention takes strided "
-                f"(dense) tensors only (convert with {fix})"
+                f"{name} must be a strided (dense) tensor, got a nested tensor; PBS attention takes "
+                f"(B, H, N, D) strided tensors. Sequences of different lengths go to pbs.varlen_attention "
+                f"packed (a jagged nested tensor x of (N_i, H, D) sequences: x.values(), with cu_seq = "
+                f"x.offsets().int()), or padded on the right with torch.nested.to_padded_tensor"
+            )
+        if x.layout is not torch.strided:
+            raise TypeError(
+                f"{name} must be a strided (dense) tensor, got layout {x.layout}; PBS attention takes "
+                f"strided (dense) tensors only (convert with {name}.to_dense())"
             )
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")

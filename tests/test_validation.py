@@ -200,6 +200,22 @@ def test_nested_and_other_layouts_are_refused_by_name():
         check_qkv(q, k, v[0, 0].to_sparse_csr())
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+@pytest.mark.parametrize("entry", ["attention", "attention_lse", "plan"])
+def test_nested_inputs_get_the_clear_error_from_every_entry_point(layout, entry):
+    # pbs.attention's shape-only dense decision read a nested tensor's sizes before the checks ran:
+    # a jagged one failed inside torch ("ge: relation is indeterminate"), a strided one with
+    # "NestedTensorImpl doesn't support sizes".
+    gen = torch.Generator().manual_seed(0)
+    sequences = [[torch.randn(2, n, 16, generator=gen) for n in (96, 160)] for _ in "qkv"]  # (H, N_i, D) each
+    nested = [torch.nested.nested_tensor(x, layout=layout) for x in sequences]
+    calls = {"attention": lambda: pbs.attention(*nested), "attention_lse": lambda: pbs.attention(*nested, return_lse=True),
+             "plan": lambda: pbs.plan(nested[0], nested[1])}
+    with pytest.raises(TypeError, match=r"q must be a strided \(dense\) tensor, got a nested tensor.*pbs\.varlen_attention"):
+        calls[entry]()
+
+
 @pytest.mark.parametrize("scale", [1e300, 1e5, 10**400, True], ids=["1e300", "1e5", "10**400", "True"])
 def test_a_scale_that_overflows_the_logits_is_refused(scale):
     # Needs pbs.api to take the scale from pbs.validation.check_scale: 1e300 was accepted and
