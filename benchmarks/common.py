@@ -262,9 +262,11 @@ def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: to
     return call
 
 
-def save_figure(fig: Any, path: Path, what: str, dpi: int = 130) -> None:
-    """Lays out a matplotlib figure, writes it to ``path`` (creating its folder) and says so."""
-    fig.tight_layout()
+def save_figure(fig: Any, path: Path, what: str, dpi: int = 130,
+                rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    """Lays out a matplotlib figure within ``rect`` (figure fractions: room left outside it for a
+    figure legend), writes it to ``path`` (creating its folder) and says so."""
+    fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     print(f"{what} -> {path}")

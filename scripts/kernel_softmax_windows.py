@@ -10,7 +10,8 @@ bf16 and e4m3 (``precision="fp8"``), it prints per point the median step (scores
 step's scores, first warpgroup), the median softmax window (scores to weights) and its three parts
 (first warpgroup), the median offset
 between the warpgroups' scores of the same step, and the share of steps whose two windows overlap
-by more than half of the shorter one. Lock-step warpgroups show offsets near 0 and overlaps near 1; a ping-pong, offsets
+by more than half of the shorter one. One tile's first steps are kept whole for a picture
+(`benchmarks/plot_softmax_windows.py`). Lock-step warpgroups show offsets near 0 and overlaps near 1; a ping-pong, offsets
 near half a step and no overlap.
 
     python3 scripts/kernel_softmax_windows.py --json $OUT/softmax_windows.json
@@ -94,6 +95,21 @@ def summarize(stamps: torch.Tensor) -> dict:
                for i, (a, b) in enumerate(zip(POINTS, POINTS[1:]))}}
 
 
+TIMELINE_STEPS = 12  # steps of one tile kept whole for a picture (benchmarks/plot_softmax_windows.py)
+
+
+def timeline(stamps: torch.Tensor) -> dict:
+    """One tile's stamps, whole, for a picture: the tile with the most stamped steps (the first such
+    rank), steps 1 to ``TIMELINE_STEPS``, as cycles after its first warpgroup's first scores.
+
+    Returns ``{"rank": r, "points": POINTS, "cycles": [[[...] per point] per step] per warpgroup}``."""
+    steps = stamps[:, 0, 0, 0].clamp(max=STEPS)
+    rank = int(steps.argmax())
+    last = min(int(steps[rank]), TIMELINE_STEPS + 1)
+    tile = stamps[rank, :, 1:last, :]
+    return {"rank": rank, "points": POINTS, "cycles": (tile - tile[0, 0, 0]).tolist()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", nargs="+", default=["32768:1.0", "65536:0.3"], help="N:density")
@@ -117,9 +133,10 @@ def main() -> None:
             stamps = torch.zeros(tiles * 2 * STEPS * SLOTS, dtype=torch.int64, device="cuda")
             launch_with_stamps(stamped, call, sms, stamps)
             row = {"n": n, "density": plan.density, "precision": precision,
-                   **summarize(stamps.view(tiles, 2, STEPS, SLOTS).cpu())}
+                   **summarize(stamps.view(tiles, 2, STEPS, SLOTS).cpu()),
+                   "timeline": timeline(stamps.view(tiles, 2, STEPS, SLOTS).cpu())}
             result["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({key: value for key, value in row.items() if key != "timeline"}), flush=True)
             call = stamps = None
         plan = kp = vp = q = k = v = None
         torch.cuda.empty_cache()

@@ -113,3 +113,26 @@ def test_the_stamps_go_through_the_lse_shift_pointer():
     _stand_in_quantized(call, "fp8")
     _, args, _ = hopper_attn.launch_arguments(call, sm_count=132)
     assert args[STAMPS_ARG] is call.lse_shift
+
+
+def test_a_timeline_keeps_one_tiles_steps_and_the_plot_draws_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    windows = _script("kernel_softmax_windows")
+    stamps = _stamps(500)
+    stamps[1, 0, 0, 0] = 30  # tiles 0 and 2 have the most steps: the first of them is drawn
+    line = windows.timeline(stamps)
+    assert line["rank"] == 0 and line["points"] == windows.POINTS
+    assert len(line["cycles"][0]) == windows.TIMELINE_STEPS
+    assert line["cycles"][0][0] == [0, 100, 300, 400] and line["cycles"][1][0] == [500, 600, 800, 900]
+    assert line["cycles"][0][1][0] == 1000  # the next step, a step later
+    result = {"device": "a synthetic GPU", "rows": [
+        {"n": 32768, "density": 1.0, "precision": precision, **windows.summarize(stamps), "timeline": line}
+        for precision in ("native", "fp8")]}
+    (tmp_path / "windows.json").write_text(json.dumps(result))
+    out = tmp_path / "windows.png"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_softmax_windows.py"), str(tmp_path / "windows.json"),
+                    "--out", str(out)], check=True, capture_output=True)
+    assert out.stat().st_size > 10_000
