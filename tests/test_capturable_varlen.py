@@ -127,6 +127,9 @@ def test_the_gpu_planners_read_each_sequence_s_lengths_from_the_device(monkeypat
     assert torch.equal(padded_plan(sequences, config)[0].to_dense(), without)
 
 
+# A sequence the length rule leaves without planned queries made the line kernel divide 0 by 0
+# (its lines NaN, unused but stored): under the interpreter that is numpy's warning, made an error here.
+@pytest.mark.filterwarnings("error:invalid value encountered in divide:RuntimeWarning")
 @pytest.mark.parametrize("packed_queries", [False, True], ids=["padded-q", "packed-q"])
 @pytest.mark.parametrize("name, policy", [("defaults", "none"), ("defaults", "length"), ("mean_pooling", "length"),
                                           ("vertical_slash", "length")])

@@ -244,7 +244,8 @@ def _row_lines(q_ptr, k_ptr, table_ptr, m_ptr, l_ptr, vertical_ptr, slash_ptr,
                     first_row_pos + o_r, qk_scale, HEAD_DIM, D_PAD, CAUSAL, IEEE, PAGE_SIZE)
         p = tl.exp2(s - lse[:, None])
         at = _each_head(cols, HEADS)
-        tl.store(vertical_ptr + lines + at, _per_head(p, HEADS, ROWS) / rows, mask=at < seq_len_k)
+        # A sequence without queries (rows 0) has every p 0: its lines are 0, not 0 / 0.
+        tl.store(vertical_ptr + lines + at, _per_head(p, HEADS, ROWS) / tl.maximum(rows, 1), mask=at < seq_len_k)
         skewed = tl.gather(p, column, 1)
         # Negative offsets (keys after the row: non-causal calls) are not slash lines. An offset is
         # shared by at most two tiles (ROWS <= BLOCK_N), and a two-term sum is the same in either
