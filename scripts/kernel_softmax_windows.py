@@ -5,14 +5,15 @@ consumer warpgroups store ``%clock64`` four times in each step of the loop over 
 (steps 1 to ``STEPS - 1``): when the step's scores are ready (after the wait for ``S = Q K^T``),
 when its exponentials are issued (after ``_softmax_step``), when the previous step's ``P V`` has
 retired (after ``_wait_pv``) and when its weights are ready (after ``_weights``, the end of the
-step). The two warpgroups of a tile run on one SM, so their clocks compare. On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in
-bf16 and e4m3 (``precision="fp8"``), it prints per point the median step (scores to the next
-step's scores, first warpgroup), the median softmax window (scores to weights) and its three parts
-(first warpgroup), the median offset
-between the warpgroups' scores of the same step, and the share of steps whose two windows overlap
-by more than half of the shorter one. One tile's first steps are kept whole for a picture
-(`benchmarks/plot_softmax_windows.py`). Lock-step warpgroups show offsets near 0 and overlaps near 1; a ping-pong, offsets
-near half a step and no overlap.
+step). The two warpgroups of a tile run on one SM, so their clocks compare.
+
+On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in bf16 and e4m3
+(``precision="fp8"``), it prints per point the median step (scores to the next step's scores,
+first warpgroup), the median softmax window (scores to weights) and its three parts (first
+warpgroup), the median offset between the warpgroups' scores of the same step, and the share of
+steps whose two windows overlap by more than half of the shorter one. One tile's first steps are
+kept whole for a picture (`benchmarks/plot_softmax_windows.py`). Lock-step warpgroups show offsets
+near 0 and overlaps near 1; a ping-pong, offsets near half a step and no overlap.
 
     python3 scripts/kernel_softmax_windows.py --json $OUT/softmax_windows.json
 """
@@ -52,7 +53,8 @@ COUNT_ANCHOR = "        n_unmasked = count\n"  # the tile's block count goes to 
 
 
 def instrumented_source(src: str) -> str:
-    """The kernel module's source with the two stamps per step (see the module docstring)."""
+    """The kernel module's source with the four stamps per step and each tile's block count (see
+    the module docstring)."""
     if src.count(COUNT_ANCHOR) != 1:
         raise SystemExit(f"anchor not found once in hopper_attn.py: {COUNT_ANCHOR!r}")
     cut = src.index(COUNT_ANCHOR) + len(COUNT_ANCHOR)
@@ -132,9 +134,9 @@ def main() -> None:
             tiles = call.counts.numel()
             stamps = torch.zeros(tiles * 2 * STEPS * SLOTS, dtype=torch.int64, device="cuda")
             launch_with_stamps(stamped, call, sms, stamps)
-            row = {"n": n, "density": plan.density, "precision": precision,
-                   **summarize(stamps.view(tiles, 2, STEPS, SLOTS).cpu()),
-                   "timeline": timeline(stamps.view(tiles, 2, STEPS, SLOTS).cpu())}
+            stamps = stamps.view(tiles, 2, STEPS, SLOTS).cpu()
+            row = {"n": n, "density": plan.density, "precision": precision, **summarize(stamps),
+                   "timeline": timeline(stamps)}
             result["rows"].append(row)
             print(json.dumps({key: value for key, value in row.items() if key != "timeline"}), flush=True)
             call = stamps = None
