@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/<this file>.p
 from benchmarks.common import save_figure  # noqa: E402
 
 PHASES = (  # (from point, to point, label, colour)
+    ("issued", "scores", "products issued -> scores ready", "tab:green"),
     ("scores", "exponentials", "scores ready -> exponentials issued", "tab:orange"),
     ("exponentials", "pv_retired", "-> previous P V retired", "tab:grey"),
     ("pv_retired", "weights", "-> weights ready", "tab:blue"),
@@ -31,6 +32,8 @@ PHASES = (  # (from point, to point, label, colour)
 
 def bars(timeline: dict, warpgroup: int, start: str, end: str) -> list[tuple[float, float]]:
     """``(start, length)`` in cycles of one phase in every step of one warpgroup."""
+    if start not in timeline["points"]:  # a result from the script's four-stamp version
+        return []
     i, j = timeline["points"].index(start), timeline["points"].index(end)
     return [(step[i], step[j] - step[i]) for step in timeline["cycles"][warpgroup]]
 
@@ -63,7 +66,7 @@ def main() -> None:
                      f"{row['share_overlapping_over_half']:.1%} of steps", fontsize=9)
     axes[-1, 0].set_xlabel(f"SM cycles from the tile's first stamped step ({result.get('device', 'GPU')})")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=3, frameon=False)
+    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=4, frameon=False)
     save_figure(fig, args.out, "softmax windows", rect=(0, 0.07, 1, 1))
 
 

@@ -1,16 +1,18 @@
 """Whether the Gluon kernel's two consumer warpgroups compute their softmax at the same time.
 
 Writes an instrumented copy of ``pbs/kernels/hopper_attn.py`` (into ``--workdir``) in which both
-consumer warpgroups store ``%clock64`` four times in each step of the loop over a tile's blocks
-(steps 1 to ``STEPS - 1``): when the step's scores are ready (after the wait for ``S = Q K^T``),
-when its exponentials are issued (after ``_softmax_step``), when the previous step's ``P V`` has
-retired (after ``_wait_pv``) and when its weights are ready (after ``_weights``, the end of the
-step). The two warpgroups of a tile run on one SM, so their clocks compare.
+consumer warpgroups store ``%clock64`` six times in each step of the loop over a tile's blocks
+(steps 1 to ``STEPS - 1``): when the step's keys are ready (after the wait for the producer's K
+tile), when its products are issued (``S = Q K^T`` and the previous step's ``P V``), when its
+scores are ready (after the wait for ``S``), when its exponentials are issued (after
+``_softmax_step``), when the previous step's ``P V`` has retired (after ``_wait_pv``) and when its
+weights are ready (after ``_weights``, the end of the step). The two warpgroups of a tile run on
+one SM, so their clocks compare.
 
 On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in bf16 and e4m3
 (``precision="fp8"``), it prints per point the median step (scores to the next step's scores,
-first warpgroup), the median softmax window (scores to weights) and its three parts (first
-warpgroup), the median offset between the warpgroups' scores of the same step, and the share of
+first warpgroup), the median softmax window (scores to weights) and its three parts, and the
+three parts from the previous step's weights to the scores (first warpgroup), the median offset between the warpgroups' scores of the same step, and the share of
 steps whose two windows overlap by more than half of the shorter one. One tile's first steps are
 kept whole for a picture (`benchmarks/plot_softmax_windows.py`). Lock-step warpgroups show offsets
 near 0 and overlaps near 1; a ping-pong, offsets near half a step and no overlap.
@@ -38,13 +40,19 @@ from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 
 STEPS = 64  # steps per tile stamped (the first STEPS - 1 of the loop)
 
-POINTS = ["scores", "exponentials", "pv_retired", "weights"]
-# (anchor, which stamp): each stamp goes after its anchor's line, inside the loop over the blocks.
+# In each step: keys_ready, issued, scores, exponentials, pv_retired, weights (the slots' order
+# keeps the softmax window's four first).
+POINTS = ["scores", "exponentials", "pv_retired", "weights", "keys_ready", "issued"]
+SOFTMAX = POINTS[:4]
+# (anchor, which stamp): each stamp goes after the line that starts with its anchor, inside the
+# loop over the blocks.
 ANCHORS = [
-    ("                s = warpgroup_mma_wait(1, deps=[s])\n", 0),
-    ("                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)\n", 1),
-    ("                acc = _wait_pv(acc, p, PV_FP8)\n", 2),
-    ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)\n", 3),
+    ("                s = warpgroup_mma_wait(1, deps=[s])", 0),
+    ("                m_i, l_i, p_f32, alpha = _softmax_step(", 1),
+    ("                acc = _wait_pv(acc, p, PV_FP8)", 2),
+    ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)", 3),
+    ("                mbarrier.wait(k_ready.index(slot), phase)", 4),
+    ("                step_scale = next_scale", 5),
 ]
 SLOTS = len(POINTS)
 
@@ -61,9 +69,9 @@ def instrumented_source(src: str) -> str:
     src = (src[:cut] + f"        if WG == 0:\n            gl.store(ptrs[14] + rank.to(gl.int64) * {2 * STEPS * SLOTS}, "
            f"count.to(gl.int64))\n" + src[cut:])
     for anchor, which in ANCHORS:
-        if src.count(anchor) != 1:
+        if src.count("\n" + anchor) != 1:
             raise SystemExit(f"anchor not found once in hopper_attn.py: {anchor!r}")
-        cut = src.index(anchor) + len(anchor)
+        cut = src.index("\n", src.index("\n" + anchor) + 1) + 1
         pad = " " * 16
         stamp = (f"{pad}if it < {STEPS}:\n{pad}    gl.store(ptrs[14] + ((rank.to(gl.int64) * 2 + WG) * {STEPS} + it) * {SLOTS}"
                  f" + {which}, gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [rank], "
@@ -79,7 +87,9 @@ def summarize(stamps: torch.Tensor) -> dict:
     ``POINTS``), the tile's block count at ``[:, 0, 0, 0]``."""
     s = stamps.double()
     steps = stamps[:, 0, 0, 0].clamp(max=STEPS)
-    scores0, weights0, scores1, weights1 = s[:, 0, :, 0], s[:, 0, :, -1], s[:, 1, :, 0], s[:, 1, :, -1]
+    at = {point: POINTS.index(point) for point in POINTS}
+    scores0, weights0 = s[:, 0, :, at["scores"]], s[:, 0, :, at["weights"]]
+    scores1, weights1 = s[:, 1, :, at["scores"]], s[:, 1, :, at["weights"]]
     index = torch.arange(STEPS)
     stamped = (index[None, :] >= 1) & (index[None, :] < steps[:, None])  # steps 1 .. count - 1
     has_next = stamped & (index[None, :] + 1 < steps[:, None])
@@ -88,13 +98,22 @@ def summarize(stamps: torch.Tensor) -> dict:
     offset = (scores1 - scores0)[stamped]
     overlap = (torch.minimum(weights0, weights1) - torch.maximum(scores0, scores1)).clamp(min=0)[stamped]
     shorter = torch.minimum(window0, window1).clamp(min=1)
+
+    def part(a: str, b: str) -> float:
+        return float((s[:, 0, :, at[b]] - s[:, 0, :, at[a]])[stamped].median())
+
+    # From the previous step's weights (step 1's previous step, 0, is not stamped) to the keys.
+    has_previous = stamped & (index[None, :] >= 2)
+    to_keys = (s[:, 0, 1:, at["keys_ready"]] - weights0[:, :-1])[has_previous[:, 1:]]
     return {"steps": int(stamped.sum()), "step_cycles": float(period.median()),
             "softmax_window_cycles_wg0": float(window0.median()), "softmax_window_cycles_wg1": float(window1.median()),
             "offset_cycles_median_abs": float(offset.abs().median()),
             "offset_over_step_median": float(offset.abs().median() / period.median()),
             "share_overlapping_over_half": float((overlap / shorter > 0.5).double().mean()),
-            **{f"{a}->{b}_cycles_wg0": float((s[:, 0, :, i + 1] - s[:, 0, :, i])[stamped].median())
-               for i, (a, b) in enumerate(zip(POINTS, POINTS[1:]))}}
+            **{f"{a}->{b}_cycles_wg0": part(a, b) for a, b in zip(SOFTMAX, SOFTMAX[1:])},
+            "weights->next keys_ready_cycles_wg0": float(to_keys.median()) if to_keys.numel() else float("nan"),
+            "keys_ready->issued_cycles_wg0": part("keys_ready", "issued"),
+            "issued->scores_cycles_wg0": part("issued", "scores")}
 
 
 TIMELINE_STEPS = 12  # steps of one tile kept whole for a picture (benchmarks/plot_softmax_windows.py)

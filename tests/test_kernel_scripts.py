@@ -35,14 +35,15 @@ def test_instrumentation_finds_its_anchors_in_the_kernel(name):
 
 def _stamps(offset: int, steps: int = 40, tiles: int = 3) -> torch.Tensor:
     """Synthetic stamps: a step every 1000 cycles, a 400-cycle softmax window (exponentials issued
-    after 100 cycles, the previous P V retired after 300), the second warpgroup ``offset`` cycles
+    after 100 cycles, the previous P V retired after 300), keys ready 500 cycles after the previous
+    step's weights and the products issued 20 cycles later, the second warpgroup ``offset`` cycles
     after the first."""
     windows = _script("kernel_softmax_windows")
     stamps = torch.zeros(tiles, 2, windows.STEPS, windows.SLOTS, dtype=torch.int64)
     stamps[:, 0, 0, 0] = steps
     for i in range(1, steps):
         for wg, start in ((0, 1000 * i), (1, 1000 * i + offset)):
-            stamps[:, wg, i] = torch.tensor([start, start + 100, start + 300, start + 400])
+            stamps[:, wg, i] = torch.tensor([start, start + 100, start + 300, start + 400, start - 100, start - 80])
     return stamps
 
 
@@ -54,6 +55,8 @@ def test_softmax_windows_read_lock_step_and_ping_pong_apart():
     assert lock_step["softmax_window_cycles_wg1"] == 400
     assert [lock_step[f"{a}->{b}_cycles_wg0"] for a, b in [("scores", "exponentials"), ("exponentials", "pv_retired"),
                                                            ("pv_retired", "weights")]] == [100, 200, 100]
+    assert [lock_step[f"{part}_cycles_wg0"] for part in ("weights->next keys_ready", "keys_ready->issued",
+                                                         "issued->scores")] == [500, 20, 80]
     assert (lock_step["offset_over_step_median"], lock_step["share_overlapping_over_half"]) == (0.0, 1.0)
     assert (ping_pong["offset_over_step_median"], ping_pong["share_overlapping_over_half"]) == (0.5, 0.0)
 
@@ -92,7 +95,7 @@ def compile_softmax_windows(precision: str) -> dict:
 def test_softmax_windows_kernel_compiles_for_sm90_with_its_stamps():
     report = compile_in_subprocess("tests.test_kernel_scripts:compile_softmax_windows", precision="fp8")
     assert report["usage"]["LOCAL"] == 0
-    assert report["clock_reads"] == 8  # four stamps, in each consumer warpgroup's copy of the loop
+    assert report["clock_reads"] == 12  # six stamps, in each consumer warpgroup's copy of the loop
 
 
 def test_the_stamps_go_through_the_lse_shift_pointer():
@@ -126,7 +129,8 @@ def test_a_timeline_keeps_one_tiles_steps_and_the_plot_draws_it(tmp_path):
     line = windows.timeline(stamps)
     assert line["rank"] == 0 and line["points"] == windows.POINTS
     assert len(line["cycles"][0]) == windows.TIMELINE_STEPS
-    assert line["cycles"][0][0] == [0, 100, 300, 400] and line["cycles"][1][0] == [500, 600, 800, 900]
+    assert line["cycles"][0][0] == [0, 100, 300, 400, -100, -80]
+    assert line["cycles"][1][0] == [500, 600, 800, 900, 400, 420]
     assert line["cycles"][0][1][0] == 1000  # the next step, a step later
     result = {"device": "a synthetic GPU", "rows": [
         {"n": 32768, "density": 1.0, "precision": precision, **windows.summarize(stamps), "timeline": line}
