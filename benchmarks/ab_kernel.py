@@ -7,7 +7,10 @@ prepared calls, so both see the same drift, and checks that their outputs are bi
 
 ``--before`` is a copy of ``pbs/kernels/hopper_attn.py`` from another revision
 (``git show REV:pbs/kernels/hopper_attn.py > /tmp/hopper_before.py``); "after" is the module in
-this tree. Sparse points use `bench_kernel.py`'s shapes and masks (``budget`` selections on
+this tree. ``--variant NAME=FILE`` (repeatable) adds further copies, timed in the same rounds and
+compared with "before" (time, bit-identical or the largest difference): several candidate changes
+in one run, each against the same baseline. Where "after" is the same kernel as "before", its
+ratio is the A/B's own noise. Sparse points use `bench_kernel.py`'s shapes and masks (``budget`` selections on
 ``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
 ``launch_hopper_dense``) beside cuDNN's dense causal time. ``--precision fp8`` (or another of
 `pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`) times the e4m3 kernels on calls quantized once,
@@ -46,11 +49,42 @@ def alternate(runs: dict, rounds: int) -> dict:
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
+def variant_point(ms: dict, outs: dict) -> dict:
+    """``{name: {ms, over_before, identical, max_abs_diff}}`` of every kernel but "before" and
+    "after": its median time, over "before"'s, and its output against "before"'s."""
+    base = outs["before"].float()
+    return {name: {"ms": ms[name], "over_before": ms[name] / ms["before"],
+                   "identical": bool(torch.equal(out, outs["before"])),
+                   "max_abs_diff": float((out.float() - base).abs().nan_to_num(float("inf")).max())}
+            for name, out in outs.items() if name not in ("before", "after")}
+
+
+def describe(point: dict) -> str:
+    """The variants' part of a point's printed line."""
+    return "".join(f"; {name} {v['ms']:.3f} ms ({v['over_before']:.3f}x), "
+                   + ("identical" if v["identical"] else f"differs by up to {v['max_abs_diff']:.2g}")
+                   for name, v in point["variants"].items())
+
+
+def parse_variants(specs: list[str]) -> dict[str, str]:
+    """``{name: file}`` from ``NAME=FILE`` arguments."""
+    variants = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in ("before", "after") or name in variants:
+            raise SystemExit(f"--variant takes NAME=FILE with a new name other than before/after; got {spec!r}")
+        variants[name] = path
+    return variants
+
+
 def run(args) -> dict:
     before = load_module_file("hopper_attn_before", args.before)
-    kernels = {"before": before, "after": hopper_attn}
+    variants = parse_variants(args.variant)
+    kernels = {"before": before, "after": hopper_attn,
+               **{name: load_module_file(f"hopper_attn_{name}", path) for name, path in variants.items()}}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    result = {**environment("cuda"), "before": args.before, "rounds": args.rounds, "precision": args.precision,
+    result = {**environment("cuda"), "before": args.before, "variants": args.variant, "rounds": args.rounds,
+              "precision": args.precision,
               "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
                         "dtype": "bfloat16", "causal": True, "masks": "bench_kernel.py (budget, last_block)"},
               "timing": "median over rounds of one median of CUDA-event times per kernel, kernels alternating",
@@ -74,10 +108,11 @@ def run(args) -> dict:
             runs = {name: (lambda m=kernels[name], c=calls[name]: m.launch_hopper(c, sms)) for name in kernels}
             ms = alternate(runs, args.rounds)
             point = {"n": n, "mode": "sparse", "density": plan.density, "before_ms": ms["before"],
-                     "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], "identical": identical}
+                     "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], "identical": identical,
+                     "variants": variant_point(ms, {name: call.out for name, call in calls.items()})}
             result["points"].append(point)
             print(f"N={n} density {plan.density:.3f}: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
-                  f"({point['after_over_before']:.3f}x), identical {identical}", flush=True)
+                  f"({point['after_over_before']:.3f}x), identical {identical}{describe(point)}", flush=True)
             calls = kp = vp = plan = None
         if args.dense:
             outs = {name: torch.full((BATCH, HEADS_Q, n, HEAD_DIM), float("nan"), dtype=q.dtype, device="cuda")
@@ -90,11 +125,12 @@ def run(args) -> dict:
             ms = alternate(runs, args.rounds)
             point = {"n": n, "mode": "dense", "density": 1.0, "before_ms": ms["before"], "after_ms": ms["after"],
                      "after_over_before": ms["after"] / ms["before"], "identical": identical, "cudnn_ms": cudnn_ms,
-                     "cudnn_over_after": cudnn_ms / ms["after"], "cudnn_over_before": cudnn_ms / ms["before"]}
+                     "cudnn_over_after": cudnn_ms / ms["after"], "cudnn_over_before": cudnn_ms / ms["before"],
+                     "variants": variant_point(ms, outs)}
             result["points"].append(point)
             print(f"N={n} dense mode: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
                   f"({point['after_over_before']:.3f}x), cuDNN {cudnn_ms:.3f} ms ({point['cudnn_over_after']:.3f}x "
-                  f"after), identical {identical}", flush=True)
+                  f"after), identical {identical}{describe(point)}", flush=True)
             outs = runs = None
         q = k = v = None
         torch.cuda.empty_cache()
@@ -106,6 +142,8 @@ def run(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="a copy of pbs/kernels/hopper_attn.py to compare against")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="a further copy of pbs/kernels/hopper_attn.py timed against --before (repeatable)")
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--dense", action="store_true", help="also the dense mode, beside cuDNN")

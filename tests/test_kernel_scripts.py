@@ -140,3 +140,26 @@ def test_a_timeline_keeps_one_tiles_steps_and_the_plot_draws_it(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_softmax_windows.py"), str(tmp_path / "windows.json"),
                     "--out", str(out)], check=True, capture_output=True)
     assert out.stat().st_size > 10_000
+
+
+def _ab_kernel():
+    spec = importlib.util.spec_from_file_location("benchmarks_ab_kernel", ROOT / "benchmarks" / "ab_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_kernel_reads_variants_and_compares_each_with_before():
+    ab = _ab_kernel()
+    assert ab.parse_variants(["pingpong=/tmp/a.py", "cvt=/tmp/b.py"]) == {"pingpong": "/tmp/a.py", "cvt": "/tmp/b.py"}
+    for bad in (["pingpong"], ["=/tmp/a.py"], ["after=/tmp/a.py"], ["x=/tmp/a.py", "x=/tmp/b.py"]):
+        with pytest.raises(SystemExit, match="NAME=FILE"):
+            ab.parse_variants(bad)
+    out = torch.ones(2, 3)
+    outs = {"before": out, "after": out.clone(), "same": out.clone(), "off": out + 0.25}
+    ms = {"before": 2.0, "after": 2.0, "same": 1.0, "off": 3.0}
+    point = {"variants": ab.variant_point(ms, outs)}
+    assert set(point["variants"]) == {"same", "off"}  # before and after have their own fields
+    assert point["variants"]["same"] == {"ms": 1.0, "over_before": 0.5, "identical": True, "max_abs_diff": 0.0}
+    assert point["variants"]["off"]["identical"] is False and point["variants"]["off"]["max_abs_diff"] == 0.25
+    assert ab.describe(point) == "; same 1.000 ms (0.500x), identical; off 3.000 ms (1.500x), differs by up to 0.25"
