@@ -11,9 +11,12 @@ one SM, so their clocks compare.
 
 On the kernel benchmark's inputs (`benchmarks.common.kernel_plan`), in bf16 and e4m3
 (``precision="fp8"``), it prints per point the median step (scores to the next step's scores,
-first warpgroup), the median softmax window (scores to weights) and its three parts, and the
-three parts from the previous step's weights to the scores (first warpgroup), the median offset between the warpgroups' scores of the same step, and the share of
-steps whose two windows overlap by more than half of the shorter one. One tile's first steps are
+first warpgroup), the median softmax window (scores to weights) and its three parts, the three
+parts from the previous step's weights to the scores (first warpgroup), the median offset between
+the warpgroups' scores of the same step, and the share of steps whose two windows overlap by more
+than half of the shorter one. The stamps bound the order in which instructions issue, not when
+their arithmetic ends: ptxas moves pure arithmetic across them (the accumulator's rescale and the
+weights' conversion issue after the weights stamp, in the next part). One tile's first steps are
 kept whole for a picture (`benchmarks/plot_softmax_windows.py`). Lock-step warpgroups show offsets
 near 0 and overlaps near 1; a ping-pong, offsets near half a step and no overlap.
 
