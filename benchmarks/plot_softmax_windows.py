@@ -2,12 +2,13 @@
 
 Reads a `scripts/kernel_softmax_windows.py` result (its ``timeline`` of one tile per row) and draws,
 for each row (length, density, precision), both warpgroups' steps on a clock axis: from the step's
-scores to its exponentials issued, then to the previous ``P V`` retired, then to its weights
-ready. Lock-step warpgroups show their bars one above the other; a ping-pong, staggered by half a
-step.
+keys ready to its products issued, to its scores ready, to its exponentials issued, then to the
+previous ``P V`` retired, then to its weights ready (the white gap is the rest of the step: the
+accumulator's rescale, the weights' conversion, the wait for the next keys). Lock-step warpgroups
+show their bars one above the other; a ping-pong, staggered by half a step.
 
-    python benchmarks/plot_softmax_windows.py benchmarks/results/kernel/h200_softmax_windows.json \
-        --out docs/images/softmax_windows_h200.png
+    python benchmarks/plot_softmax_windows.py benchmarks/results/kernel/h200_softmax_windows_six_stamps.json \
+        --out docs/images/softmax_windows.png
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/<this file>.p
 from benchmarks.common import save_figure  # noqa: E402
 
 PHASES = (  # (from point, to point, label, colour)
-    ("issued", "scores", "products issued -> scores ready", "tab:green"),
-    ("scores", "exponentials", "scores ready -> exponentials issued", "tab:orange"),
+    ("keys_ready", "issued", "keys ready -> products issued", "tab:olive"),
+    ("issued", "scores", "-> scores ready", "tab:green"),
+    ("scores", "exponentials", "-> exponentials issued", "tab:orange"),
     ("exponentials", "pv_retired", "-> previous P V retired", "tab:grey"),
     ("pv_retired", "weights", "-> weights ready", "tab:blue"),
 )
@@ -66,7 +68,7 @@ def main() -> None:
                      f"{row['share_overlapping_over_half']:.1%} of steps", fontsize=9)
     axes[-1, 0].set_xlabel(f"SM cycles from the tile's first stamped step ({result.get('device', 'GPU')})")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=4, frameon=False)
+    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=5, frameon=False)
     save_figure(fig, args.out, "softmax windows", rect=(0, 0.07, 1, 1))
 
 

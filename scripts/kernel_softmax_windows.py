@@ -64,7 +64,7 @@ COUNT_ANCHOR = "        n_unmasked = count\n"  # the tile's block count goes to 
 
 
 def instrumented_source(src: str) -> str:
-    """The kernel module's source with the four stamps per step and each tile's block count (see
+    """The kernel module's source with the six stamps per step and each tile's block count (see
     the module docstring)."""
     if src.count(COUNT_ANCHOR) != 1:
         raise SystemExit(f"anchor not found once in hopper_attn.py: {COUNT_ANCHOR!r}")
