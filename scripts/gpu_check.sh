@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmark in one call on the device machine (docs/benchmarks.md has the results):
-#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|kernel-ab|clock|serve] [benchmark arguments...]
+#   bash scripts/gpu_check.sh [all|tests|bench|planning|hopper|selection|ttft|defaults|antidiagonal|lines|chunked|capturable|kernel-ab|ncu|clock|serve] [benchmark arguments...]
 # tests: every GPU test; bench: the kernel benchmark (bench_kernel.py); planning: the planning breakdown
 # and memory benchmarks (bench_planning.py with the arguments given, bench_plan_memory.py); hopper: the Gluon kernel's GPU tests,
 # then the kernel benchmark;
@@ -23,6 +23,9 @@
 # and scripts/kernel_tile_stamps.py against it, then both consumer warpgroups' softmax windows
 # (scripts/kernel_softmax_windows.py, bf16 and e4m3); for the e4m3 kernel, add --precision fp8 --densities 0.1 0.3 0.5 1.0
 # (passed to ab_kernel.py);
+# ncu: Nsight Compute's warp-state samples of the Gluon kernel at 32K density 1.0, bf16 and e4m3
+# (scripts/kernel_ncu_target.py under ncu --clock-control none), exported as CSV and summarized by
+# stall reason and opcode over the loops over a tile's blocks (scripts/ncu_stall_summary.py);
 # clock: the SM clock, power and cycles per block of the Gluon kernel (bf16, e4m3) and cuDNN dense, each run
 # back to back at density 1.0, 128K and 32K (scripts/gpu_clock_under_load.py);
 # serve: pbs serve's GPU test, then bench_serve_ttft.py (TTFT under load through pbs serve: 8 concurrent
@@ -124,6 +127,17 @@ if [[ $mode == kernel-ab ]]; then
     2>&1 | tee "$OUT/kernel_ab.log" | grep "^N="
   timeout 120 python3 scripts/kernel_tile_stamps.py --before "$BEFORE" --json "$OUT/tile_stamps.json" 2>&1 | cut -c1-600
   timeout 120 python3 scripts/kernel_softmax_windows.py --json "$OUT/softmax_windows.json" 2>&1 | cut -c1-600
+fi
+if [[ $mode == ncu ]]; then
+  for p in native fp8; do
+    timeout 300 ncu --clock-control none -k regex:_hopper_block_sparse_attn_fwd --launch-skip 1 --launch-count 1 \
+      --section WarpStateStats --section SourceCounters --section SchedulerStats --section ComputeWorkloadAnalysis \
+      -f -o "$OUT/ncu_$p" python3 scripts/kernel_ncu_target.py --precision $p 2>&1 | tail -n 3
+    ncu -i "$OUT/ncu_$p.ncu-rep" --page details --csv > "$OUT/ncu_${p}_details.csv"
+    ncu -i "$OUT/ncu_$p.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${p}_sass.csv"
+  done
+  python3 scripts/ncu_stall_summary.py native="$OUT/ncu_native" fp8="$OUT/ncu_fp8" \
+    --profiled "scripts/kernel_ncu_target.py --n 32768 --density 1.0, bf16 and fp8" --json "$OUT/ncu_stalls.json" | cut -c1-300
 fi
 if [[ $mode == clock ]]; then
   for n in 131072 32768; do

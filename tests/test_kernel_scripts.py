@@ -163,3 +163,26 @@ def test_ab_kernel_reads_variants_and_compares_each_with_before():
     assert point["variants"]["same"] == {"ms": 1.0, "over_before": 0.5, "identical": True, "max_abs_diff": 0.0}
     assert point["variants"]["off"]["identical"] is False and point["variants"]["off"]["max_abs_diff"] == 0.25
     assert ab.describe(point) == "; same 1.000 ms (0.500x), identical; off 3.000 ms (1.500x), differs by up to 0.25"
+
+
+def _source_page_rows() -> list[list[str]]:
+    """A synthetic ncu source page: a tile loop (0x00-0x60) around a block loop (0x10-0x40) that waits
+    for S, and code outside both; samples by stall reason per instruction."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait", "stall_mio",
+              "stall_barrier", "stall_wait (Not Issued)"]
+    body = [("0x00", "MOV R1, R2", 5, 5, 0, 0), ("0x10", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ", 2, 2, 0, 0),
+            ("0x20", "WARPGROUP.DEPBAR.LE gsb0, 0x1", 10, 0, 0, 10), ("0x30", "MUFU.EX2 R5, R5", 8, 6, 2, 0),
+            ("0x40", "@P0 BRA 0x10", 0, 0, 0, 0), ("0x50", "WARPGROUP.DEPBAR.LE gsb0, 0x1", 4, 0, 0, 4),
+            ("0x60", "@P1 BRA 0x0", 1, 1, 0, 0), ("0x70", "EXIT", 50, 50, 0, 0)]
+    return [["Kernel Name", "k", ""], header] + [[a, s, str(t), str(w), str(m), str(b), "0"] for a, s, t, w, m, b in body]
+
+
+def test_ncu_summary_finds_the_block_loop_and_splits_its_samples():
+    summary = _script("ncu_stall_summary")
+    instructions = summary.source_page(_source_page_rows())
+    assert summary.block_loops(instructions) == [(1, 4)]  # the loop around it overlaps it
+    loop = summary.summarize_loop(instructions, 1, 4, total=80.0)
+    assert loop["instructions"] == 4 and loop["share_of_kernel_samples"] == 20 / 80
+    assert loop["by_reason"] == {"barrier": 0.5, "wait": 0.4, "mio": 0.1}
+    assert loop["by_opcode"]["MUFU"] == {"share": 0.4, "main_reasons": {"wait": 0.75, "mio": 0.25}}
+    assert loop["by_opcode"]["WARPGROUP"]["share"] == 0.5
