@@ -4,6 +4,8 @@ A kernel change moves its time by a few percent, less than the drift between run
 machine, so two separate runs of `bench_kernel.py` cannot tell it. This times the two kernels
 alternately (``--rounds`` rounds, each one median of CUDA-event timings per kernel) on the same
 prepared calls, so both see the same drift, and checks that their outputs are bit-identical.
+``--interleaved`` times them call by call instead, in a rotating order, with the GPU kept busy
+while the host launches (device time, `pbs.testing.benchmark_cuda_interleaved`).
 
 ``--before`` is a copy of ``pbs/kernels/hopper_attn.py`` from another revision
 (``git show REV:pbs/kernels/hopper_attn.py > /tmp/hopper_before.py``); "after" is the module in
@@ -32,10 +34,11 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/ab_kernel.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    KERNEL_SHAPE, cudnn_dense, environment, kernel_plan, load_module_file, save, time_ms,
+    BUSY_GPU_CYCLES, KERNEL_SHAPE, cudnn_dense, environment, kernel_plan, load_module_file, save, time_ms,
 )
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
+from pbs.testing import benchmark_cuda_interleaved  # noqa: E402
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = KERNEL_SHAPE
 
@@ -47,6 +50,19 @@ def alternate(runs: dict, rounds: int) -> dict:
         for name, fn in runs.items():
             times[name].append(time_ms(fn, repeats=1))
     return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+INTERLEAVED_BUDGET_MS = 3000.0  # per point, all kernels together
+
+
+def interleaved(runs: dict) -> dict:
+    """``{name: median ms}`` of device time, call by call in a rotating order
+    (`pbs.testing.benchmark_cuda_interleaved`, the GPU kept busy while the host launches): 10 to
+    60 calls each, as many as fit ``INTERLEAVED_BUDGET_MS``."""
+    first = next(iter(runs.values()))
+    once = time_ms(first, budget_ms=50.0, repeats=1)
+    iters = max(10, min(60, int(INTERLEAVED_BUDGET_MS / (once * len(runs)))))
+    return benchmark_cuda_interleaved(runs, warmup=2, iters=iters, busy_gpu_cycles=BUSY_GPU_CYCLES)
 
 
 def variant_point(ms: dict, outs: dict) -> dict:
@@ -87,7 +103,9 @@ def run(args) -> dict:
               "precision": args.precision,
               "shape": {"batch": BATCH, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
                         "dtype": "bfloat16", "causal": True, "masks": "bench_kernel.py (budget, last_block)"},
-              "timing": "median over rounds of one median of CUDA-event times per kernel, kernels alternating",
+              "timing": ("median device time, the kernels call by call in a rotating order, the GPU kept busy "
+                         "while the host launches (benchmark_cuda_interleaved)" if args.interleaved else
+                         "median over rounds of one median of CUDA-event times per kernel, kernels alternating"),
               "points": []}
     for n in args.n:
         gen = torch.Generator(device="cuda").manual_seed(n)
@@ -106,7 +124,7 @@ def run(args) -> dict:
                 kernels[name].launch_hopper(call, sms)
             identical = torch.equal(calls["before"].out, calls["after"].out)
             runs = {name: (lambda m=kernels[name], c=calls[name]: m.launch_hopper(c, sms)) for name in kernels}
-            ms = alternate(runs, args.rounds)
+            ms = interleaved(runs) if args.interleaved else alternate(runs, args.rounds)
             point = {"n": n, "mode": "sparse", "density": plan.density, "before_ms": ms["before"],
                      "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], "identical": identical,
                      "variants": variant_point(ms, {name: call.out for name, call in calls.items()})}
@@ -122,7 +140,7 @@ def run(args) -> dict:
             for fn in runs.values():
                 fn()
             identical = torch.equal(outs["before"], outs["after"])
-            ms = alternate(runs, args.rounds)
+            ms = interleaved(runs) if args.interleaved else alternate(runs, args.rounds)
             point = {"n": n, "mode": "dense", "density": 1.0, "before_ms": ms["before"], "after_ms": ms["after"],
                      "after_over_before": ms["after"] / ms["before"], "identical": identical, "cudnn_ms": cudnn_ms,
                      "cudnn_over_after": cudnn_ms / ms["after"], "cudnn_over_before": cudnn_ms / ms["before"],
@@ -148,6 +166,8 @@ def main() -> None:
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     parser.add_argument("--dense", action="store_true", help="also the dense mode, beside cuDNN")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time device time call by call in a rotating order instead of in rounds (--rounds unused)")
     parser.add_argument("--precision", default="native", choices=["native", *hopper_attn.QUANTIZED_PRECISIONS],
                         help="the sparse points' precision (the dense mode runs natively only)")
     parser.add_argument("--json", help="write the results here")
