@@ -19,7 +19,7 @@
 # bench_capturable.py (varlen_attention with capturable=True, eager and replayed, against the eager path);
 # kernel-ab: a Gluon kernel change against a copy of the module from another revision (BEFORE=<file>,
 # e.g. git show main:pbs/kernels/hopper_attn.py > .scratch/before.py, carried): the GPU tests of the files that run
-# the Gluon kernel (contiguous, dense mode, paged), two pytest processes at once, then benchmarks/ab_kernel.py --dense
+# the Gluon kernel (contiguous, dense mode, paged), two pytest processes at once, then benchmarks/ab_kernel.py --dense --interleaved
 # and scripts/kernel_tile_stamps.py against it, then both consumer warpgroups' softmax windows
 # (scripts/kernel_softmax_windows.py, bf16 and e4m3); for the e4m3 kernel, add --precision fp8 --densities 0.1 0.3 0.5 1.0
 # (passed to ab_kernel.py);
@@ -123,7 +123,7 @@ if [[ $mode == kernel-ab ]]; then
   wait $paged || status=1
   tail -n 3 "$OUT/gpu_tests_paged_gluon.log"
   [[ $status == 0 ]] || exit $status
-  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/ab_kernel.py --before "$BEFORE" --dense --json "$OUT/kernel_ab.json" "$@" \
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/ab_kernel.py --before "$BEFORE" --dense --interleaved --json "$OUT/kernel_ab.json" "$@" \
     2>&1 | tee "$OUT/kernel_ab.log" | grep "^N="
   timeout 120 python3 scripts/kernel_tile_stamps.py --before "$BEFORE" --json "$OUT/tile_stamps.json" 2>&1 | cut -c1-600
   timeout 120 python3 scripts/kernel_softmax_windows.py --json "$OUT/softmax_windows.json" 2>&1 | cut -c1-600
