@@ -12,8 +12,8 @@ while the host launches (device time, `pbs.testing.benchmark_cuda_interleaved`).
 this tree. ``--variant NAME=FILE`` (repeatable) adds further copies, timed in the same rounds and
 compared with "before" (time, bit-identical or the largest difference): several candidate changes
 in one run, each against the same baseline. Where "after" is the same kernel as "before", its
-ratio is the A/B's own noise. Sparse points use `bench_kernel.py`'s shapes and masks (``budget`` selections on
-``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
+ratio is the A/B's own noise. Sparse points use `bench_kernel.py`'s shapes and masks (``budget``
+selections on ``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
 ``launch_hopper_dense``) beside cuDNN's dense causal time. ``--precision fp8`` (or another of
 `pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`) times the e4m3 kernels on calls quantized once,
 outside the timing, by each module's own ``quantize_for_hopper``.
