@@ -41,6 +41,7 @@ from pbs.kernels.block_sparse_attn import (  # noqa: E402
 
 # The kernel benchmark's protocol (benchmarks/bench_kernel.py).
 (BATCH, HEADS_Q, HEADS_KV, HEAD_DIM), BLOCK = KERNEL_SHAPE, KERNEL_BLOCK
+PRECISIONS = ["fp8_qk", "fp8"]  # --precisions replaces them
 
 
 def block_tflops(num_blocks: int, ms: float) -> float:

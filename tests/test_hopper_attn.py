@@ -80,7 +80,14 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers},
             "tile_claims": sorted(set(re.findall(r"atom\.global\.gpu\.[a-z_]+\.add", ptx))),
-            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX")}}
+            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX")},
+            "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in _E4M3_PTX.items()}}
+
+
+# What `pbs.kernels.hopper_e4m3` puts in the PTX of the e4m3 (fp8) variant.
+_E4M3_PTX = {"turns_taken": r"bar\.sync 1[45], 256", "turns_passed": r"bar\.arrive 1[45], 256",
+             "polynomial_exp2": r"max\.NaN\.f32", "mufu_exp2": r"ex2\.approx",
+             "e4m3_from_f32": r"cvt\.rn\.satfinite\.e4m3x2\.f32", "e4m3_from_f16": r"cvt\.rn\.satfinite\.e4m3x2\.f16x2"}
 
 
 @pytest.mark.parametrize(
@@ -119,6 +126,18 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     # shuffles, and no byte-by-byte repacking of e4m3 weights (585 PRMT and 68 SHFL.IDX before
     # `_weights` reordered the keys and `_operand` packed four to a register).
     assert report["counts"]["SHFL.IDX"] <= 8 and report["counts"]["PRMT"] <= 32, report["counts"]
+    # Under fp8 (`pbs.kernels.hopper_e4m3`): the warpgroups issue their products in turns (one
+    # turn each for a tile's first S, each later S with the previous P V, and the last P V; one
+    # more passed at the start and taken at the end), one exponential in four of the weights is a
+    # polynomial, and the weights are rounded to e4m3 from float32 once.
+    ptx = report["ptx"]
+    fp8 = precision == "fp8"
+    assert (ptx["turns_taken"] > 0) == fp8 and ptx["turns_taken"] == ptx["turns_passed"], ptx
+    assert (ptx["polynomial_exp2"] > 0) == fp8 and ptx["e4m3_from_f16"] == 0, ptx
+    assert (ptx["e4m3_from_f32"] > 0) == fp8, ptx
+    if fp8:
+        # Three MUFU exponentials per polynomial one, besides each row's rescale factor.
+        assert 3 * ptx["polynomial_exp2"] < ptx["mufu_exp2"] < 3.5 * ptx["polynomial_exp2"], ptx
 
 
 def test_quantized_for_this_kernel_v_is_in_its_wgmma_key_order():

@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pbs.kernels._common import FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
+from pbs.kernels.hopper_e4m3 import exp2_mixed, pass_turn, take_turn, to_e4m3x4
 from pbs.layout import cdiv
 from pbs.types import PRECISION_FORMATS
 
@@ -190,11 +191,16 @@ def _next_tile(t, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, LOG2_GAIN: gl.constexpr):
+def _softmax_step(s, m_i, l_i, qk_scale, LOG2_GAIN: gl.constexpr, PV_FP8: gl.constexpr):
     """Online-softmax update from raw scores (scale folded into the exponent's FMA). The weights
-    and the row sums come out times ``2 ** LOG2_GAIN`` (the same FMA: no multiply per weight)."""
+    and the row sums come out times ``2 ** LOG2_GAIN`` (the same FMA: no multiply per weight).
+    Weights bound for e4m3 take one exponential in four from a polynomial (`exp2_mixed`)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - LOG2_GAIN, 1))
+    x = s * qk_scale - gl.expand_dims(m_new - LOG2_GAIN, 1)
+    if PV_FP8:
+        p = exp2_mixed(x)
+    else:
+        p = gl.exp2(x)
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return m_new, l_i, p, alpha
@@ -386,6 +392,13 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     # e4m3 weights are taken times 448 (their largest value): they are in [0, 1], and e4m3 has
     # 3 bits down to 2^-6 only. The row sums carry the same factor, so the division cancels it.
     LOG2_GAIN: gl.constexpr = 8.807354922057604 if PV_FP8 else 0.0
+    # e4m3 warpgroups issue their products in turns (`take_turn`), warpgroup 0 first: warpgroup 1
+    # hands it the first turn here, and warpgroup 0 takes the one left over after the last tile.
+    TURNS: gl.constexpr = PV_FP8
+    turn = gl.zeros([HALF], gl.int32, s_rows)
+    if TURNS:
+        if WG == 1:
+            turn = pass_turn(turn, WG)
 
     kv_i = 0
     t = 0
@@ -426,8 +439,12 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
+            if TURNS:
+                turn = take_turn(turn, WG)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
+            if TURNS:
+                turn = pass_turn(turn, WG)
             step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_FP8)
             # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
             next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_FP8)
@@ -436,7 +453,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             if n_unmasked == 0:
                 s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
-            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)
+            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8)
             p = _weights(p_f32, p_layout, p_dtype, PV_FP8)
             prev_slot = slot
             prev_phase = phase
@@ -445,11 +462,15 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 slot = kv_i % STAGES
                 phase = (kv_i // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
+                if TURNS:
+                    turn = take_turn(turn, WG)
                 s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                 acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                     is_async=True)
+                if TURNS:
+                    turn = pass_turn(turn, WG)
                 step_scale = next_scale
                 next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
@@ -458,7 +479,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 if it >= n_unmasked:
                     s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
-                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN)
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8)
                 acc = _wait_pv(acc, p, PV_FP8)
                 mbarrier.arrive(v_empty.index(prev_slot))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -468,8 +489,12 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 kv_i += 1
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
+            if TURNS:
+                turn = take_turn(turn, WG)
             acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                 is_async=True)
+            if TURNS:
+                turn = pass_turn(turn, WG)
             acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:
@@ -528,6 +553,9 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             gl.store(lse_base + o_m, lse, mask=o_m < rows)
         t += 1
         rank = _next_tile(t, tile_ids, tile_ready, tile_empty)
+    if TURNS:
+        if WG == 0:
+            turn = take_turn(turn, WG)
 
 
 @gluon.jit
@@ -571,8 +599,8 @@ def _step_scale(tile_scale, p_kscale, p_list, it, count, DENSE: gl.constexpr, QK
 @gluon.jit
 def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.constexpr):
     """The softmax weights for the next P V, in ``p_layout``: in V's dtype, or for e4m3 values
-    (already times 448, `_softmax_step`) in float16, which `_operand` rounds to e4m3 just before
-    the product.
+    (already times 448, `_softmax_step`) in float32, which `_operand` rounds to e4m3 once, just
+    before the product.
 
     e4m3 weights are also reordered within each 16 keys, so that every thread already holds the
     operand's values (no shuffles): the score accumulator gives a thread keys {2t, 2t+1, 2t+8,
@@ -580,7 +608,7 @@ def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.co
     in bits of key c; the quantization pass stores V's keys in that order (`quantize_values_transposed`)."""
     if PV_FP8:
         w = p_f32.reshape([HALF, BLOCK // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([HALF, BLOCK])
-        w = gl.convert_layout(w.to(gl.float16), p_layout)
+        w = gl.convert_layout(w, p_layout)
     else:
         w = gl.convert_layout(p_f32.to(p_dtype), p_layout)
     return w
@@ -588,15 +616,11 @@ def _weights(p_f32, p_layout: gl.constexpr, p_dtype: gl.constexpr, PV_FP8: gl.co
 
 @gluon.jit
 def _operand(p, PV_FP8: gl.constexpr):
-    """The weights as P V's left operand: e4m3 from `_weights`' float16 (round to nearest even,
-    saturating), four to a register; others as they are. Converted here, next to the product,
-    rather than carried across the loop as 8-bit values (which the compiler re-packs byte by
-    byte)."""
+    """The weights as P V's left operand: e4m3 from `_weights`' float32 (`to_e4m3x4`); others as
+    they are. Converted here, next to the product, rather than carried across the loop as 8-bit
+    values (which the compiler re-packs byte by byte)."""
     if PV_FP8:
-        p = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f16x2 lo, $1; cvt.rn.satfinite.e4m3x2.f16x2 hi, $2; "
-            "mov.b32 $0, {lo, hi}; }",
-            "=r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        p = to_e4m3x4(p)
     return p
 
 
