@@ -44,18 +44,23 @@ def _ptx_f32(value: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-def _exp2_mixed_asm() -> str:
+def _exp2_mixed_asm(polynomial_lanes: int = 1) -> str:
+    """PTX for four exponentials ($4-$7 -> $0-$3), the last ``polynomial_lanes`` by the polynomial."""
     c0, c1, c2, c3 = (_ptx_f32(c) for c in EXP2_POLYNOMIAL)
     shift = _ptx_f32(EXP2_ROUNDING_SHIFT)
-    return (
-        "{ .reg .f32 x, t, j, f, p, s; .reg .b32 e; "
-        "ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; ex2.approx.ftz.f32 $2, $6; "
-        f"max.NaN.f32 x, $7, {_ptx_f32(EXP2_LOWEST)}; "
-        f"add.rn.f32 t, x, {shift}; sub.rn.f32 j, t, {shift}; sub.rn.f32 f, x, j; "
-        f"fma.rn.f32 p, f, {c3}, {c2}; fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {c0}; "
-        "mov.b32 e, t; add.s32 e, e, 127; shl.b32 e, e, 23; mov.b32 s, e; "
-        "mul.rn.f32 $3, p, s; }"
-    )
+    lanes = []
+    for lane in range(4):
+        out, x = f"${lane}", f"${lane + 4}"
+        if lane < 4 - polynomial_lanes:
+            lanes.append(f"ex2.approx.ftz.f32 {out}, {x}; ")
+            continue
+        lanes.append(
+            f"max.NaN.f32 x, {x}, {_ptx_f32(EXP2_LOWEST)}; "
+            f"add.rn.f32 t, x, {shift}; sub.rn.f32 j, t, {shift}; sub.rn.f32 f, x, j; "
+            f"fma.rn.f32 p, f, {c3}, {c2}; fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {c0}; "
+            "mov.b32 e, t; add.s32 e, e, 127; shl.b32 e, e, 23; mov.b32 s, e; "
+            f"mul.rn.f32 {out}, p, s; ")
+    return "{ .reg .f32 x, t, j, f, p, s; .reg .b32 e; " + "".join(lanes) + "}"
 
 
 _EXP2_MIXED = gl.constexpr(_exp2_mixed_asm())
