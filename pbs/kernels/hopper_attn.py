@@ -11,7 +11,8 @@ through mbarriers:
 * two **consumer** warpgroups each own 64 of the tile's 128 query rows. Per key block a consumer
   issues ``S = Q K^T`` for block ``j`` and then ``O += P V`` for block ``j - 1`` and does the
   softmax of ``S_j`` while that product runs, so exponentials overlap tensor-core work; the two
-  warpgroups drift apart freely and fill each other's gaps.
+  warpgroups drift apart freely and fill each other's gaps (in e4m3 they take turns issuing
+  their products, `pbs.kernels.hopper_e4m3`).
 
 Each warpgroup's output leaves through shared memory by one TMA copy: the tile's last K slot,
 which the producer gets back only once the copy has read it, holds it (`_consumer`).
@@ -42,8 +43,10 @@ Q.K^T runs on e4m3 wgmma, the query-block and key-block scales folded into the e
 (`_step_scale`), and under ``"fp8"`` P.V too, against V stored transposed with each 16 keys in the
 order the weights leave the score accumulator (`_weights`), so no weight crosses threads. With
 the tensor-core work halved, the softmax's instructions per weight set the pace (docs/fp8.md has
-the measurements): the weights' factor 448 rides in the exponent (`_softmax_step`), and they are
-rounded to e4m3 four to a register next to the product (`_operand`).
+the measurements): the weights' factor 448 rides in the exponent (`_softmax_step`), one
+exponential in four is a polynomial on the FMA pipe, and the weights are rounded from float32 to
+e4m3 four to a register next to the product (`_operand`); the inline PTX of these is in
+`pbs.kernels.hopper_e4m3`.
 """
 
 from __future__ import annotations
