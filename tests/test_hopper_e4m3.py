@@ -101,7 +101,7 @@ def test_masked_keys_give_zero_and_nan_stays_nan(run):
 
 def test_the_polynomial_takes_one_lane_in_four_and_the_turns_pair_up():
     asm = hopper_e4m3._EXP2_MIXED.value
-    assert [re.findall(r"ex2\.approx\.ftz\.f32 (\$\d)", asm)] == [["$0", "$1", "$2"]]
+    assert re.findall(r"ex2\.approx\.ftz\.f32 (\$\d)", asm) == ["$0", "$1", "$2"]
     first, second = hopper_e4m3.TURN_BARRIERS
     # Warpgroup 0 waits on the first barrier and arrives on the second; warpgroup 1 the other way.
     assert hopper_e4m3._TAKE_TURN_0.value.startswith(f"bar.sync {first}, 256;")
