@@ -3,7 +3,8 @@
 A kernel change moves its time by a few percent, less than the drift between runs on the GPU
 machine, so two separate runs of `bench_kernel.py` cannot tell it. This times the two kernels
 alternately (``--rounds`` rounds, each one median of CUDA-event timings per kernel) on the same
-prepared calls, so both see the same drift, and checks that their outputs are bit-identical.
+prepared calls, so both see the same drift, and checks whether their outputs are bit-identical
+(and if not, by how much they differ).
 ``--interleaved`` times them call by call instead, in a rotating order, with the GPU kept busy
 while the host launches (device time, `pbs.testing.benchmark_cuda_interleaved`).
 
@@ -65,20 +66,27 @@ def interleaved(runs: dict) -> dict:
     return benchmark_cuda_interleaved(runs, warmup=2, iters=iters, busy_gpu_cycles=BUSY_GPU_CYCLES)
 
 
+def against_before(out: torch.Tensor, before: torch.Tensor) -> dict:
+    """``{identical, max_abs_diff}``: ``out`` bit for bit ``before``'s, and their largest absolute
+    difference (a NaN where the other has a number counts as inf)."""
+    return {"identical": bool(torch.equal(out, before)),
+            "max_abs_diff": float((out.float() - before.float()).abs().nan_to_num(float("inf")).max())}
+
+
 def variant_point(ms: dict, outs: dict) -> dict:
     """``{name: {ms, over_before, identical, max_abs_diff}}`` of every kernel but "before" and
     "after": its median time, over "before"'s, and its output against "before"'s."""
-    base = outs["before"].float()
-    return {name: {"ms": ms[name], "over_before": ms[name] / ms["before"],
-                   "identical": bool(torch.equal(out, outs["before"])),
-                   "max_abs_diff": float((out.float() - base).abs().nan_to_num(float("inf")).max())}
+    return {name: {"ms": ms[name], "over_before": ms[name] / ms["before"], **against_before(out, outs["before"])}
             for name, out in outs.items() if name not in ("before", "after")}
+
+
+def same_or_difference(comparison: dict) -> str:
+    return "identical" if comparison["identical"] else f"differs by up to {comparison['max_abs_diff']:.2g}"
 
 
 def describe(point: dict) -> str:
     """The variants' part of a point's printed line."""
-    return "".join(f"; {name} {v['ms']:.3f} ms ({v['over_before']:.3f}x), "
-                   + ("identical" if v["identical"] else f"differs by up to {v['max_abs_diff']:.2g}")
+    return "".join(f"; {name} {v['ms']:.3f} ms ({v['over_before']:.3f}x), {same_or_difference(v)}"
                    for name, v in point["variants"].items())
 
 
@@ -122,15 +130,15 @@ def run(args) -> dict:
                 kernels[name].quantize_for_hopper(call, args.precision)
                 call.out.fill_(float("nan"))
                 kernels[name].launch_hopper(call, sms)
-            identical = torch.equal(calls["before"].out, calls["after"].out)
+            after = against_before(calls["after"].out, calls["before"].out)
             runs = {name: (lambda m=kernels[name], c=calls[name]: m.launch_hopper(c, sms)) for name in kernels}
             ms = interleaved(runs) if args.interleaved else alternate(runs, args.rounds)
             point = {"n": n, "mode": "sparse", "density": plan.density, "before_ms": ms["before"],
-                     "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], "identical": identical,
+                     "after_ms": ms["after"], "after_over_before": ms["after"] / ms["before"], **after,
                      "variants": variant_point(ms, {name: call.out for name, call in calls.items()})}
             result["points"].append(point)
             print(f"N={n} density {plan.density:.3f}: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
-                  f"({point['after_over_before']:.3f}x), identical {identical}{describe(point)}", flush=True)
+                  f"({point['after_over_before']:.3f}x), {same_or_difference(after)}{describe(point)}", flush=True)
             calls = kp = vp = plan = None
         if args.dense:
             outs = {name: torch.full((BATCH, HEADS_Q, n, HEAD_DIM), float("nan"), dtype=q.dtype, device="cuda")
@@ -139,16 +147,16 @@ def run(args) -> dict:
                 q, k, v, o, scale=HEAD_DIM ** -0.5, causal=True, sm_count=sms)) for name in kernels}
             for fn in runs.values():
                 fn()
-            identical = torch.equal(outs["before"], outs["after"])
+            after = against_before(outs["after"], outs["before"])
             ms = interleaved(runs) if args.interleaved else alternate(runs, args.rounds)
             point = {"n": n, "mode": "dense", "density": 1.0, "before_ms": ms["before"], "after_ms": ms["after"],
-                     "after_over_before": ms["after"] / ms["before"], "identical": identical, "cudnn_ms": cudnn_ms,
+                     "after_over_before": ms["after"] / ms["before"], **after, "cudnn_ms": cudnn_ms,
                      "cudnn_over_after": cudnn_ms / ms["after"], "cudnn_over_before": cudnn_ms / ms["before"],
                      "variants": variant_point(ms, outs)}
             result["points"].append(point)
             print(f"N={n} dense mode: before {ms['before']:.3f} ms, after {ms['after']:.3f} ms "
                   f"({point['after_over_before']:.3f}x), cuDNN {cudnn_ms:.3f} ms ({point['cudnn_over_after']:.3f}x "
-                  f"after), identical {identical}{describe(point)}", flush=True)
+                  f"after), {same_or_difference(after)}{describe(point)}", flush=True)
             outs = runs = None
         q = k = v = None
         torch.cuda.empty_cache()

@@ -163,6 +163,11 @@ def test_ab_kernel_reads_variants_and_compares_each_with_before():
     assert point["variants"]["same"] == {"ms": 1.0, "over_before": 0.5, "identical": True, "max_abs_diff": 0.0}
     assert point["variants"]["off"]["identical"] is False and point["variants"]["off"]["max_abs_diff"] == 0.25
     assert ab.describe(point) == "; same 1.000 ms (0.500x), identical; off 3.000 ms (1.500x), differs by up to 0.25"
+    # "after" gets the same comparison in its own fields (its printed line says how far it is off).
+    nan_where_before_has_one = out.clone()
+    nan_where_before_has_one[0, 0] = float("nan")
+    assert ab.against_before(nan_where_before_has_one, out) == {"identical": False, "max_abs_diff": float("inf")}
+    assert ab.same_or_difference(ab.against_before(out + 0.5, out)) == "differs by up to 0.5"
 
 
 def _source_page_rows() -> list[list[str]]:
