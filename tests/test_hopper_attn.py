@@ -18,6 +18,7 @@ from pbs.backends import CallSpec
 from pbs.kernels.block_sparse_attn import block_sparse_attention, prepare_call
 from pbs.testing import make_qkv
 from pbs.types import BlockMask
+from pbs.kernels.hopper_e4m3 import TURN_MIN_BLOCKS
 from tests.sm90_compile import compile_in_subprocess
 from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
 
@@ -87,7 +88,9 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
 # What `pbs.kernels.hopper_e4m3` puts in the PTX of the e4m3 (fp8) variant.
 _E4M3_PTX = {"turns_taken": r"bar\.sync 1[45], 256", "turns_passed": r"bar\.arrive 1[45], 256",
              "polynomial_exp2": r"max\.NaN\.f32", "mufu_exp2": r"ex2\.approx",
-             "e4m3_from_f32": r"cvt\.rn\.satfinite\.e4m3x2\.f32", "e4m3_from_f16": r"cvt\.rn\.satfinite\.e4m3x2\.f16x2"}
+             "e4m3_from_f32": r"cvt\.rn\.satfinite\.e4m3x2\.f32", "e4m3_from_f16": r"cvt\.rn\.satfinite\.e4m3x2\.f16x2",
+             # a tile's block count against TURN_MIN_BLOCKS, below which it issues without turns
+             "turn_guard": rf"setp\.lt\.s32\s+%p\d+, %r\d+, {TURN_MIN_BLOCKS.value};"}
 
 
 @pytest.mark.parametrize(
@@ -128,11 +131,13 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert report["counts"]["SHFL.IDX"] <= 8 and report["counts"]["PRMT"] <= 32, report["counts"]
     # Under fp8 (`pbs.kernels.hopper_e4m3`): the warpgroups issue their products in turns (one
     # turn each for a tile's first S, each later S with the previous P V, and the last P V; one
-    # more passed at the start and taken at the end), one exponential in four of the weights is a
+    # more passed at the start and taken at the end) in tiles of TURN_MIN_BLOCKS blocks or more
+    # (the count compared with it), one exponential in four of the weights is a
     # polynomial, and the weights are rounded to e4m3 from float32 once.
     ptx = report["ptx"]
     fp8 = precision == "fp8"
     assert (ptx["turns_taken"] > 0) == fp8 and ptx["turns_taken"] == ptx["turns_passed"], ptx
+    assert (ptx["turn_guard"] > 0) == fp8, ptx
     assert (ptx["polynomial_exp2"] > 0) == fp8 and ptx["e4m3_from_f16"] == 0, ptx
     assert (ptx["e4m3_from_f32"] > 0) == fp8, ptx
     if fp8:

@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pbs.kernels._common import FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
-from pbs.kernels.hopper_e4m3 import exp2_mixed, pass_turn, take_turn, to_e4m3x4
+from pbs.kernels.hopper_e4m3 import TURN_MIN_BLOCKS, exp2_mixed, pass_turn, take_turn, to_e4m3x4
 from pbs.layout import cdiv
 from pbs.types import PRECISION_FORMATS
 
@@ -397,6 +397,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     LOG2_GAIN: gl.constexpr = 8.807354922057604 if PV_FP8 else 0.0
     # e4m3 warpgroups issue their products in turns (`take_turn`), warpgroup 0 first: warpgroup 1
     # hands it the first turn here, and warpgroup 0 takes the one left over after the last tile.
+    # Both read the same tile, so both skip the turns of a tile with fewer than TURN_MIN_BLOCKS.
     TURNS: gl.constexpr = PV_FP8
     turn = gl.zeros([HALF], gl.int32, s_rows)
     if TURNS:
@@ -411,6 +412,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         i_b, i_hk, i_hq, i_t, count, p_list = _tile_list(rank, ptrs, strides, dims, DENSE, CAUSAL)
         row0 = i_t * BLOCK
         n_unmasked = count
+        turns_here = count >= TURN_MIN_BLOCKS
         if NEEDS_SPLIT:
             n_unmasked = _full_count(i_b, i_hq, i_t, ptrs, strides, dims, DENSE, CAUSAL)
 
@@ -443,11 +445,13 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             phase = (kv_i // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
             if TURNS:
-                turn = take_turn(turn, WG)
+                if turns_here:
+                    turn = take_turn(turn, WG)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
             if TURNS:
-                turn = pass_turn(turn, WG)
+                if turns_here:
+                    turn = pass_turn(turn, WG)
             step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_FP8)
             # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
             next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_FP8)
@@ -466,14 +470,16 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 phase = (kv_i // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
                 if TURNS:
-                    turn = take_turn(turn, WG)
+                    if turns_here:
+                        turn = take_turn(turn, WG)
                 s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                 acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                     is_async=True)
                 if TURNS:
-                    turn = pass_turn(turn, WG)
+                    if turns_here:
+                        turn = pass_turn(turn, WG)
                 step_scale = next_scale
                 next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
@@ -493,11 +499,13 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
             if TURNS:
-                turn = take_turn(turn, WG)
+                if turns_here:
+                    turn = take_turn(turn, WG)
             acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                 is_async=True)
             if TURNS:
-                turn = pass_turn(turn, WG)
+                if turns_here:
+                    turn = pass_turn(turn, WG)
             acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:

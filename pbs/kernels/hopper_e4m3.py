@@ -11,7 +11,8 @@ With both products on e4m3 tensor cores, a step is paced by the softmax's expone
   instruction (as the CPU twin rounds them), not through float16 first;
 * `take_turn` / `pass_turn`: the two consumer warpgroups issue their products in turns (named
   barriers `TURN_BARRIERS`), so one's products do not queue behind the other's while it computes
-  its exponentials.
+  its exponentials; in tiles of `TURN_MIN_BLOCKS` selected blocks or more (measured faster than
+  turns in every tile).
 
 `exp2_polynomial_reference` replays the polynomial in float32 with torch, for the CPU test that
 holds it to its stated error.
@@ -37,6 +38,9 @@ EXP2_ROUNDING_SHIFT = 12582912.0
 EXP2_LOWEST = -127.0
 # Named barrier ids of the warpgroups' turns (ids 0-2 are taken by the compiler's own barriers).
 TURN_BARRIERS = (14, 15)
+# Tiles of fewer selected blocks issue without turns: 0.978-0.994x the time of turns in every
+# tile, bit-identical (benchmarks/results/kernel/h200_ab_fp8_turns_from_16.json, 16K-128K).
+TURN_MIN_BLOCKS = gl.constexpr(16)
 
 
 def _ptx_f32(value: float) -> str:
