@@ -111,16 +111,17 @@ def sass(cubin: bytes, tmp_path) -> str:
     return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
 
 
-def compile_in_subprocess(function: str, **kwargs) -> dict:
+def compile_in_subprocess(function: str, env: dict[str, str] | None = None, **kwargs) -> dict:
     """``function(**kwargs)`` (``"module:name"``, returning a JSON-able dict) in a fresh Python
-    without the interpreter, so that Triton really compiles."""
+    without the interpreter, so that Triton really compiles; ``env``: further environment
+    variables for it."""
     module, name = function.split(":")
     code = (
         "import json, sys, importlib; "
         f"result = getattr(importlib.import_module({module!r}), {name!r})(**json.loads(sys.argv[1])); "
         "print('RESULT' + json.dumps(result))"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env = {**os.environ, **(env or {}), "TRITON_INTERPRET": "0"}
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
                           env=env, cwd=root)

@@ -81,7 +81,7 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers},
             "tile_claims": sorted(set(re.findall(r"atom\.global\.gpu\.[a-z_]+\.add", ptx))),
-            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX")},
+            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX", "FFMA", "FMUL", "FADD")},
             "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in _E4M3_PTX.items()}}
 
 
@@ -143,6 +143,16 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     if fp8:
         # Three MUFU exponentials per polynomial one, besides each row's rescale factor.
         assert 3 * ptx["polynomial_exp2"] < ptx["mufu_exp2"] < 3.5 * ptx["polynomial_exp2"], ptx
+
+
+def test_the_kernel_fuses_multiply_adds_whatever_tritons_default():
+    # Triton 3.10 turns floating-point fusion off by default (TRITON_DEFAULT_FP_FUSION); the
+    # launches ask for it (pbs.kernels._common.COMPILE_OPTIONS), so the SASS does not change.
+    reports = [compile_in_subprocess("tests.test_hopper_attn:compile_report", env=env, head_dim=64, causal=False,
+                                     stages=2) for env in ({"TRITON_DEFAULT_FP_FUSION": "1"},
+                                                           {"TRITON_DEFAULT_FP_FUSION": "0"})]
+    fused, default_off = (r["counts"] for r in reports)
+    assert fused["FFMA"] > 0 and default_off == fused, (fused, default_off)
 
 
 def test_quantized_for_this_kernel_v_is_in_its_wgmma_key_order():

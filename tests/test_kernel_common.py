@@ -61,3 +61,35 @@ def test_tma_strides_make_size_one_dims_contiguous():
     x = torch.zeros(1, 4, 10, 8)[:, 1:2]  # (1, 1, 10, 8) with the strides of a (1, 4, 10, 8) tensor
     assert x.stride() == (320, 80, 8, 1)
     assert _common.tma_strides(x) == [80, 80, 8, 1]
+
+
+def _kernel_launches(source: str) -> list:
+    """The ``_kernel[grid](...)`` calls of a module (a private jit function indexed by its grid)."""
+    import ast
+
+    return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id.startswith("_")]
+
+
+def test_every_kernel_launch_passes_the_compile_options():
+    # Fused multiply-adds are asked for at every launch, not left to Triton's default (which
+    # Triton 3.10 turns off). The Gluon kernel's launches take them from `_arguments`' kwargs.
+    missing = []
+    for name, source in _sources().items():
+        for call in _kernel_launches(source):
+            spread = [k.value.id for k in call.keywords if k.arg is None and hasattr(k.value, "id")]
+            if "COMPILE_OPTIONS" not in spread and not (name == "kernels/hopper_attn.py" and spread == ["kwargs"]):
+                missing.append(f"{name}:{call.lineno}")
+    assert not missing, missing
+    assert len([c for s in _sources().values() for c in _kernel_launches(s)]) >= 20
+
+
+def test_the_gluon_kernels_launch_arguments_carry_the_compile_options():
+    from pbs.kernels import hopper_attn
+
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    gate = torch.zeros(32, dtype=torch.int32)
+    _, _, kwargs = hopper_attn.dense_launch_arguments(q, q, q, torch.empty_like(q), scale=0.1, causal=True,
+                                                      sm_count=132, gate=gate, gate_limit=1 << 19)
+    assert {k: kwargs[k] for k in _common.COMPILE_OPTIONS} == _common.COMPILE_OPTIONS == {"enable_fp_fusion": True}

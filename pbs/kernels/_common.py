@@ -29,6 +29,15 @@ inside ``@jit`` functions only as constexprs, so a kernel module wraps it:
 ``_FAR_FUTURE = tl.constexpr(FAR_FUTURE)``.
 """
 
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+"""Compile options every kernel launch passes (``kernel[grid](..., **COMPILE_OPTIONS)``).
+
+The kernels are written for fused multiply-adds (the softmax's scale and row max in one FFMA per
+score, the polynomials): Triton 3.9 warns that an unset default will turn fusion off in 3.10,
+which would slow every kernel here without a word. Asking for it at each launch keeps the
+kernels' arithmetic the same on every Triton release and ``TRITON_DEFAULT_FP_FUSION`` setting.
+"""
+
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (Triton's own ``TRITON_INTERPRET=1``)."""

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E, interpreting, sm_count
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E, interpreting, sm_count
 from pbs.layout import Layout, cdiv
 
 
@@ -514,5 +514,6 @@ def antidiagonal_block_shares(
             ONE_PASS=one_pass,
             num_warps=num_warps,
             num_stages=num_stages,
+            **COMPILE_OPTIONS,
         )
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from pbs.kernels._common import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -137,5 +138,6 @@ def block_means(x: torch.Tensor, block_size: int, indices: torch.Tensor | None =
         heads, heads // hx, n, d, num_blocks,
         BLOCK_SIZE=block_size, ROWS=rows, BLOCK_D=block_d, GATHER=indices is not None, PAGE_SIZE=page_size,
         LENGTHS=lengths is not None, ROW_STARTS=row_starts is not None, num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return out

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pbs.layout import Layout
+from pbs.kernels._common import COMPILE_OPTIONS
 
 
 class BlockSets(NamedTuple):
@@ -100,6 +101,7 @@ def block_sets(layout: Layout, device: torch.device | str) -> BlockSets:
             layout.permutable_key_len, perm_lo, perm_hi, tk,
             BLOCK_SIZE=layout.block_size, SEGMENT=layout.segment_size, BLOCK_K=block_k, CAUSAL=layout.causal,
             SEGMENTED=layout.segmented, num_warps=4,
+            **COMPILE_OPTIONS,
         )
     sets = out.view(torch.bool)
     return BlockSets(allowed=sets[0], diagonal=sets[1], candidates=sets[2])

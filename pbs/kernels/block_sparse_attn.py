@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pbs.kernels._common import (
-    FAR_FUTURE, LOG2_E, descriptor_ready, interpreting, pow2_at_least, tma_descriptor,
+    COMPILE_OPTIONS, FAR_FUTURE, LOG2_E, descriptor_ready, interpreting, pow2_at_least, tma_descriptor,
 )
 from pbs.kernels.fp8_quant import E4M3_MAX, quantize_blocks, quantize_values_transposed, round_to_e4m3
 from pbs.layout import cdiv
@@ -690,6 +690,7 @@ def _launch(call: _Call, config: KernelConfig) -> None:
         QK_INT8=call.q.dtype == torch.int8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **COMPILE_OPTIONS,
     )
 
 

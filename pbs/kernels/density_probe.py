@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E
 from pbs.kernels.block_means import block_means
 
 _CHUNK = 128  # key blocks per step of the scans
@@ -210,5 +210,6 @@ def probe_counters_triton(
         BLOCK_SIZE=block_size, BLOCK_D=block_d, ROWS=max(1, min(block_size, 4096 // block_d)), CHUNK=_CHUNK,
         SCORE_CHUNK=_SCORE_CHUNK, CAUSAL=causal, STEPS=_BISECTION_STEPS, SCRATCH_OFFSET=_SCRATCH_OFFSET,
         num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return counters_and_scratch

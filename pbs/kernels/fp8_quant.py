@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import interpreting, pow2_at_least
+from pbs.kernels._common import COMPILE_OPTIONS, interpreting, pow2_at_least
 
 E4M3_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
@@ -198,6 +198,7 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
         BLOCK=block_size, COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
         WRITE_SHIFT=write_shift, INT8=fmt == "int8", HARDWARE_CAST=not interpreting(),
         num_warps=_warps(block_size * pow2_at_least(d)),
+        **COMPILE_OPTIONS,
     )
     return out, scales
 
@@ -223,5 +224,6 @@ def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor, wgmma_key_
         v, scales, out, *v.stride()[:3], *out.stride()[:3], *scales.stride()[:2], h, n, stored_len, d, num_blocks,
         ROWS=rows, COLS=pow2_at_least(d), WGMMA_ORDER=wgmma_key_order, HARDWARE_CAST=not interpreting(),
         num_warps=_warps(rows * pow2_at_least(d)),
+        **COMPILE_OPTIONS,
     )
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from pbs.kernels._common import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -91,5 +92,6 @@ def gather_kv(indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
         h, h // hx, n, d, dv,
         BLOCK_T=block_t, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
         num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return k_out, v_out

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pbs.kernels._common import FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
+from pbs.kernels._common import COMPILE_OPTIONS, FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
 from pbs.kernels.hopper_e4m3 import TURN_MIN_BLOCKS, exp2_mixed, pass_turn, take_turn, to_e4m3x4
 from pbs.layout import cdiv
 from pbs.types import PRECISION_FORMATS
@@ -910,6 +910,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         # 12 warps (4 + 4 + the producer's warpgroup) x 32 x 168 fits the 64K registers of an SM;
         # setmaxnreg then moves registers from the producer to the consumers.
         maxnreg=168,
+        **COMPILE_OPTIONS,
     )
     return (min(num_tiles, sm_count),), args, kwargs
 

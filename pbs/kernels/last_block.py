@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E
 from pbs.layout import Layout
 from pbs.types import Permutation
 
@@ -215,11 +215,13 @@ def last_block_key_scores(
     part_max = torch.empty(b * hs, splits, m_pad, dtype=torch.float32, device=k.device)
     part_sum = torch.empty_like(part_max)
     qk_scale = scale * LOG2_E
-    _row_stats[(splits, b * hs)](q, k, part_max, part_sum, *common, chunks_per_split, splits, qk_scale, **meta)
+    _row_stats[(splits, b * hs)](q, k, part_max, part_sum, *common, chunks_per_split, splits, qk_scale, **meta,
+                                 **COMPILE_OPTIONS)
     scores = torch.empty(b, hs, nk, dtype=torch.float32, device=k.device)
     _key_scores[(chunks, b * hs)](
         q, k, part_max, part_sum, scores, *common, splits, qk_scale,
         SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **meta,
+        **COMPILE_OPTIONS,
     )
     return scores
 
@@ -247,5 +249,6 @@ def sort_segments(scores: torch.Tensor, segment_size: int, total_len: int | None
         _sort_segments[(triton.cdiv(n, segment_size), b * h)](
             scores.contiguous(), indices, inverse, score_len, n, SEGMENT=segment_size, S_PAD=s_pad,
             num_warps=max(1, min(8, s_pad // 128)),
+            **COMPILE_OPTIONS,
         )
     return Permutation(indices=indices, inverse=inverse)

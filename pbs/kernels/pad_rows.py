@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pbs.reference.pad_rows import padded_buffer
+from pbs.kernels._common import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -162,4 +163,5 @@ def _launch(x: torch.Tensor, tokens: torch.Tensor, rows: int, *, stride_xn: int,
         rows, row_tiles, row_elements, page_size, max_pages,
         PAGED=block_table is not None, BLOCK_T=block_t, BLOCK_C=block_c,
         num_warps=4,
+        **COMPILE_OPTIONS,
     )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E
 from pbs.layout import Layout
 
 ROWS_PER_TILE = 128
@@ -186,11 +186,13 @@ def sampled_block_shares(
         R=rows_per_block, QB=qb, BLOCK=bs, HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)),
         GATHER=gather, CAUSAL=layout.causal, DOT_PRECISION=dot_precision,
         num_warps=8,
+        **COMPILE_OPTIONS,
     )
     out = torch.empty(b, hc, tq, tk, dtype=torch.float32, device=q.device)
     tk_pad = max(16, triton.next_power_of_2(tk))
     _combine_kernel[(tq, b * hc)](
         lse, allowed.view(torch.int8), out, tq, tk,
         R=rows_per_block, TK_PAD=tk_pad, num_warps=max(1, min(8, tk_pad * rows_per_block // 1024)),
+        **COMPILE_OPTIONS,
     )
     return out

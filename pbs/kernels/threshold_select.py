@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E
 from pbs.layout import Layout
 from pbs.types import block_index_dtype
 
@@ -225,4 +225,5 @@ def threshold_select_rows(
             ROW_LIMIT=row_limits is not None,
             KEY_LIMIT=key_limits is not None,
             num_warps=max(1, min(8, width // 256)),
+            **COMPILE_OPTIONS,
         )

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pbs.kernels._common import LOG2_E, interpreting, sm_count
+from pbs.kernels._common import COMPILE_OPTIONS, LOG2_E, interpreting, sm_count
 from pbs.layout import Layout
 from pbs.types import BlockMask, block_index_dtype
 
@@ -395,7 +395,7 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     part_max = torch.empty(b * hq, splits, rows_pad, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     _row_stats[(row_programs, splits)](q, k, table, part_max, part_sum, *common, nk, layout.query_offset,
-                                       keys_per_split, splits, qk_scale, **meta)
+                                       keys_per_split, splits, qk_scale, **meta, **COMPILE_OPTIONS)
     # One buffer for both line scores, so that `kept_line_blocks` reads them in one launch.
     # Ragged: keys past a sequence's end get no store, so they start at 0.
     scores = (torch.zeros if ragged else torch.empty)(2, b, hq, nk, dtype=torch.float32, device=q.device)
@@ -406,7 +406,8 @@ def line_scores(q: torch.Tensor, k: torch.Tensor, layout: Layout, scale: float, 
     runs = triton.cdiv(nk, keys_per_program)
     _row_lines[(row_programs, runs)](q, k, table, part_max, part_sum, vertical, slash, *common, nk,
                                      layout.query_offset, keys_per_program, splits, qk_scale,
-                                     SPLITS=triton.next_power_of_2(splits), num_stages=LINES_STAGES, **meta)
+                                     SPLITS=triton.next_power_of_2(splits), num_stages=LINES_STAGES, **meta,
+                                     **COMPILE_OPTIONS)
     if ragged:
         slash.div_(lengths[:, 0].clamp(min=1, max=last_rows).float()[:, None, None])
     else:
@@ -547,7 +548,8 @@ def kept_line_blocks(scores: torch.Tensor, threshold: float, vertical_threshold:
     _kept_lines[(b * hq, 2)](scores, vertical_blocks, prefix, bucket, b * hq, nk, tk,
                              float(vertical_threshold or threshold), float(threshold),
                              TILE=tile, BLOCK=block_size, DIGIT_BITS=KEPT_LINES_DIGIT_BITS,
-                             COMPACT_AFTER=KEPT_LINES_COMPACT_AFTER if compact else 64, num_warps=KEPT_LINES_WARPS)
+                             COMPACT_AFTER=KEPT_LINES_COMPACT_AFTER if compact else 64, num_warps=KEPT_LINES_WARPS,
+                             **COMPILE_OPTIONS)
     return vertical_blocks, prefix
 
 
@@ -602,5 +604,6 @@ def lines_to_block_mask(
         tq, tk, hq, prefix.shape[-1], layout.seq_len_q, nk, layout.query_offset,
         BLOCK=bs, CHUNK=min(1024, triton.next_power_of_2(tk)), CAUSAL=layout.causal,
         FORCE_SINK=force_sink_block, EXTRA=extra is not None, RAGGED=ragged,
+        **COMPILE_OPTIONS,
     )
     return BlockMask(counts=counts, indices=indices, layout=layout, full_counts=full_counts)
