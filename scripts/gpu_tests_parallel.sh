@@ -4,7 +4,9 @@
 # CPU, so one GPU with 16 cores runs all eight at once. On 2 H200s (48b9ef8, four groups then)
 # test_paged.py alone had run 15 of its 17 tests at 430 s, so it is split three ways here, and the
 # mixed group of serving, dense-policy and kernel files ran past 480 s on one H200 at 70f9bdd, so it
-# is split in two; every group has TEST_TIMEOUT seconds (default 540).
+# is split in two; every group has TEST_TIMEOUT seconds (default 540). The groups share a GPU's memory:
+# tests/conftest.py caps each GPU test's PyTorch memory (GPU_TEST_MEMORY_GIB) and each test's peak
+# goes to $OUT/gpu_test_memory_group<N>.log.
 #   bash scripts/gpu_tests_parallel.sh        (logs in $OUT, default .gpu-out: gpu_tests_group<N>.log)
 # The groups run the tests marked gpu, except the last: the files of WHOLE_FILES run whole (their
 # tests run on CUDA when there is one, on the CPU otherwise: the FP8 kernels against their twin).
@@ -13,6 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-.gpu-out}
 mkdir -p "$OUT"
+rm -f "$OUT"/gpu_test_memory_group*.log
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --find-links "${WHEELS:-.device-wheels}" pydantic pytest-benchmark hypothesis 2>&1 | grep -v WARNING
 # pbs serve's GPU test needs these too (skipped without them); apart, so that their absence stops nothing else.
@@ -33,7 +36,7 @@ gpus=$(nvidia-smi -L | wc -l)
 pids=()
 for i in "${!groups[@]}"; do
   # shellcheck disable=SC2086  # a group is a list of pytest arguments
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${TEST_TIMEOUT:-540}" python3 -m pytest ${groups[$i]} -q \
+  PBS_GPU_MEMORY_LOG="$OUT/gpu_test_memory_group$i.log" CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${TEST_TIMEOUT:-540}" python3 -m pytest ${groups[$i]} -q \
     -p no:cacheprovider -rfs > "$OUT/gpu_tests_group$i.log" 2>&1 &
   pids+=($!)
 done
@@ -43,4 +46,6 @@ for i in "${!groups[@]}"; do
   echo "== group $i: ${groups[$i]}"
   tail -n 8 "$OUT/gpu_tests_group$i.log"
 done
+echo "== the GPU tests that reserved the most memory "
+cat "$OUT"/gpu_test_memory_group*.log 2>/dev/null | sort -rn | head -n 5
 exit $status

@@ -36,21 +36,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# scripts/gpu_tests_parallel.sh runs eight pytest processes on one GPU: each GPU test must fit in
+# an eighth of an H200's 140 GiB. At 674d309 one process held 125 GiB and three tests of other
+# groups failed for want of memory; with the cap, the test that reaches for more fails itself.
+GPU_TEST_MEMORY_GIB = float(os.environ.get("PBS_GPU_TEST_MEMORY_GIB", "16"))
+
+
 @pytest.fixture(autouse=True)
 def _return_gpu_memory_after_each_gpu_test(request):
-    """Frees the caching allocator's unused blocks after every GPU test.
+    """Caps every GPU test's PyTorch memory at `GPU_TEST_MEMORY_GIB` (an allocation past it raises
+    ``torch.OutOfMemoryError`` in that test) and frees the caching allocator's unused blocks after it.
 
     PyTorch keeps freed device memory reserved for reuse; over a full GPU run on an 80 GB H100 the
     fp32 planning tests left so much reserved that loading the next Triton kernel failed with
     "Triton Error [CUDA]: out of memory" (the driver itself had none left), while each test passed
     alone. Returning the memory between tests keeps them independent of the order they run in.
+    ``PBS_GPU_MEMORY_LOG=<file>`` appends each GPU test's peak of reserved memory to that file.
     """
+    on_gpu = "gpu" in request.keywords and torch.cuda.is_available()
+    if on_gpu:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, GPU_TEST_MEMORY_GIB * 2**30 / total))
+        torch.cuda.reset_peak_memory_stats()
     yield
-    if "gpu" in request.keywords and torch.cuda.is_available():
-        import gc
+    if not on_gpu:
+        return
+    import gc
 
-        gc.collect()
-        torch.cuda.empty_cache()
+    peak_gib = torch.cuda.max_memory_reserved() / 2**30
+    gc.collect()
+    torch.cuda.empty_cache()
+    if log := os.environ.get("PBS_GPU_MEMORY_LOG"):
+        with open(log, "a") as f:
+            f.write(f"{peak_gib:8.2f} GiB  {request.node.nodeid}\n")
 
 
 @pytest.fixture

@@ -47,3 +47,30 @@ def test_busy_gpu_hides_host_time_before_the_launch():
     idle = benchmark_cuda_interleaved({"f": slow_host}, warmup=1, iters=5)["f"]
     busy = benchmark_cuda_interleaved({"f": slow_host}, warmup=1, iters=5, busy_gpu_cycles=20_000_000)["f"]
     assert idle > 1.5 and busy < 1.0, (idle, busy)
+
+
+@pytest.mark.gpu
+def test_a_gpu_test_past_its_memory_cap_fails_alone_and_its_peak_is_logged(tmp_path):
+    # tests/conftest.py's budget keeps the eight parallel GPU test processes from starving each other.
+    import os
+    import subprocess
+    import sys
+
+    inner = tmp_path / "test_inner.py"
+    inner.write_text("import pytest, torch\n\n@pytest.mark.gpu\ndef test_one_gib():\n"
+                     "    x = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n    del x\n")
+    log = tmp_path / "memory.log"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(budget_gib):
+        env = dict(os.environ, PBS_GPU_TEST_MEMORY_GIB=str(budget_gib), PBS_GPU_MEMORY_LOG=str(log),
+                   PYTHONPATH=root)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                               "--rootdir", str(tmp_path), str(inner)], cwd=root, env=env, capture_output=True, text=True)
+
+    over = run(0.5)
+    assert over.returncode != 0 and "OutOfMemoryError" in over.stdout, over.stdout
+    within = run(4)
+    assert within.returncode == 0, within.stdout
+    peaks = [float(line.split()[0]) for line in log.read_text().splitlines()]
+    assert len(peaks) == 2 and peaks[0] < 0.5 <= 1.0 <= peaks[1] < 1.1, peaks  # the capped test never got its GiB
