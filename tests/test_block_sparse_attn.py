@@ -107,6 +107,7 @@ def check_kernel(
     assert not out.isnan().any(), "some output element was never written (or is NaN)"
     assert_close_to_reference(out, torch_at_dtype, truth)
     inputs = [x.to(dtype) for x in (qp, kp, vp)]
+    del qp, kp, vp, truth, rounded, torch_at_dtype  # 5.5 GiB at 64K x 32 heads, before the float64 check
     assert_max_abs_error_within_torch(out, *inputs, mask, qpos, kpos, causal)
     return out
 

@@ -17,19 +17,24 @@ SMALL = {"block_size": 64, "segment_size": 128}
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _truth(q, k, plan, scale):
+def _truth(q, k, plan, scale, rows_per_step=1024):
     """float64 log-sum-exp of the masked, scaled scores: the plan's blocks, causal on positions."""
     layout = plan.layout
     qp, kp = plan.query_permutation.apply(q).double(), plan.key_permutation.apply(k).double()
     group = q.shape[1] // kp.shape[1]
     kp = kp.repeat_interleave(group, 1)
-    scores = torch.einsum("bhqd,bhkd->bhqk", qp, kp) * scale
     bs = layout.block_size
-    keep = plan.mask.to_dense().repeat_interleave(bs, 2)[:, :, : q.shape[2]].repeat_interleave(bs, 3)[..., : k.shape[2]]
     qpos = plan.query_positions()
     kpos = plan.key_positions().repeat_interleave(q.shape[1] // plan.key_positions().shape[1], 1)
-    keep = keep & (kpos[:, :, None, :] <= qpos[..., None])
-    lse = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)
+    blocks = plan.mask.to_dense()
+    lse = torch.empty(qp.shape[:3], dtype=torch.float64, device=q.device)
+    for r0 in range(0, q.shape[2], rows_per_step):  # 8K x 8K x 8 heads in float64 is 4 GiB at once
+        r1 = min(q.shape[2], r0 + rows_per_step)
+        scores = torch.einsum("bhqd,bhkd->bhqk", qp[:, :, r0:r1], kp) * scale
+        rows = torch.arange(r0, r1, device=q.device) // bs
+        keep = blocks[:, :, rows].repeat_interleave(bs, 3)[..., : k.shape[2]]
+        keep = keep & (kpos[:, :, None, :] <= qpos[:, :, r0:r1, None])
+        lse[:, :, r0:r1] = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)
     return plan.query_permutation.unapply(lse[..., None])[..., 0]
 
 

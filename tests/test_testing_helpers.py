@@ -51,26 +51,32 @@ def test_busy_gpu_hides_host_time_before_the_launch():
 
 @pytest.mark.gpu
 def test_a_gpu_test_past_its_memory_cap_fails_alone_and_its_peak_is_logged(tmp_path):
-    # tests/conftest.py's budget keeps the eight parallel GPU test processes from starving each other.
+    # tests/conftest.py's cap and cleanup keep the eight parallel GPU test processes from starving
+    # each other, and a failed test from starving the next one of its own process.
     import os
     import subprocess
     import sys
 
     inner = tmp_path / "test_inner.py"
-    inner.write_text("import pytest, torch\n\n@pytest.mark.gpu\ndef test_one_gib():\n"
-                     "    x = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n    del x\n")
+    inner.write_text(
+        "import pytest, torch\n\n"
+        "@pytest.mark.gpu\ndef test_1_one_gib():\n    x = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n\n"
+        "@pytest.mark.gpu\ndef test_2_fails_holding_three_gib():\n"
+        "    x = torch.empty(3 << 30, dtype=torch.uint8, device='cuda')\n    assert x.numel() == 0\n\n"
+        "@pytest.mark.gpu\ndef test_3_starts_with_nothing_allocated():\n    assert torch.cuda.memory_allocated() == 0\n")
     log = tmp_path / "memory.log"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    def run(budget_gib):
-        env = dict(os.environ, PBS_GPU_TEST_MEMORY_GIB=str(budget_gib), PBS_GPU_MEMORY_LOG=str(log),
-                   PYTHONPATH=root)
+    def run(budget_gib, test):
+        env = dict(os.environ, PBS_GPU_TEST_MEMORY_GIB=str(budget_gib), PBS_GPU_MEMORY_LOG=str(log), PYTHONPATH=root)
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                               "--rootdir", str(tmp_path), str(inner)], cwd=root, env=env, capture_output=True, text=True)
+                               "--rootdir", str(tmp_path), f"{inner}{test}"], cwd=root, env=env,
+                              capture_output=True, text=True).stdout
 
-    over = run(0.5)
-    assert over.returncode != 0 and "OutOfMemoryError" in over.stdout, over.stdout
-    within = run(4)
-    assert within.returncode == 0, within.stdout
+    over = run(0.5, "::test_1_one_gib")
+    assert "OutOfMemoryError" in over and "1 failed" in over, over
+    log.unlink()
+    within = run(4, "")
+    assert "1 failed, 2 passed" in within and "test_2_fails_holding_three_gib" in within, within
     peaks = [float(line.split()[0]) for line in log.read_text().splitlines()]
-    assert len(peaks) == 2 and peaks[0] < 0.5 <= 1.0 <= peaks[1] < 1.1, peaks  # the capped test never got its GiB
+    assert len(peaks) == 3 and 1.0 <= peaks[0] < 1.1 and 3.0 <= peaks[1] < 3.1, peaks
