@@ -42,6 +42,21 @@ def pytest_collection_modifyitems(config, items):
 GPU_TEST_MEMORY_GIB = float(os.environ.get("PBS_GPU_TEST_MEMORY_GIB", "16"))
 
 
+def _release_the_last_failure():
+    """Drops the traceback pytest keeps of the last failed test, and the tensors its frames hold.
+
+    pytest keeps it in ``sys.last_traceback`` (for post-mortem debugging) until the next test's
+    call phase, after that test's fixtures: at 3f5d4f6 a 64K-token test that ran out of memory kept
+    its tensors alive through the next test, and that test ran out of memory too."""
+    import gc
+    import sys
+
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        sys.__dict__.pop(name, None)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(autouse=True)
 def _return_gpu_memory_after_each_gpu_test(request):
     """Caps every GPU test's PyTorch memory at `GPU_TEST_MEMORY_GIB` (an allocation past it raises
@@ -55,6 +70,7 @@ def _return_gpu_memory_after_each_gpu_test(request):
     """
     on_gpu = "gpu" in request.keywords and torch.cuda.is_available()
     if on_gpu:
+        _release_the_last_failure()
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, GPU_TEST_MEMORY_GIB * 2**30 / total))
         torch.cuda.reset_peak_memory_stats()
@@ -69,20 +85,6 @@ def _return_gpu_memory_after_each_gpu_test(request):
     if log := os.environ.get("PBS_GPU_MEMORY_LOG"):
         with open(log, "a") as f:
             f.write(f"{peak_gib:8.2f} GiB  {request.node.nodeid}\n")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Lets a failed GPU test's tensors go once its report is written.
-
-    The traceback pytest keeps holds every frame of the failure, and with them its tensors: at
-    674d309 a 64K-token test that ran out of memory kept 13 GiB alive and the next test of its
-    process failed too. The report's text is made before the frames are cleared."""
-    yield
-    if call.excinfo is not None and "gpu" in item.keywords and torch.cuda.is_available():
-        import traceback
-
-        traceback.clear_frames(call.excinfo.tb)
 
 
 @pytest.fixture
