@@ -42,25 +42,28 @@ def pytest_collection_modifyitems(config, items):
 GPU_TEST_MEMORY_GIB = float(os.environ.get("PBS_GPU_TEST_MEMORY_GIB", "16"))
 
 
-def _release_the_last_failure():
-    """Drops the traceback pytest keeps of the last failed test, and the tensors its frames hold.
+def _free_gpu_memory(drop_last_failure: bool = False):
+    """Returns the caching allocator's unused blocks to the driver.
 
-    pytest keeps it in ``sys.last_traceback`` (for post-mortem debugging) until the next test's
-    call phase, after that test's fixtures: at 3f5d4f6 a 64K-token test that ran out of memory kept
-    its tensors alive through the next test, and that test ran out of memory too."""
+    ``drop_last_failure``: first drops the traceback pytest keeps of the last failed test (in
+    ``sys.last_traceback``, for post-mortem debugging, until the next test's call phase, after that
+    test's fixtures), and with it the tensors its frames hold: at 3f5d4f6 a 64K-token test that ran
+    out of memory kept its tensors alive through the next test, and that test ran out of memory too."""
     import gc
     import sys
 
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        sys.__dict__.pop(name, None)
+    if drop_last_failure:
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            sys.__dict__.pop(name, None)
     gc.collect()
     torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)
-def _return_gpu_memory_after_each_gpu_test(request):
+def _gpu_memory_per_test(request):
     """Caps every GPU test's PyTorch memory at `GPU_TEST_MEMORY_GIB` (an allocation past it raises
-    ``torch.OutOfMemoryError`` in that test) and frees the caching allocator's unused blocks after it.
+    ``torch.OutOfMemoryError`` in that test), and frees the caching allocator's unused blocks
+    before and after it.
 
     PyTorch keeps freed device memory reserved for reuse; over a full GPU run on an 80 GB H100 the
     fp32 planning tests left so much reserved that loading the next Triton kernel failed with
@@ -70,18 +73,15 @@ def _return_gpu_memory_after_each_gpu_test(request):
     """
     on_gpu = "gpu" in request.keywords and torch.cuda.is_available()
     if on_gpu:
-        _release_the_last_failure()
+        _free_gpu_memory(drop_last_failure=True)
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, GPU_TEST_MEMORY_GIB * 2**30 / total))
         torch.cuda.reset_peak_memory_stats()
     yield
     if not on_gpu:
         return
-    import gc
-
     peak_gib = torch.cuda.max_memory_reserved() / 2**30
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_gpu_memory()
     if log := os.environ.get("PBS_GPU_MEMORY_LOG"):
         with open(log, "a") as f:
             f.write(f"{peak_gib:8.2f} GiB  {request.node.nodeid}\n")

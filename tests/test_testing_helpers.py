@@ -49,6 +49,31 @@ def test_busy_gpu_hides_host_time_before_the_launch():
     assert idle > 1.5 and busy < 1.0, (idle, busy)
 
 
+def test_the_last_failures_tensors_are_freed_before_the_next_gpu_test():
+    # What the cap's GPU test below checks across processes, here on the CPU: pytest keeps the last
+    # failure's traceback in sys.last_traceback, whose frames hold the test's tensors.
+    import sys
+    import weakref
+
+    from tests.conftest import _free_gpu_memory
+
+    held = []
+
+    def failing_test():
+        x = torch.empty(1000)
+        held.append(weakref.ref(x))
+        raise AssertionError("a failure holding x")
+
+    try:
+        failing_test()
+    except AssertionError as error:
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+    _free_gpu_memory()
+    assert held[0]() is not None  # collecting alone does not reach what the traceback holds
+    _free_gpu_memory(drop_last_failure=True)
+    assert held[0]() is None and not hasattr(sys, "last_traceback")
+
+
 @pytest.mark.gpu
 def test_a_gpu_test_past_its_memory_cap_fails_alone_and_its_peak_is_logged(tmp_path):
     # tests/conftest.py's cap and cleanup keep the eight parallel GPU test processes from starving
