@@ -158,14 +158,16 @@ def build_plan(
     (`pbs.types.PagedTensor`, ``B = 1``): the backend is then one that reads pages, the planners
     that can read pages read them in place, and ``k_perm``/``v_perm`` are ``k`` and ``v``
     themselves. With a permuter that reorders keys they are gathered into contiguous tensors first
-    (the permuted copy that such a permuter needs is then made from those).
+    (the permuted copy that such a permuter needs is then made from those), and so they are for a
+    quantized ``config.precision`` (its pass takes K's mean over the tokens and V's channel scales
+    from the contiguous sequence, and writes quantized copies anyway).
 
     Returns:
         ``(plan, q_perm, k_perm, v_perm)``: the plan plus the permuted queries ``(B, Hq, Nq, D)``,
         keys ``(B, Hk, Nk, D)`` and values, so nothing is gathered twice. Without ``v`` the keys are
         not gathered here (``k_perm`` and ``v_perm`` are None), which keeps `pbs.plan` light.
     """
-    if is_paged(k) and type(config.permuter).segmented:
+    if is_paged(k) and (type(config.permuter).segmented or config.precision != "native"):
         k, v = k.gather(), (v.gather() if v is not None else None)
     layout = make_layout(q, k, config)
     spec = CallSpec.of(q, v.shape[-1] if v is not None else q.shape[-1], layout.block_size, return_lse,

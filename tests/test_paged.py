@@ -132,6 +132,17 @@ def test_paged_equals_contiguous_on_the_triton_backend(dtype, page_size, monkeyp
     check_paged_equals_contiguous(sequences, config, page_size, monkeypatch)
 
 
+@pytest.mark.parametrize("precision", ["fp8_qk", "fp8"])
+def test_paged_equals_contiguous_in_a_quantized_precision(precision, monkeypatch):
+    # The quantization pass needs the contiguous sequence (K's mean, V's channel scales): the pages
+    # are gathered at planning, and the kernel then quantizes exactly what the contiguous call does.
+    sequences = make_sequences([(1, 1), (129, 129), (40, 200)], heads_q=4, heads_kv=1, dtype=torch.float16, seed=4,
+                               device=DEVICE)
+    config = {"backend": "triton", "precision": precision, "selector": {"name": "budget", "density": 0.6}}
+    plans = check_paged_equals_contiguous(sequences, config, 16, monkeypatch)
+    assert all(plan.config.precision == precision for plan in plans)
+
+
 def test_paged_with_a_permuter_that_reorders_keys_equals_contiguous(monkeypatch):
     config = {**REFERENCE, "block_size": 32, "segment_size": 64, "permuter": "last_block", "gqa": "per_head",
               "selector": {"name": "mean_pool", "threshold": 0.5}}
@@ -536,6 +547,17 @@ def test_gpu_paged_equals_contiguous_in_bf16(page_size, preset, monkeypatch):
     # which the compiler may stage differently from the contiguous tiles' TMA loads).
     plans = check_paged_equals_contiguous(sequences, config, page_size, monkeypatch, exact=False)
     assert any(plan.density < 1 for plan in plans if plan is not None)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_equals_contiguous_in_fp8_on_autos_kernel(monkeypatch):
+    # The pages gathered at planning: auto's kernel (the Gluon one on Hopper) quantizes and runs
+    # exactly what it does on the contiguous batch.
+    config = pbs.PBSConfig.from_preset("fp8", **NO_FALLBACK)
+    sequences = structured_sequences([(4096, 4096), (100, 5000), (129, 1000)], seed=23)
+    plans = check_paged_equals_contiguous(sequences, config, 64, monkeypatch)
+    assert {plan.backend for plan in plans} == {"hopper" if _gluon_runs_here() else "triton"}
+    assert {plan.config.precision for plan in plans} == {"fp8"}
 
 
 def _gluon_runs_here() -> bool:
