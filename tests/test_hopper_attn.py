@@ -17,7 +17,7 @@ import torch
 from pbs.backends import CallSpec
 from pbs.kernels.block_sparse_attn import block_sparse_attention, prepare_call
 from pbs.testing import make_qkv
-from pbs.types import BlockMask
+from pbs.types import PRECISION_FORMATS, BlockMask
 from pbs.kernels.hopper_e4m3 import TURN_MIN_BLOCKS
 from tests.sm90_compile import compile_in_subprocess
 from tests.test_block_sparse_attn import _gpu_inputs, check_kernel, make_plan
@@ -30,15 +30,17 @@ def _stand_in_quantized(call, precision: str) -> None:
     run here: the compile has no GPU and no interpreter)."""
     from pbs.kernels.fp8_quant import byte_buffer
 
+    qk_format, pv_fp8 = PRECISION_FORMATS[precision]
+    qk_dtype = torch.int8 if qk_format == "int8" else torch.float8_e4m3fn
     b, hq, nq, d = call.q.shape
     hk, nk, dv = call.k.shape[1], call.k.shape[2], call.v.shape[-1]
     blocks = call.mask.layout.block_size
-    call.q, call.k = byte_buffer((b, hq, nq, d), call.q.device), byte_buffer((b, hk, nk, d), call.q.device)
+    call.q, call.k = (byte_buffer(shape, call.q.device, qk_dtype) for shape in ((b, hq, nq, d), (b, hk, nk, d)))
     call.q_scales = torch.ones(b, hq, -(-nq // blocks))
     call.k_scales = torch.ones(b, hk, -(-nk // blocks))
     if call.lse is not None:
         call.lse_shift = torch.zeros(b, hq, nq)
-    if precision == "fp8":
+    if pv_fp8:
         call.v, call.v_scales, call.pv_fp8 = byte_buffer((b, hk, dv, nk), call.q.device), torch.ones(b, hk, dv), True
 
 
@@ -48,7 +50,7 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     ``dense``: the gated dense mode that `pbs.dense.DensePolicy.probe` launches; ``lse``: the
     variant that also writes the log-sum-exp; ``ragged``: a ragged batch written packed
     (``row_starts``), as the capturable path launches it; ``precision``: ``"fp8_qk"`` or
-    ``"fp8"``, the e4m3 variants."""
+    ``"fp8"``, the e4m3 variants, or ``"int8_qk"``, ``"int8_qk_fp8_pv"``, int8 Q and K."""
     from pbs.kernels import hopper_attn
     from tests.sm90_compile import resource_usage, sass, scratch_dir, sm90_driver
 
@@ -75,13 +77,13 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     scratch = scratch_dir()
     code = sass(cubin, scratch)
     markers = ("SETMAXREG.DEALLOC", "SETMAXREG.TRY_ALLOC", "HGMMA.64x128x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3",
-               "WARPGROUP.DEPBAR.LE gsb0, 0x1", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "UTMASTG")
+               "IGMMA.64x128x32.S8.S8", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "UTMASTG")
     opcodes = [line.split()[1] for line in code.splitlines() if line.strip().startswith("/*") and len(line.split()) > 1]
     ptx = compiled.asm["ptx"]
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers},
             "tile_claims": sorted(set(re.findall(r"atom\.global\.gpu\.[a-z_]+\.add", ptx))),
-            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX", "FFMA", "FMUL", "FADD")},
+            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX", "FFMA", "FMUL", "FADD", "I2F")},
             "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in _E4M3_PTX.items()}}
 
 
@@ -98,9 +100,9 @@ _E4M3_PTX = {"turns_taken": r"bar\.sync 1[45], 256", "turns_passed": r"bar\.arri
     [(128, True, 2, False, False, False, "native"), (128, True, 3, False, False, False, "native"),
      (64, False, 2, False, False, False, "native"), (128, True, 3, True, False, False, "native"),
      (128, True, 3, False, True, False, "native"), (128, True, 3, False, True, True, "native"),
-     (128, True, 3, False, True, False, "fp8")],
+     (128, True, 3, False, True, False, "fp8"), (128, True, 3, False, True, False, "int8_qk_fp8_pv")],
     ids=["d128-causal", "d128-3stages", "d64-noncausal", "d128-dense-gated", "d128-lse", "d128-lse-ragged",
-         "d128-lse-fp8"],
+         "d128-lse-fp8", "d128-lse-int8-qk"],
 )
 def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, stages, dense, lse, ragged, precision):
     report = compile_in_subprocess("tests.test_hopper_attn:compile_report", head_dim=head_dim, causal=causal,
@@ -111,11 +113,16 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert report["shared"] <= 232448, "more shared memory than an H100/H200 SM has"
     # Registers move from the producer warp to the consumer warpgroups (setmaxnreg) ...
     assert markers["SETMAXREG.DEALLOC"] and markers["SETMAXREG.TRY_ALLOC"]
-    # ... the consumers use Hopper's asynchronous warpgroup MMA (bf16, or e4m3 for both products
-    # under fp8), with S = QK^T of one block retired while P V of the previous one may still run
-    # (wait with one group outstanding) ...
+    # ... the consumers use Hopper's asynchronous warpgroup MMA (bf16; e4m3 for both products under
+    # fp8, int8 for S and e4m3 for P V under int8_qk_fp8_pv), with S = QK^T of one block retired
+    # while P V of the previous one may still run (wait with one group outstanding) ...
+    qk_format, pv_fp8 = PRECISION_FORMATS[precision]
     assert markers["HGMMA.64x128x16.F32.BF16"] == (precision == "native")
-    assert markers["QGMMA.64x128x32.F32.E4M3.E4M3"] == (precision == "fp8")
+    assert markers["QGMMA.64x128x32.F32.E4M3.E4M3"] == pv_fp8
+    assert markers["IGMMA.64x128x32.S8.S8"] == (qk_format == "int8")
+    # int8 scores become float32 by an integer add (`_float_scores`), not one I2F each (64 per
+    # thread and step; the few I2F left convert positions and counts).
+    assert report["counts"]["I2F"] < 16, report["counts"]
     assert markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     # ... and the partitions hand buffers over through mbarriers.
     assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
@@ -135,7 +142,7 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     # (the count compared with it), one exponential in four of the weights is a
     # polynomial, and the weights are rounded to e4m3 from float32 once.
     ptx = report["ptx"]
-    fp8 = precision == "fp8"
+    fp8 = pv_fp8
     assert (ptx["turns_taken"] > 0) == fp8 and ptx["turns_taken"] == ptx["turns_passed"], ptx
     assert (ptx["turn_guard"] > 0) == fp8, ptx
     assert (ptx["polynomial_exp2"] > 0) == fp8 and ptx["e4m3_from_f16"] == 0, ptx
@@ -153,6 +160,28 @@ def test_the_kernel_fuses_multiply_adds_whatever_tritons_default():
                                                            {"TRITON_DEFAULT_FP_FUSION": "0"})]
     fused, default_off = (r["counts"] for r in reports)
     assert fused["FFMA"] > 0 and default_off == fused, (fused, default_off)
+
+
+def test_int8_scores_become_float32_by_one_integer_add_and_lose_the_offset_in_the_exponent():
+    # `_float_scores` and `_softmax_step` under int8 Q and K, replayed in float32 (the Gluon kernel
+    # has no interpreter): every int32 score of head dims up to 256 comes out exact, and the
+    # offset taken off in the exponent moves a weight by far less than int8's own error (~1e-2).
+    from pbs.kernels.hopper_attn import _SCORE_OFFSET_BITS, SCORE_OFFSET
+
+    limit = 256 * 127 * 127  # the largest |Q.K^T| of int8 rows at head dim 256
+    gen = torch.Generator().manual_seed(0)
+    s = torch.cat([torch.tensor([-limit, -1, 0, 1, limit], dtype=torch.int32),
+                   torch.randint(-limit, limit + 1, (4096,), generator=gen, dtype=torch.int32)])
+    as_float = (s + _SCORE_OFFSET_BITS.value).view(torch.float32)
+    assert torch.equal(as_float.double() - SCORE_OFFSET.value, s.double())
+    # A step's exponents: scale = softmax scale * log2(e) * two block scales of amax / 127.
+    scale = torch.tensor(128**-0.5 * 1.4426950408889634 * (4.0 / 127) ** 2, dtype=torch.float32)
+    offset = SCORE_OFFSET.value * scale
+    m = (as_float.max() * scale - offset).clamp_min(-1e30)
+    x = as_float * scale - (m + offset)  # unfused: rounded twice, where the kernel's FMA rounds once
+    exact = s.double() * scale.double() - m.double()
+    weight_error = (torch.exp2(x.double()) / torch.exp2(exact) - 1).abs().max().item()
+    assert weight_error < 2e-4, weight_error
 
 
 def test_quantized_for_this_kernel_v_is_in_its_wgmma_key_order():

@@ -39,8 +39,8 @@ The last block of a sequence that ends inside a page loads its values through a 
 whose rows end where the sequence ends, so the stale rows after it arrive as zeros.
 
 In the e4m3 precisions (`QUANTIZED_PRECISIONS`, after `pbs.kernels.block_sparse_attn.quantize_call`)
-Q.K^T runs on e4m3 wgmma, the query-block and key-block scales folded into the exponent's factor
-(`_step_scale`), and under ``"fp8"`` P.V too, against V stored transposed with each 16 keys in the
+Q.K^T runs on e4m3 wgmma (int8 in `INT8_PRECISIONS`: `_float_scores`), the query-block and key-block
+scales folded into the exponent's factor (`_step_scale`), and under ``"fp8"`` P.V too, against V stored transposed with each 16 keys in the
 order the weights leave the score accumulator (`_weights`), so no weight crosses threads. With
 the tensor-core work halved, the softmax's instructions per weight set the pace (docs/fp8.md has
 the measurements): the weights' factor 448 rides in the exponent (`_softmax_step`), one
@@ -78,8 +78,17 @@ if (_tma_load is None or _tma_store is None or _partition_barrier is None
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
-# The `pbs.PBSConfig.precision` values with e4m3 Q and K (int8 scores run on the Triton kernel only).
+# The `pbs.PBSConfig.precision` values with e4m3 Q and K, which the backend runs here.
 QUANTIZED_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "e4m3")
+# With int8 Q and K (`_float_scores`): compiled for sm_90 and checked on the CPU (tests/test_hopper_attn.py),
+# not yet run on a GPU, so the backend still runs them on the Triton kernel (session 34).
+INT8_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "int8")
+# int32 scores s of int8 Q.K^T come out as the float32 SCORE_OFFSET + s by one integer add to the
+# offset's bits (exact while |s| < 2^22, and |s| <= D * 127^2 < 2^22 for D <= 256): the offset is
+# taken off in the exponent's multiply-add, where the scale is applied anyway, so no score takes a
+# conversion instruction (I2F, a quarter-rate one like the exponentials).
+SCORE_OFFSET = gl.constexpr(12582912.0)  # 1.5 * 2^23
+_SCORE_OFFSET_BITS = gl.constexpr(0x4B400000)
 COMPUTE_CAPABILITY_MAJOR = 9
 HALF_ROWS = 64  # query rows per consumer warpgroup
 MIN_PAGE_SIZE = 16  # the smallest page a TMA copy moves into its rows of a key block (8 swizzled rows x 2)
@@ -194,12 +203,29 @@ def _next_tile(t, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, LOG2_GAIN: gl.constexpr, PV_FP8: gl.constexpr):
+def _float_scores(s, QK_INT8: gl.constexpr):
+    """The step's scores as float32: as they are, or int8 Q.K^T's int32 ones as ``SCORE_OFFSET + s``
+    (one integer add; `_softmax_step` takes the offset off)."""
+    if QK_INT8:
+        s = (s + _SCORE_OFFSET_BITS).to(gl.float32, bitcast=True)
+    return s
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, LOG2_GAIN: gl.constexpr, PV_FP8: gl.constexpr, QK_INT8: gl.constexpr):
     """Online-softmax update from raw scores (scale folded into the exponent's FMA). The weights
     and the row sums come out times ``2 ** LOG2_GAIN`` (the same FMA: no multiply per weight).
-    Weights bound for e4m3 take one exponential in four from a polynomial (`exp2_mixed`)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    x = s * qk_scale - gl.expand_dims(m_new - LOG2_GAIN, 1)
+    Weights bound for e4m3 take one exponential in four from a polynomial (`exp2_mixed`).
+    ``QK_INT8``: the scores carry `SCORE_OFFSET` (`_float_scores`), taken off per row here and in
+    the same FMA per weight; it changes a step's exponents by a rounding of ``SCORE_OFFSET *
+    qk_scale``, about 2^-24 of it, the same for every weight of a row."""
+    if QK_INT8:
+        offset = SCORE_OFFSET * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale - offset)
+        x = s * qk_scale - gl.expand_dims(m_new + offset - LOG2_GAIN, 1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        x = s * qk_scale - gl.expand_dims(m_new - LOG2_GAIN, 1)
     if PV_FP8:
         p = exp2_mixed(x)
     else:
@@ -368,7 +394,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
               QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, WRITE_LSE: gl.constexpr,
-              RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr):
+              RAGGED: gl.constexpr, QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr):
     q_desc, k_desc, v_desc, _, o_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ids, tile_ready, tile_empty, o_staged = bars
@@ -380,10 +406,11 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     NEEDS_SPLIT: gl.constexpr = CAUSAL or PARTIAL_LAST_KEY_BLOCK
     out_dtype: gl.constexpr = o_ptr.dtype.element_ty
     p_dtype: gl.constexpr = v_desc.dtype  # the weights' dtype on the tensor cores: V's
+    QK_INT8: gl.constexpr = q_desc.dtype == gl.int8
 
-    # A wgmma step reduces 32 bytes of each row: 16 half-precision values, 32 e4m3 ones.
+    # A wgmma step reduces 32 bytes of each row: 16 half-precision values, 32 e4m3 or int8 ones.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK, 32 if QK_FP8 else 16])
+                                                       instr_shape=[16, BLOCK, 32 if QK_8BIT else 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 32 if PV_FP8 else 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if PV_FP8 else 2)
@@ -391,7 +418,10 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
     s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    zero_s = gl.zeros([HALF, BLOCK], gl.float32, s_layout)
+    if QK_INT8:
+        zero_s = gl.zeros([HALF, BLOCK], gl.int32, s_layout)
+    else:
+        zero_s = gl.zeros([HALF, BLOCK], gl.float32, s_layout)
     # e4m3 weights are taken times 448 (their largest value): they are in [0, 1], and e4m3 has
     # 3 bits down to 2^-6 only. The row sums carry the same factor, so the division cancels it.
     LOG2_GAIN: gl.constexpr = 8.807354922057604 if PV_FP8 else 0.0
@@ -427,7 +457,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         # the key block's scale, folded into the exponent's factor (`_step_scale`).
         tile_scale = qk_scale
         p_kscale = ptrs[12]
-        if QK_FP8:
+        if QK_8BIT:
             tile_scale = qk_scale * gl.load(ptrs[11] + i_b.to(gl.int64) * stride_qsb + i_hq.to(gl.int64) * stride_qsh
                                             + i_t)
             p_kscale = ptrs[12] + i_b.to(gl.int64) * stride_ksb + i_hk.to(gl.int64) * stride_ksh
@@ -452,15 +482,15 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             if TURNS:
                 if turns_here:
                     turn = pass_turn(turn, WG)
-            step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_FP8)
+            step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_8BIT)
             # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
-            next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_FP8)
-            s = warpgroup_mma_wait(0, deps=[s])
+            next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_8BIT)
+            s = _float_scores(warpgroup_mma_wait(0, deps=[s]), QK_INT8)
             _release_keys(k_empty, o_staged, slot, count == 1, O_TMA)
             if n_unmasked == 0:
                 s = _mask_scores(s, _block_start(p_list, 0, DENSE), q_pos, p_kpos, stride_kpn, seq_len_k,
                                  s_cols, CAUSAL, KEYS_PERMUTED)
-            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8)
+            m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8, QK_INT8)
             p = _weights(p_f32, p_layout, p_dtype, PV_FP8)
             prev_slot = slot
             prev_phase = phase
@@ -481,14 +511,14 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                     if turns_here:
                         turn = pass_turn(turn, WG)
                 step_scale = next_scale
-                next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_FP8)
+                next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_8BIT)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
-                s = warpgroup_mma_wait(1, deps=[s])
+                s = _float_scores(warpgroup_mma_wait(1, deps=[s]), QK_INT8)
                 _release_keys(k_empty, o_staged, slot, it == count - 1, O_TMA)
                 if it >= n_unmasked:
                     s = _mask_scores(s, _block_start(p_list, it, DENSE), q_pos, p_kpos, stride_kpn,
                                      seq_len_k, s_cols, CAUSAL, KEYS_PERMUTED)
-                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8)
+                m_i, l_i, p_f32, alpha = _softmax_step(s, m_i, l_i, step_scale, LOG2_GAIN, PV_FP8, QK_INT8)
                 acc = _wait_pv(acc, p, PV_FP8)
                 mbarrier.arrive(v_empty.index(prev_slot))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -555,7 +585,7 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
         if WRITE_LSE:
             # m_i and l_i are in the log2 domain of the scaled scores: lse = (m + log2 l) * ln 2.
             lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_nonzero) - LOG2_GAIN) * 0.6931471805599453)
-            if QK_FP8:
+            if QK_8BIT:
                 # K was smoothed: each score is short by scale * q . mean(K), which the quantization
                 # pass wrote per query from the unquantized q ((B, Hq, Nq), contiguous).
                 shift = gl.load(ptrs[14] + (i_b * (dims[0] * dims[1]) + i_hq).to(gl.int64) * seq_len_q + o_m,
@@ -592,12 +622,12 @@ def _release_keys(k_empty, o_staged, slot, last, O_TMA: gl.constexpr):
 
 
 @gluon.jit
-def _step_scale(tile_scale, p_kscale, p_list, it, count, DENSE: gl.constexpr, QK_FP8: gl.constexpr):
+def _step_scale(tile_scale, p_kscale, p_list, it, count, DENSE: gl.constexpr, QK_8BIT: gl.constexpr):
     """The exponent's factor of entry ``it``'s scores: softmax scale * log2(e), times the tile's
     query-block scale and the key block's scale when Q and K are quantized (entries past
     ``count`` read nothing)."""
     scale = tile_scale
-    if QK_FP8:
+    if QK_8BIT:
         in_list = it < count
         if DENSE:
             block = it
@@ -682,14 +712,14 @@ def _partition(ROLE: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_
                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                QUERIES_PERMUTED: gl.constexpr, DENSE: gl.constexpr, GATED: gl.constexpr,
-               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr, QK_FP8: gl.constexpr,
+               WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr, RAGGED: gl.constexpr, QK_8BIT: gl.constexpr,
                PV_FP8: gl.constexpr, O_TMA: gl.constexpr):
     """Role 0 and 1: the consumer warpgroups (query rows 0-63 and 64-127); role 2: the producer."""
     if ROLE == 2:
         _producer(descs, bufs, bars, ptrs, strides, dims, STAGES, DENSE, GATED, CAUSAL, PAGE_SIZE, RAGGED, PV_FP8)
     else:
         _consumer(ROLE, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
-                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED, QK_FP8, PV_FP8,
+                  PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, WRITE_LSE, RAGGED, QK_8BIT, PV_FP8,
                   O_TMA)
 
 
@@ -704,7 +734,7 @@ def _hopper_block_sparse_attn_fwd(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PARTIAL_LAST_KEY_BLOCK: gl.constexpr, KEYS_PERMUTED: gl.constexpr, QUERIES_PERMUTED: gl.constexpr,
     DENSE: gl.constexpr, GATED: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    RAGGED: gl.constexpr, QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr,
+    RAGGED: gl.constexpr, QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, O_TMA: gl.constexpr,
 ):
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     # Whole key blocks, whatever rows one TMA copy moves (a page smaller than a block moves part of one).
@@ -751,20 +781,21 @@ def _hopper_block_sparse_attn_fwd(
         [
             (_partition, (0, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
+                          PAGE_SIZE, RAGGED, QK_8BIT, PV_FP8, O_TMA)),
             (_partition, (1, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
+                          PAGE_SIZE, RAGGED, QK_8BIT, PV_FP8, O_TMA)),
             (_partition, (2, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM, STAGES, CAUSAL,
                           PARTIAL_LAST_KEY_BLOCK, KEYS_PERMUTED, QUERIES_PERMUTED, DENSE, GATED, WRITE_LSE,
-                          PAGE_SIZE, RAGGED, QK_FP8, PV_FP8, O_TMA)),
+                          PAGE_SIZE, RAGGED, QK_8BIT, PV_FP8, O_TMA)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _PRODUCER_REGS],
     )
 
 
-_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+                 torch.int8: gl.int8}
 
 
 def _nvmma_descriptor(x: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
@@ -842,10 +873,10 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
     """The launch's arguments. With ``block_table``, ``k`` and ``v`` are a paged cache viewed as
     ``(num_pages, Hk, page_size, D)`` (`pbs.kernels.block_sparse_attn.prepare_call`) holding
     ``seq_len_k`` keys of one sequence, ``page_size`` a multiple of the block. ``quantized``: the
-    prepared call after `pbs.kernels.block_sparse_attn.quantize_call`, whose e4m3 ``q``, ``k``
+    prepared call after `pbs.kernels.block_sparse_attn.quantize_call`, whose e4m3 or int8 ``q``, ``k``
     (and with ``pv_fp8`` the transposed ``v``) these are, with its scales."""
     if quantized is not None and (block_table is not None or row_starts is not None or dense):
-        raise ValueError("the Gluon kernel computes in e4m3 only on contiguous, unpadded batches (no block_table, "
+        raise ValueError("the Gluon kernel computes in 8 bits only on contiguous, unpadded batches (no block_table, "
                          "row_starts or dense mode)")
     b, hq, nq, d = q.shape
     if row_starts is not None:  # q is the packed (1, Hq, Tq, D) view: the tiles are the padded batch's
@@ -903,7 +934,7 @@ def _arguments(q, k, v, out, scale, causal, sm_count, stages, *, lists, list_str
         WRITE_LSE=lse is not None,
         PAGE_SIZE=page_size,
         RAGGED=row_starts is not None,
-        QK_FP8=quantized is not None,
+        QK_8BIT=quantized is not None,
         PV_FP8=pv_fp8,
         O_TMA=o_tma,
         num_warps=4,
@@ -951,7 +982,8 @@ def hopper_block_sparse_attention(
     ``precision``: ``"native"``, or one of `QUANTIZED_PRECISIONS` (`pbs.PBSConfig.precision`): Q
     and smoothed K (``"fp8_qk"``), and P and V too (``"fp8"``), in e4m3 with the scales of
     `pbs.reference.fp8`, quantized first by `pbs.kernels.fp8_quant` as for the Triton kernel;
-    contiguous keys and values, no ``row_starts``.
+    or one of `INT8_PRECISIONS`, Q and K in int8 (not yet run on a GPU); contiguous keys and
+    values, no ``row_starts``.
 
     ``row_starts``: ``(B + 1,)`` int32 on ``q``'s device, the cumulative query rows of a ragged
     batch (``cu_seq_q``) whose padded geometry is ``mask.layout``'s (``B`` entries of ``Nq`` rows):
@@ -966,9 +998,9 @@ def hopper_block_sparse_attention(
     """
     from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
-    if precision != "native" and precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(f"the Gluon kernel computes in precision 'native' or {' or '.join(map(repr, QUANTIZED_PRECISIONS))}, "
-                         f"got {precision!r}")
+    computed = ("native", *QUANTIZED_PRECISIONS, *INT8_PRECISIONS)
+    if precision not in computed:
+        raise ValueError(f"the Gluon kernel computes in precision {', '.join(map(repr, computed))}, got {precision!r}")
     if precision != "native" and (row_starts is not None or block_table is not None):
         raise ValueError(f"precision={precision!r} needs one contiguous, unpadded batch: no row_starts or block_table")
 
