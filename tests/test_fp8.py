@@ -185,6 +185,40 @@ def test_kernel_matches_its_twin(case, precision):
     torch.testing.assert_close(lse, twin_lse, atol=2e-3, rtol=1e-4)
 
 
+def triton_int8_compile_report() -> dict:
+    """Compiles the Triton kernel for sm_90 with int8 Q and K and e4m3 P V (run by
+    compile_in_subprocess; stand-in tensors, as the quantization pass cannot run there): its opcodes."""
+    import collections
+
+    from pbs.kernels import block_sparse_attn
+    from tests.sm90_compile import sass, scratch_dir, sm90_driver
+    from tests.test_hopper_attn import _stand_in_quantized
+    from tests.test_paged import _compile_only
+
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(1, 4, 2, 1000, 128, seed=0))
+    plan = _plan(q.float(), k.float(), block=128, segment=256, permuter="none", density=0.5)
+    call = block_sparse_attn.prepare_call(q, k, v, plan.mask, None, None, None, True, None)
+    _stand_in_quantized(call, "int8_qk_fp8_pv")
+    compiled = []
+    with sm90_driver(), _compile_only(block_sparse_attn, ["_block_sparse_attn_fwd"], compiled):
+        block_sparse_attn._launch(call, block_sparse_attn.candidate_configs(torch.int8, 128, False)[0].fitted(128))
+    code = sass(compiled[0].asm["cubin"], scratch_dir())
+    ops = [line.split()[1] for line in code.splitlines() if line.strip().startswith("/*") and len(line.split()) > 1]
+    return dict(collections.Counter(op.split(".")[0] for op in ops))
+
+
+def test_triton_int8_scores_take_no_conversion_instruction_on_sm90():
+    # int8 Q.K^T's int32 scores become float32 by an integer add and a subtraction
+    # (pbs.kernels._common.SCORE_OFFSET), not one I2FP each (the quarter-rate pipe of the
+    # exponentials): a 64 x 128 tile of 4 warps gives each thread 64 scores per step.
+    from tests.sm90_compile import compile_in_subprocess
+
+    ops = compile_in_subprocess("tests.test_fp8:triton_int8_compile_report")
+    assert ops.get("IGMMA", 0) + ops.get("IMMA", 0) > 0, ops  # the scores are int8 products
+    conversions = sum(count for op, count in ops.items() if op.startswith("I2F"))  # I2F, I2FP
+    assert conversions < 16, ops  # 128 I2FP (two loops of 64) before
+
+
 # The Gluon kernel (Hopper) against the same twin: mask block 128, head dims 64 and 128.
 GLUON_CASES = {
     "gqa_permuted": dict(seq_len=1000, head_dim=128, permuter="last_block", density=0.5),

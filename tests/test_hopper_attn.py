@@ -83,7 +83,8 @@ def compile_report(head_dim: int, causal: bool, stages: int, dense: bool = False
     return {"usage": resource_usage(cubin, scratch), "shared": compiled.metadata.shared,
             "markers": {m: m in code for m in markers},
             "tile_claims": sorted(set(re.findall(r"atom\.global\.gpu\.[a-z_]+\.add", ptx))),
-            "counts": {op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX", "FFMA", "FMUL", "FADD", "I2F")},
+            "counts": {**{op: sum(o == op for o in opcodes) for op in ("PRMT", "SHFL.IDX", "FFMA", "FMUL", "FADD")},
+                       "I2F*": sum(o.startswith("I2F") for o in opcodes)},  # I2F, I2FP: integer to float
             "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in _E4M3_PTX.items()}}
 
 
@@ -120,9 +121,10 @@ def test_compiles_for_sm90_warp_specialized_without_spills(head_dim, causal, sta
     assert markers["HGMMA.64x128x16.F32.BF16"] == (precision == "native")
     assert markers["QGMMA.64x128x32.F32.E4M3.E4M3"] == pv_fp8
     assert markers["IGMMA.64x128x32.S8.S8"] == (qk_format == "int8")
-    # int8 scores become float32 by an integer add (`_float_scores`), not one I2F each (64 per
-    # thread and step; the few I2F left convert positions and counts).
-    assert report["counts"]["I2F"] < 16, report["counts"]
+    # int8 scores become float32 by an integer add (`_float_scores`), not one conversion each
+    # (I2FP, on the quarter-rate pipe of the exponentials: 64 per thread and step; the few left
+    # convert positions and counts).
+    assert report["counts"]["I2F*"] < 16, report["counts"]
     assert markers["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     # ... and the partitions hand buffers over through mbarriers.
     assert markers["SYNCS.ARRIVE"] and markers["SYNCS.PHASECHK"]
@@ -166,17 +168,17 @@ def test_int8_scores_become_float32_by_one_integer_add_and_lose_the_offset_in_th
     # `_float_scores` and `_softmax_step` under int8 Q and K, replayed in float32 (the Gluon kernel
     # has no interpreter): every int32 score of head dims up to 256 comes out exact, and the
     # offset taken off in the exponent moves a weight by far less than int8's own error (~1e-2).
-    from pbs.kernels.hopper_attn import _SCORE_OFFSET_BITS, SCORE_OFFSET
+    from pbs.kernels._common import SCORE_OFFSET, SCORE_OFFSET_BITS
 
     limit = 256 * 127 * 127  # the largest |Q.K^T| of int8 rows at head dim 256
     gen = torch.Generator().manual_seed(0)
     s = torch.cat([torch.tensor([-limit, -1, 0, 1, limit], dtype=torch.int32),
                    torch.randint(-limit, limit + 1, (4096,), generator=gen, dtype=torch.int32)])
-    as_float = (s + _SCORE_OFFSET_BITS.value).view(torch.float32)
-    assert torch.equal(as_float.double() - SCORE_OFFSET.value, s.double())
+    as_float = (s + SCORE_OFFSET_BITS).view(torch.float32)
+    assert torch.equal(as_float.double() - SCORE_OFFSET, s.double())
     # A step's exponents: scale = softmax scale * log2(e) * two block scales of amax / 127.
     scale = torch.tensor(128**-0.5 * 1.4426950408889634 * (4.0 / 127) ** 2, dtype=torch.float32)
-    offset = SCORE_OFFSET.value * scale
+    offset = SCORE_OFFSET * scale
     m = (as_float.max() * scale - offset).clamp_min(-1e30)
     x = as_float * scale - (m + offset)  # unfused: rounded twice, where the kernel's FMA rounds once
     exact = s.double() * scale.double() - m.double()

@@ -15,6 +15,12 @@ LOG2_E = 1.4426950408889634
 """log2(e): the kernels compute ``exp(x)`` as ``exp2(x * LOG2_E)``, with the factor folded into the
 softmax scale they are passed."""
 
+# int32 scores s of int8 Q.K^T read as the float32 SCORE_OFFSET + s once SCORE_OFFSET_BITS is added
+# to their bits: exact while |s| < 2^22, and |s| <= D * 127^2 < 2^22 for head dims up to 256. Both
+# kernels read their int8 scores so, with no conversion instruction (I2F) per score.
+SCORE_OFFSET = 12582912.0  # 1.5 * 2^23: its float32 neighbours are 1 apart
+SCORE_OFFSET_BITS = 0x4B400000  # its bits
+
 FAR_FUTURE = 1 << 30
 """The position given to padded key (and query) slots: later than every real token, so the causal
 check ``key_position <= query_position`` drops them without a bounds test of its own.

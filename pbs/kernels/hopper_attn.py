@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from pbs.kernels import _common
 from pbs.kernels._common import COMPILE_OPTIONS, FAR_FUTURE, LOG2_E, descriptor_ready, sm_count, tma_descriptor
 from pbs.kernels.hopper_e4m3 import TURN_MIN_BLOCKS, exp2_mixed, pass_turn, take_turn, to_e4m3x4
 from pbs.layout import cdiv
@@ -83,12 +84,11 @@ QUANTIZED_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.
 # With int8 Q and K (`_float_scores`): compiled for sm_90 and checked on the CPU (tests/test_hopper_attn.py),
 # not yet run on a GPU, so the backend still runs them on the Triton kernel (session 34).
 INT8_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "int8")
-# int32 scores s of int8 Q.K^T come out as the float32 SCORE_OFFSET + s by one integer add to the
-# offset's bits (exact while |s| < 2^22, and |s| <= D * 127^2 < 2^22 for D <= 256): the offset is
-# taken off in the exponent's multiply-add, where the scale is applied anyway, so no score takes a
-# conversion instruction (I2F, a quarter-rate one like the exponentials).
-SCORE_OFFSET = gl.constexpr(12582912.0)  # 1.5 * 2^23
-_SCORE_OFFSET_BITS = gl.constexpr(0x4B400000)
+# int8 scores come out as the float32 SCORE_OFFSET + s (`pbs.kernels._common.SCORE_OFFSET`), and the
+# offset is taken off in the exponent's multiply-add, where the scale is applied anyway: no score
+# takes a conversion instruction (I2F, quarter-rate like the exponentials) or a subtraction.
+SCORE_OFFSET = gl.constexpr(_common.SCORE_OFFSET)
+_SCORE_OFFSET_BITS = gl.constexpr(_common.SCORE_OFFSET_BITS)
 COMPUTE_CAPABILITY_MAJOR = 9
 HALF_ROWS = 64  # query rows per consumer warpgroup
 MIN_PAGE_SIZE = 16  # the smallest page a TMA copy moves into its rows of a key block (8 swizzled rows x 2)
