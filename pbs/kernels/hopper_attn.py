@@ -84,6 +84,7 @@ QUANTIZED_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.
 # With int8 Q and K (`_float_scores`): compiled for sm_90 and checked on the CPU (tests/test_hopper_attn.py),
 # not yet run on a GPU, so the backend still runs them on the Triton kernel (session 34).
 INT8_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "int8")
+EIGHT_BIT_PRECISIONS = QUANTIZED_PRECISIONS + INT8_PRECISIONS  # every quantized precision the kernel computes
 # int8 scores come out as the float32 SCORE_OFFSET + s (`pbs.kernels._common.SCORE_OFFSET`), and the
 # offset is taken off in the exponent's multiply-add, where the scale is applied anyway: no score
 # takes a conversion instruction (I2F, quarter-rate like the exponentials) or a subtraction.
@@ -998,9 +999,9 @@ def hopper_block_sparse_attention(
     """
     from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
-    computed = ("native", *QUANTIZED_PRECISIONS, *INT8_PRECISIONS)
-    if precision not in computed:
-        raise ValueError(f"the Gluon kernel computes in precision {', '.join(map(repr, computed))}, got {precision!r}")
+    if precision != "native" and precision not in EIGHT_BIT_PRECISIONS:
+        raise ValueError(f"the Gluon kernel computes in precision {', '.join(map(repr, ('native', *EIGHT_BIT_PRECISIONS)))}"
+                         f", got {precision!r}")
     if precision != "native" and (row_starts is not None or block_table is not None):
         raise ValueError(f"precision={precision!r} needs one contiguous, unpadded batch: no row_starts or block_table")
 
