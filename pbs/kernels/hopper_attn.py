@@ -39,9 +39,10 @@ The last block of a sequence that ends inside a page loads its values through a 
 whose rows end where the sequence ends, so the stale rows after it arrive as zeros.
 
 In the e4m3 precisions (`QUANTIZED_PRECISIONS`, after `pbs.kernels.block_sparse_attn.quantize_call`)
-Q.K^T runs on e4m3 wgmma (int8 in `INT8_PRECISIONS`: `_float_scores`), the query-block and key-block
-scales folded into the exponent's factor (`_step_scale`), and under ``"fp8"`` P.V too, against V stored transposed with each 16 keys in the
-order the weights leave the score accumulator (`_weights`), so no weight crosses threads. With
+Q.K^T runs on e4m3 wgmma (int8 in `INT8_PRECISIONS`: `_float_scores`), the query-block and
+key-block scales folded into the exponent's factor (`_step_scale`), and under ``"fp8"`` P.V too,
+against V stored transposed with each 16 keys in the order the weights leave the score
+accumulator (`_weights`), so no weight crosses threads. With
 the tensor-core work halved, the softmax's instructions per weight set the pace (docs/fp8.md has
 the measurements): the weights' factor 448 rides in the exponent (`_softmax_step`), one
 exponential in four is a polynomial on the FMA pipe, and the weights are rounded from float32 to
@@ -1000,8 +1001,8 @@ def hopper_block_sparse_attention(
     from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
     if precision != "native" and precision not in EIGHT_BIT_PRECISIONS:
-        raise ValueError(f"the Gluon kernel computes in precision {', '.join(map(repr, ('native', *EIGHT_BIT_PRECISIONS)))}"
-                         f", got {precision!r}")
+        accepted = ", ".join(map(repr, ("native", *EIGHT_BIT_PRECISIONS)))
+        raise ValueError(f"the Gluon kernel computes in precision {accepted}, got {precision!r}")
     if precision != "native" and (row_starts is not None or block_table is not None):
         raise ValueError(f"precision={precision!r} needs one contiguous, unpadded batch: no row_starts or block_table")
 
