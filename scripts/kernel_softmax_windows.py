@@ -50,7 +50,7 @@ SOFTMAX = POINTS[:4]
 # (anchor, which stamp): each stamp goes after the line that starts with its anchor, inside the
 # loop over the blocks.
 ANCHORS = [
-    ("                s = warpgroup_mma_wait(1, deps=[s])", 0),
+    ("                s = _float_scores(warpgroup_mma_wait(1, deps=[s]), QK_INT8)", 0),
     ("                m_i, l_i, p_f32, alpha = _softmax_step(", 1),
     ("                acc = _wait_pv(acc, p, PV_FP8)", 2),
     ("                p = _weights(p_f32, p_layout, p_dtype, PV_FP8)", 3),

@@ -43,7 +43,8 @@ SLOTS = 16  # int64 per tile: the ten points, then the block count (14) and the 
 ANCHORS = [
     ("        n_unmasked = count\n", 0, 8, "after"),
     ("        mbarrier.wait(q_ready, t & 1)\n", 1, 8, "after"),
-    ("            s = warpgroup_mma_wait(0, deps=[s])\n            _release_keys(k_empty, o_staged, slot, count == 1",
+    ("            s = _float_scores(warpgroup_mma_wait(0, deps=[s]), QK_INT8)\n"
+     "            _release_keys(k_empty, o_staged, slot, count == 1",
      2, 12, "after_first_line"),
     ("            mbarrier.arrive(q_empty)\n            mbarrier.wait(v_ready.index(prev_slot), prev_phase)\n", 3, 12,
      "after_first_line"),
