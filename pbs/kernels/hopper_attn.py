@@ -205,6 +205,25 @@ def _next_tile(t, tile_ids, tile_ready, tile_empty):
 
 
 @gluon.jit
+def _turn_taken(turn, here, WG: gl.constexpr, TURNS: gl.constexpr):
+    """`take_turn` where the warpgroups take turns (``TURNS``) and the tile has the blocks for it
+    (``here``: at least `TURN_MIN_BLOCKS`); ``turn`` as it was otherwise."""
+    if TURNS:
+        if here:
+            turn = take_turn(turn, WG)
+    return turn
+
+
+@gluon.jit
+def _turn_passed(turn, here, WG: gl.constexpr, TURNS: gl.constexpr):
+    """`pass_turn` under the same conditions as `_turn_taken`."""
+    if TURNS:
+        if here:
+            turn = pass_turn(turn, WG)
+    return turn
+
+
+@gluon.jit
 def _float_scores(s, QK_INT8: gl.constexpr):
     """The step's scores as float32: as they are, or int8 Q.K^T's int32 ones as ``SCORE_OFFSET + s``
     (one integer add; `_softmax_step` takes the offset off)."""
@@ -476,14 +495,10 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
             slot = kv_i % STAGES
             phase = (kv_i // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
-            if TURNS:
-                if turns_here:
-                    turn = take_turn(turn, WG)
+            turn = _turn_taken(turn, turns_here, WG, TURNS)
             s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
-            if TURNS:
-                if turns_here:
-                    turn = pass_turn(turn, WG)
+            turn = _turn_passed(turn, turns_here, WG, TURNS)
             step_scale = _step_scale(tile_scale, p_kscale, p_list, 0, count, DENSE, QK_8BIT)
             # The next entry's scale is read a step ahead: two dependent loads per step otherwise.
             next_scale = _step_scale(tile_scale, p_kscale, p_list, 1, count, DENSE, QK_8BIT)
@@ -501,17 +516,13 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 slot = kv_i % STAGES
                 phase = (kv_i // STAGES) & 1
                 mbarrier.wait(k_ready.index(slot), phase)
-                if TURNS:
-                    if turns_here:
-                        turn = take_turn(turn, WG)
+                turn = _turn_taken(turn, turns_here, WG, TURNS)
                 s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev_slot), prev_phase)
                 acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                     is_async=True)
-                if TURNS:
-                    if turns_here:
-                        turn = pass_turn(turn, WG)
+                turn = _turn_passed(turn, turns_here, WG, TURNS)
                 step_scale = next_scale
                 next_scale = _step_scale(tile_scale, p_kscale, p_list, it + 1, count, DENSE, QK_8BIT)
                 # wgmma groups retire in order: one outstanding means S is ready, P V may still run.
@@ -530,14 +541,10 @@ def _consumer(WG: gl.constexpr, descs, bufs, bars, ptrs, strides, dims, HEAD_DIM
                 kv_i += 1
             mbarrier.arrive(q_empty)
             mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-            if TURNS:
-                if turns_here:
-                    turn = take_turn(turn, WG)
+            turn = _turn_taken(turn, turns_here, WG, TURNS)
             acc = warpgroup_mma(_operand(p, PV_FP8), _values(v_smem, prev_slot, HEAD_DIM, PV_FP8), acc,
                                 is_async=True)
-            if TURNS:
-                if turns_here:
-                    turn = pass_turn(turn, WG)
+            turn = _turn_passed(turn, turns_here, WG, TURNS)
             acc = _wait_pv(acc, p, PV_FP8)
             mbarrier.arrive(v_empty.index(prev_slot))
         else:
