@@ -16,7 +16,7 @@ in one run, each against the same baseline. Where "after" is the same kernel as 
 ratio is the A/B's own noise. Sparse points use `bench_kernel.py`'s shapes and masks (``budget``
 selections on ``last_block``-permuted keys); ``--dense`` adds the dense mode (every visible key,
 ``launch_hopper_dense``) beside cuDNN's dense causal time. ``--precision fp8`` (or another of
-`pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`) times the e4m3 kernels on calls quantized once,
+`pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`) times the quantized kernels on calls quantized once,
 outside the timing, by each module's own ``quantize_for_hopper``.
 
     python benchmarks/ab_kernel.py --before /tmp/hopper_before.py --json benchmarks/results/kernel/ab.json

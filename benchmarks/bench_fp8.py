@@ -10,9 +10,9 @@ density one plan is made and run by:
   ``int8_qk``): the Triton kernel in that precision, timed as a user gets it (quantization
   included) and as attention alone on quantized inputs (``*_attention_ms``); the quantization pass
   alone is ``*_quantize_ms``;
-* ``*_hopper_*``: the Gluon kernel in the 8-bit precisions it computes
-  (`pbs.kernels.hopper_attn.EIGHT_BIT_PRECISIONS`: e4m3, and int8 Q and K not yet routed to it by
-  the backend), timed the same two ways, on a Hopper GPU.
+* ``*_hopper_*``: the Gluon kernel in the same precision (every one of
+  `pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`; ``auto``'s choice on Hopper), timed the same two
+  ways, on a Hopper GPU.
 
 Error (``--error-n``, default 4096): each path's output against fp32 attention over the same mask,
 beside cuDNN bf16 dense's error against fp32 dense; on Gaussian inputs and on the structured inputs
@@ -96,10 +96,10 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
 def _time_hopper(point: dict, precision: str, q, kp, vp, plan, kpos, blocks: int, best_bf16: float) -> None:
     """The Gluon kernel's times in ``precision`` (quantization included, and attention alone)."""
     from pbs.kernels.hopper_attn import (
-        EIGHT_BIT_PRECISIONS, hopper_block_sparse_attention, launch_hopper, quantize_for_hopper,
+        QUANTIZED_PRECISIONS, hopper_block_sparse_attention, launch_hopper, quantize_for_hopper,
     )
 
-    if precision not in EIGHT_BIT_PRECISIONS:
+    if precision not in QUANTIZED_PRECISIONS:
         return
     key = f"{precision}_hopper"
     point[f"{key}_ms"] = time_ms(
@@ -162,10 +162,10 @@ def _hopper_output(q, kp, vp, plan, kpos, precision: str) -> torch.Tensor | None
     """The Gluon kernel's output in ``precision``, or None where it does not run (not Hopper, no
     Gluon, a precision it does not compute)."""
     try:
-        from pbs.kernels.hopper_attn import EIGHT_BIT_PRECISIONS, hopper_block_sparse_attention
+        from pbs.kernels.hopper_attn import QUANTIZED_PRECISIONS, hopper_block_sparse_attention
     except ImportError:
         return None
-    if precision not in EIGHT_BIT_PRECISIONS or torch.cuda.get_device_capability()[0] != 9:
+    if precision not in QUANTIZED_PRECISIONS or torch.cuda.get_device_capability()[0] != 9:
         return None
     return hopper_block_sparse_attention(q, kp, vp, plan.mask, None, kpos, precision=precision)
 

@@ -104,8 +104,6 @@ def _run_flex(call: AttentionCall) -> torch.Tensor:
 
 
 _ALL_PRECISIONS = tuple(PRECISION_FORMATS)  # every pbs.PBSConfig.precision
-# The Gluon kernel's: native, and e4m3 Q and K (pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS).
-_NATIVE_AND_E4M3 = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format in (None, "e4m3"))
 
 
 def _no_reasons(spec: CallSpec) -> list[str]:
@@ -114,7 +112,7 @@ def _no_reasons(spec: CallSpec) -> list[str]:
 
 register_backend(AttentionBackend("hopper", gluon_kernel_reasons, _run_hopper, auto_priority=0, plans_with="triton",
                                   returns_lse=True, capturable=True, ragged_rows=True,
-                                  precisions=_NATIVE_AND_E4M3))
+                                  precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("triton", triton_kernel_reasons, _run_triton, triton_auto_reasons, auto_priority=1,
                                   plans_with="triton", returns_lse=True, capturable=True, precisions=_ALL_PRECISIONS))
 register_backend(AttentionBackend("reference", _no_reasons, _run_reference, reference_auto_reasons, auto_priority=100,

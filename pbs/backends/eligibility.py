@@ -94,7 +94,7 @@ def _triton_kernel_reasons(spec: CallSpec, interpret: bool) -> tuple[str, ...]:
 
 
 def _fp8_reasons(spec: CallSpec) -> list[str]:
-    """Why a quantizing kernel (Triton's, or the Gluon kernel's e4m3 variants) cannot run
+    """Why a quantizing kernel (Triton's or the Gluon kernel's) cannot run
     ``spec.precision`` (none for ``"native"``)."""
     if spec.precision == "native":
         return []

@@ -38,7 +38,7 @@ rows of the block's shared-memory buffer.
 The last block of a sequence that ends inside a page loads its values through a second descriptor
 whose rows end where the sequence ends, so the stale rows after it arrive as zeros.
 
-In the e4m3 precisions (`QUANTIZED_PRECISIONS`, after `pbs.kernels.block_sparse_attn.quantize_call`)
+In the e4m3 precisions (`E4M3_PRECISIONS`, after `pbs.kernels.block_sparse_attn.quantize_call`)
 Q.K^T runs on e4m3 wgmma (int8 in `INT8_PRECISIONS`: `_float_scores`), the query-block and
 key-block scales folded into the exponent's factor (`_step_scale`), and under ``"fp8"`` P.V too,
 against V stored transposed with each 16 keys in the order the weights leave the score
@@ -80,12 +80,10 @@ if (_tma_load is None or _tma_store is None or _partition_barrier is None
 BLOCK_SIZE = 128  # query rows per tile and keys per block (the mask block)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
-# The `pbs.PBSConfig.precision` values with e4m3 Q and K, which the backend runs here.
-QUANTIZED_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "e4m3")
-# With int8 Q and K (`_float_scores`): compiled for sm_90 and checked on the CPU (tests/test_hopper_attn.py),
-# not yet run on a GPU, so the backend still runs them on the Triton kernel (session 34).
+# The `pbs.PBSConfig.precision` values with e4m3 Q and K, and with int8 Q and K (`_float_scores`).
+E4M3_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "e4m3")
 INT8_PRECISIONS = tuple(name for name, (qk_format, _) in PRECISION_FORMATS.items() if qk_format == "int8")
-EIGHT_BIT_PRECISIONS = QUANTIZED_PRECISIONS + INT8_PRECISIONS  # every quantized precision the kernel computes
+QUANTIZED_PRECISIONS = E4M3_PRECISIONS + INT8_PRECISIONS  # every quantized precision the kernel computes
 # int8 scores come out as the float32 SCORE_OFFSET + s (`pbs.kernels._common.SCORE_OFFSET`), and the
 # offset is taken off in the exponent's multiply-add, where the scale is applied anyway: no score
 # takes a conversion instruction (I2F, quarter-rate like the exponentials) or a subtraction.
@@ -991,8 +989,8 @@ def hopper_block_sparse_attention(
     ``precision``: ``"native"``, or one of `QUANTIZED_PRECISIONS` (`pbs.PBSConfig.precision`): Q
     and smoothed K (``"fp8_qk"``), and P and V too (``"fp8"``), in e4m3 with the scales of
     `pbs.reference.fp8`, quantized first by `pbs.kernels.fp8_quant` as for the Triton kernel;
-    or one of `INT8_PRECISIONS`, Q and K in int8 (not yet run on a GPU); contiguous keys and
-    values, no ``row_starts``.
+    or Q and K in int8 (``"int8_qk"``, ``"int8_qk_fp8_pv"``); contiguous keys and values, no
+    ``row_starts``.
 
     ``row_starts``: ``(B + 1,)`` int32 on ``q``'s device, the cumulative query rows of a ragged
     batch (``cu_seq_q``) whose padded geometry is ``mask.layout``'s (``B`` entries of ``Nq`` rows):
@@ -1007,8 +1005,8 @@ def hopper_block_sparse_attention(
     """
     from pbs.kernels.block_sparse_attn import attach_lse, prepare_call
 
-    if precision != "native" and precision not in EIGHT_BIT_PRECISIONS:
-        accepted = ", ".join(map(repr, ("native", *EIGHT_BIT_PRECISIONS)))
+    if precision != "native" and precision not in QUANTIZED_PRECISIONS:
+        accepted = ", ".join(map(repr, ("native", *QUANTIZED_PRECISIONS)))
         raise ValueError(f"the Gluon kernel computes in precision {accepted}, got {precision!r}")
     if precision != "native" and (row_starts is not None or block_table is not None):
         raise ValueError(f"precision={precision!r} needs one contiguous, unpadded batch: no row_starts or block_table")
