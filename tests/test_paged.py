@@ -550,14 +550,15 @@ def test_gpu_paged_equals_contiguous_in_bf16(page_size, preset, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_paged_equals_contiguous_in_fp8_on_autos_kernel(monkeypatch):
+@pytest.mark.parametrize("preset", ["fp8", "quantized"])
+def test_gpu_paged_equals_contiguous_in_a_quantized_preset_on_autos_kernel(preset, monkeypatch):
     # The pages gathered at planning: auto's kernel (the Gluon one on Hopper) quantizes and runs
-    # exactly what it does on the contiguous batch.
-    config = pbs.PBSConfig.from_preset("fp8", **NO_FALLBACK)
+    # exactly what it does on the contiguous batch, in e4m3 and in int8.
+    config = pbs.PBSConfig.from_preset(preset, **NO_FALLBACK)
     sequences = structured_sequences([(4096, 4096), (100, 5000), (129, 1000)], seed=23)
     plans = check_paged_equals_contiguous(sequences, config, 64, monkeypatch)
     assert {plan.backend for plan in plans} == {"hopper" if _gluon_runs_here() else "triton"}
-    assert {plan.config.precision for plan in plans} == {"fp8"}
+    assert {plan.config.precision for plan in plans} == {config.precision}
 
 
 def _gluon_runs_here() -> bool:
