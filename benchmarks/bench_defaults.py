@@ -19,6 +19,9 @@ it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the 
 the density probe alone (``probe``: its two launches and its host read, events), and records
 which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
+``--profile`` adds, per point, where one ``pbs.attention`` call's GPU time goes (``pbs_kernels``:
+torch.profiler's kernels summed by name, `benchmarks.common.time_by_name`), to tell a config's
+end-to-end time from its attention kernel's.
 
     python benchmarks/bench_defaults.py --json benchmarks/results/defaults/defaults_<device>.json
     python benchmarks/bench_defaults.py --preset fp8 --lengths 32768 65536 131072 --inputs structured
@@ -40,7 +43,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import environment, save, time_by_name  # noqa: E402
 from pbs.backends import CallSpec  # noqa: E402
 from pbs.backends.eligibility import gated_dense_reasons  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
@@ -101,7 +104,7 @@ def path_of(q, k, v, config: pbs.PBSConfig) -> str:
     return f"sparse (density {plan.density:.3f})"
 
 
-def measure(kind: str, n: int, config: pbs.PBSConfig) -> dict:
+def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> dict:
     q, k, v = inputs(kind, n)
     iters, repeats, calls = counts_for(n)
 
@@ -148,6 +151,8 @@ def measure(kind: str, n: int, config: pbs.PBSConfig) -> dict:
         probe_args = dict(block_size=128, num_blocks=pbs.PBSConfig().dense_fallback.probe_blocks, threshold=0.9,
                           scale=HEAD_DIM**-0.5)
         row["probe_events_ms"] = benchmark_cuda(lambda: probe_density_triton(q, k, **probe_args), warmup=1, iters=iters)
+    if profile:
+        row["pbs_kernels"] = time_by_name(pbs_call)
     row["ratio_events"] = row["pbs_events_ms"] / row["cudnn_events_ms"]
     row["ratio_wall"] = row["pbs_wall_ms"] / row["cudnn_wall_ms"]
     del q, k, v
@@ -186,6 +191,8 @@ def main() -> None:
     parser.add_argument("--config", default=None,
                         help="time pbs.attention with this config (JSON text or a JSON file) instead of the defaults")
     parser.add_argument("--json", help="where to write the results")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each point's GPU kernels of one pbs.attention call (pbs_kernels)")
     args = parser.parse_args()
     if args.preset and args.config:
         parser.error("--preset and --config: give one of them")
@@ -197,7 +204,7 @@ def main() -> None:
     for n in args.lengths:
         for kind in args.inputs:
             try:
-                row = measure(kind, n, config)
+                row = measure(kind, n, config, args.profile)
             except torch.OutOfMemoryError as error:
                 row = {"input": kind, "seq_len": n, "error": str(error).splitlines()[0]}
                 torch.cuda.empty_cache()
@@ -210,6 +217,8 @@ def main() -> None:
                   f"{row['ratio_busy']:6.3f} {row['ratio_busy_aa']:6.3f} | "
                   f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | "
                   f"{row.get('probe_events_ms', float('nan')):6.3f} | {row['path']}", flush=True)
+            for kernel in row.get("pbs_kernels", []):
+                print(f"{'':>18} {kernel['ms']:9.3f} ms in {kernel['calls']:>3} x {kernel['name'][:90]}", flush=True)
     q, k, v = inputs("structured", 4096)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn_kernels = kernels_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

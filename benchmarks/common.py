@@ -136,6 +136,34 @@ def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
     return benchmark_cuda(fn, warmup=2, iters=iters)
 
 
+def time_by_name(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> list[dict[str, Any]]:
+    """Where one call of ``fn`` spends its time: torch.profiler's events of ``device_type``
+    (``"cuda"``: the GPU kernels; ``"cpu"``: the host's ops, nested ones counted in their callers
+    too), summed by name, the largest first.
+
+    Returns:
+        up to ``top`` ``{"name", "ms", "calls"}``, by ``ms`` (the events' summed durations) descending.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device_type == "cuda" else ProfilerActivity.CPU
+    fn()  # compiled and cached before the profiled call
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        fn()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name.lower() == device_type:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us() / 1000.0
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked]
+
+
 def load_module_file(name: str, path: str | os.PathLike):
     """The Python module in ``path``, imported under ``name`` (a kernel module's copy from another
     revision, say: its Gluon functions then compile apart from the tree's own)."""

@@ -191,3 +191,21 @@ def test_ncu_summary_finds_the_block_loop_and_splits_its_samples():
     assert loop["by_reason"] == {"barrier": 0.5, "wait": 0.4, "mio": 0.1}
     assert loop["by_opcode"]["MUFU"] == {"share": 0.4, "main_reasons": {"wait": 0.75, "mio": 0.25}}
     assert loop["by_opcode"]["WARPGROUP"]["share"] == 0.5
+
+
+def test_time_by_name_sums_one_calls_events_by_name_largest_first():
+    from benchmarks.common import time_by_name
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def call():
+        for _ in range(3):
+            torch.mm(a, b)
+        return torch.add(a, b)
+
+    table = time_by_name(call, device_type="cpu", top=50)
+    by_name = {row["name"]: row for row in table}
+    assert by_name["aten::mm"]["calls"] == 3 and by_name["aten::add"]["calls"] == 1  # one profiled call, not the warm-up
+    assert [row["ms"] for row in table] == sorted((row["ms"] for row in table), reverse=True)
+    assert by_name["aten::mm"]["ms"] > 0
+    assert len(time_by_name(call, device_type="cpu", top=1)) == 1
