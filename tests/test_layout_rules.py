@@ -150,6 +150,26 @@ def test_the_defaults_plot_draws_every_protocol_of_a_result(tmp_path):
     assert out.stat().st_size > 10_000
 
 
+def test_the_fp8_plot_draws_every_precision_on_each_kernel_of_a_result(tmp_path):
+    # benchmarks/plot_fp8.py turns a bench_fp8.py result into docs/fp8.md's picture: each precision
+    # the file times on each kernel is a line, with its speed-up over the bf16 Gluon kernel.
+    import subprocess
+    import sys
+
+    from benchmarks.plot_fp8 import paths, series
+
+    path = BENCHMARKS / "results" / "kernel" / "fp8_int8_gluon_h200_aad513e.json"
+    points = json.loads(path.read_text())["points"]
+    assert [label for _, label in paths(points)] == [
+        "fp8, Gluon", "int8_qk, Gluon", "int8_qk_fp8_pv, Gluon", "fp8, Triton", "int8_qk, Triton", "int8_qk_fp8_pv, Triton"]
+    densities, speedups, tflops = series(points, 131072, "fp8_hopper")
+    assert densities == sorted(densities) and len(densities) == 4
+    assert abs(speedups[-1] - 225.4786 / 175.2583) < 1e-3 and abs(tflops[-1] - 804.6) < 0.1  # 128K, density 1.0
+    out = tmp_path / "plot.png"
+    subprocess.run([sys.executable, str(BENCHMARKS / "plot_fp8.py"), str(path), "--out", str(out)], check=True)
+    assert out.stat().st_size > 10_000
+
+
 # -- the floors of the package: every import looks down -------------------------------------------
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("values", ("pbs.layout", "pbs.ragged_layout", "pbs.config_view", "pbs.types", "pbs.registry", "pbs.validation", "pbs.components", "pbs.config")),
