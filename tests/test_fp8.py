@@ -104,6 +104,56 @@ def test_smoothing_takes_a_common_key_offset_out_of_the_error():
     assert smoothed < 0.08 and unsmoothed > 2 * smoothed
 
 
+def test_int8_channel_balance_keeps_the_products_and_takes_an_outlier_channel_out_of_the_error():
+    """A key channel ten times the others' range (after the mean) takes int8's 127 steps from the
+    rest when K and Q are scaled alone; balanced (K's channel times c, Q's divided by c, c the
+    square root of their amax ratio) the two sides share the range and the scores keep their bits."""
+    q, k, _ = _gaussian(seed=5)
+    k[..., 3] *= 10.0
+    mean = fp8.key_means(k)
+    q_factor, k_factor = fp8.channel_balance(q, k, mean)
+    group = q.shape[1] // k.shape[1]
+    q_balanced = q * q_factor.repeat_interleave(group, dim=1)[:, :, None, :]
+    k_balanced = (k - mean) * k_factor[:, :, None, :]
+    exact = q @ (k - mean).repeat_interleave(group, dim=1).transpose(-1, -2)
+    torch.testing.assert_close(q_balanced @ k_balanced.repeat_interleave(group, dim=1).transpose(-1, -2), exact,
+                               atol=1e-4, rtol=1e-5)
+    q_amax = q_balanced.abs().amax(2).view(1, 2, group, 64).amax(2)
+    torch.testing.assert_close(q_amax, k_balanced.abs().amax(2), rtol=1e-5, atol=0)
+    assert k_factor[..., 3].max() < 0.5 < k_factor[..., :3].min()
+
+    def score_error(q_hat, k_hat):
+        return _relative(q_hat @ k_hat.repeat_interleave(group, dim=1).transpose(-1, -2), exact)
+
+    balanced = score_error(*fp8.fake_quantize_qk(q, k, 32, "int8")[:2])
+    alone = score_error(fp8.dequantize_blocks(*fp8.quantize_blocks(q, 32, "int8"), 32),
+                        fp8.dequantize_blocks(*fp8.quantize_blocks(k - mean, 32, "int8"), 32))
+    assert balanced < 0.5 * alone, (balanced, alone)
+
+
+def test_a_channel_of_zeros_or_nan_keeps_the_factor_one():
+    q, k, _ = _gaussian(seed=6)
+    q[..., 0] = 0.0
+    k[0, 1, 7, 5] = float("nan")
+    q_factor, k_factor = fp8.channel_balance(q, k, fp8.key_means(k))
+    assert torch.isfinite(k_factor).all() and torch.isfinite(q_factor).all()
+    assert (k_factor[..., 0] == 1).all() and k_factor[0, 1, 5] == 1 and k_factor[0, 0, 5] != 1
+
+
+def test_the_kernel_path_quantizes_int8_keys_balanced_as_the_twin():
+    from pbs.kernels.block_sparse_attn import prepare_call, quantize_call
+
+    q, k, v = (x.half() for x in _gaussian(seed=7))
+    k[..., 2] *= 8.0
+    plan = _plan(q, k, density=1.0)
+    call = prepare_call(q, k, v, plan.mask, None, None, None, True, None)
+    quantize_call(call, "int8_qk")
+    mean = fp8.key_means(k)
+    _, k_factor = fp8.channel_balance(q, k, mean)
+    expected_k8, expected_scales = fp8.quantize_blocks((k.float() - mean) * k_factor[:, :, None, :], 32, "int8")
+    assert torch.equal(call.k, expected_k8) and torch.equal(call.k_scales, expected_scales)
+
+
 def test_lse_is_of_the_unsmoothed_scores():
     q, k, v = _gaussian(seed=4)
     k = k + 3.0  # a large mean: an LSE that forgot to add the shift back would be off by scale * q . 3

@@ -145,6 +145,24 @@ def test_int8_block_quantization_equals_the_twin(smoothed):
     assert torch.equal(scales, expected_scales) and torch.equal(x8, expected8)
 
 
+def test_int8_block_quantization_with_channel_factors_equals_the_twin():
+    # The balance of pbs.reference.fp8.channel_balance, applied in the same pass: K's factors per
+    # KV head after its mean, Q's per query head from its KV head's row (3 query heads over 1 here).
+    q = _inputs(torch.bfloat16)[:1]
+    k = _inputs(torch.bfloat16, n=150)[1:, :1]
+    mean = twin.key_means(k)
+    q_factor, k_factor = twin.channel_balance(q, k, mean)
+    assert q_factor.shape == k_factor.shape == (1, 1, 72) and not torch.equal(k_factor, torch.ones_like(k_factor))
+    q8, q_scales = kernel.quantize_blocks(q, 64, fmt="int8", factor=q_factor)
+    k8, k_scales = kernel.quantize_blocks(k, 64, mean, fmt="int8", factor=k_factor)
+    expected_q8, expected_q_scales = twin.quantize_blocks(q.float() * q_factor[:, :, None, :], 64, "int8")
+    expected_k8, expected_k_scales = twin.quantize_blocks((k.float() - mean) * k_factor[:, :, None, :], 64, "int8")
+    assert torch.equal(q8, expected_q8) and torch.equal(q_scales, expected_q_scales)
+    assert torch.equal(k8, expected_k8) and torch.equal(k_scales, expected_k_scales)
+    with pytest.raises(ValueError, match="factor must be a"):
+        kernel.quantize_blocks(q, 64, fmt="int8", factor=q_factor[:, :, :8])
+
+
 def test_integer_rounding_takes_ties_to_even():
     values = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 126.5, -126.5], device=DEVICE)
     out = torch.empty(values.shape, dtype=torch.int8, device=DEVICE)

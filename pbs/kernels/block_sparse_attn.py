@@ -44,6 +44,7 @@ from pbs.kernels._common import (
 )
 from pbs.kernels.fp8_quant import E4M3_MAX, quantize_blocks, quantize_values_transposed, round_to_e4m3
 from pbs.layout import cdiv
+from pbs.reference.fp8 import BALANCED_FORMATS, channel_balance
 from pbs.types import PRECISION_FORMATS, BlockMask
 
 _FAR_FUTURE = tl.constexpr(FAR_FUTURE)  # the position of padded key slots (see pbs.kernels._common)
@@ -576,11 +577,14 @@ def quantize_call(call: _Call, precision: str, wgmma_key_order: bool = False) ->
                          "V's per-channel scales), not a paged cache (block_table)")
     block_size = call.mask.layout.block_size
     call.k_mean = call.k.mean(dim=2, keepdim=True, dtype=torch.float32)
+    q_factor = k_factor = None
+    if qk_format in BALANCED_FORMATS:
+        q_factor, k_factor = channel_balance(call.q, call.k, call.k_mean)
     if call.lse is not None:
         call.lse_shift = torch.empty(call.q.shape[:3], dtype=torch.float32, device=call.q.device)
     call.q, call.q_scales = quantize_blocks(call.q, block_size, shift_mean=call.k_mean if call.lse is not None else None,
-                                            shift=call.lse_shift, fmt=qk_format)
-    call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean, fmt=qk_format)
+                                            shift=call.lse_shift, fmt=qk_format, factor=q_factor)
+    call.k, call.k_scales = quantize_blocks(call.k, block_size, call.k_mean, fmt=qk_format, factor=k_factor)
     if pv_fp8:
         call.v_scales = _channel_scales(call.v)
         call.v = quantize_values_transposed(call.v, call.v_scales, wgmma_key_order)

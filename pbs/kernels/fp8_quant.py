@@ -81,9 +81,10 @@ def _quantize_blocks_kernel(
     stride_mb, stride_mh,
     stride_sb, stride_sh,
     shift_ptr, dot_mean_ptr, stride_db, stride_dh, group,
+    factor_ptr, stride_fb, stride_fh, factor_group,
     heads, seq_len, dim, num_blocks,
     BLOCK: tl.constexpr, COLS: tl.constexpr, SUBTRACT_MEAN: tl.constexpr,
-    WRITE_SHIFT: tl.constexpr, INT8: tl.constexpr, HARDWARE_CAST: tl.constexpr,
+    WRITE_SHIFT: tl.constexpr, SCALE_CHANNELS: tl.constexpr, INT8: tl.constexpr, HARDWARE_CAST: tl.constexpr,
 ):
     i_b, i_h, i_blk = _program_block(heads, num_blocks)
     o_d = tl.arange(0, COLS)
@@ -102,6 +103,10 @@ def _quantize_blocks_kernel(
         b_mean = tl.load(mean_ptr + i_b.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh + o_d, mask=m_d,
                          other=0.0)
         b_x = tl.where(m, b_x - b_mean[None, :], 0.0)
+    if SCALE_CHANNELS:
+        b_factor = tl.load(factor_ptr + i_b.to(tl.int64) * stride_fb + (i_h // factor_group).to(tl.int64) * stride_fh
+                           + o_d, mask=m_d, other=1.0)
+        b_x = b_x * b_factor[None, :]
     poisoned = tl.max(tl.max((b_x != b_x).to(tl.int32), 1), 0)
     block_amax = tl.max(tl.max(tl.where(b_x == b_x, tl.abs(b_x), 0.0), 1), 0)
     largest = INT8_MAX if INT8 else E4M3_MAX
@@ -164,10 +169,12 @@ def byte_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
 
 def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None = None,
                     shift_mean: torch.Tensor | None = None, shift: torch.Tensor | None = None, fmt: str = "e4m3",
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, H, N, D)`` (any float dtype; last dim contiguous) -> ``(x8, scales)``: e4m3 (or
-    ``fmt="int8"``: int8) values of ``x - mean`` (``mean`` ``(B, H, 1, D)`` float32, or None) and
-    ``(B, H, ceil(N / block_size))`` float32 scales, as `pbs.reference.fp8.quantize_blocks`.
+    ``fmt="int8"``: int8) values of ``(x - mean) * factor`` (``mean`` ``(B, H, 1, D)`` float32, or
+    None; ``factor`` the ``(B, Hf, D)`` float32 channel factors of `pbs.reference.fp8.channel_balance`,
+    head ``h`` taking row ``h // (H // Hf)``, or None) and ``(B, H, ceil(N / block_size))`` float32
+    scales, as `pbs.reference.fp8.quantize_blocks` of the same values.
 
     With ``shift_mean`` (the ``(B, Hk, 1, D)`` key mean, ``H % Hk == 0``), also writes each row's
     ``x . shift_mean[head // (H // Hk)]`` into ``shift`` (contiguous ``(B, H, N)`` float32) from the
@@ -187,6 +194,10 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
     if write_shift and (shift is None or tuple(shift.shape) != (b, h, n) or not shift.is_contiguous()
                         or shift.dtype != torch.float32):
         raise ValueError(f"shift must be a contiguous ({b}, {h}, {n}) float32 tensor when shift_mean is given")
+    if factor is not None and (factor.dim() != 3 or factor.shape[0] != b or factor.shape[2] != d or h % factor.shape[1]
+                               or factor.dtype != torch.float32 or factor.stride(-1) != 1):
+        raise ValueError(f"factor must be a (B={b}, Hf, D={d}) float32 tensor with H={h} a multiple of Hf, got "
+                         f"{tuple(factor.shape)} {factor.dtype}")
     _quantize_blocks_kernel[(b * h * num_blocks,)](
         x, mean_arg, out, scales,
         *x.stride()[:3], *out.stride()[:3],
@@ -194,9 +205,11 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
         *scales.stride()[:2],
         shift if write_shift else scales, shift_mean if write_shift else scales,
         *((shift_mean.stride(0), shift_mean.stride(1), h // shift_mean.shape[1]) if write_shift else (0, 0, 1)),
+        factor if factor is not None else scales,
+        *((factor.stride(0), factor.stride(1), h // factor.shape[1]) if factor is not None else (0, 0, 1)),
         h, n, d, num_blocks,
         BLOCK=block_size, COLS=pow2_at_least(d), SUBTRACT_MEAN=mean is not None,
-        WRITE_SHIFT=write_shift, INT8=fmt == "int8", HARDWARE_CAST=not interpreting(),
+        WRITE_SHIFT=write_shift, SCALE_CHANNELS=factor is not None, INT8=fmt == "int8", HARDWARE_CAST=not interpreting(),
         num_warps=_warps(block_size * pow2_at_least(d)),
         **COMPILE_OPTIONS,
     )

@@ -9,6 +9,12 @@ The scales are the contract the FP8 kernel (`pbs.kernels.fp8_quant` and the ``FP
   Every score of a query then moves by the same ``q . mean``, which the softmax cancels, while the
   channels that carry a large common offset (frequent in real models' keys) stop spending e4m3's
   range on it. Then one scale per (batch, KV head, key block), like Q;
+* **int8 channel balance** (``int8_qk``, ``int8_qk_fp8_pv``): before their block scales, each
+  channel ``d`` of smoothed K is multiplied by ``c_d`` and of Q by ``1 / c_d``, per (batch, KV
+  head), with ``c_d = sqrt(amax_q[d] / amax_k[d])`` over the tokens (and the KV head's query heads):
+  ``q . k`` keeps its value, and both sides' channels get the same range (SmoothQuant's
+  migration between the operands of a product). int8's 127 even steps otherwise go to the few
+  channels with the largest values, and the rest lose their bits (`channel_balance`);
 * **P** (``precision="fp8"`` only): the unnormalized probabilities ``exp(s - max)`` lie in
   ``[0, 1]`` and are quantized with the fixed scale ``1 / 448``; the row sums stay in fp32;
 * **V** (``precision="fp8"`` only): one scale per (batch, KV head, channel), ``amax / 448`` over
@@ -121,18 +127,55 @@ def key_means(k: torch.Tensor) -> torch.Tensor:
     return k.mean(dim=2, keepdim=True, dtype=torch.float32)
 
 
+BALANCED_FORMATS = ("int8",)
+"""The formats of Q and K whose channels are balanced first (`channel_balance`)."""
+
+
+def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The channel factors of int8 Q and smoothed K: ``q * q_factor`` and ``(k - mean) * k_factor``
+    have the same largest magnitude per channel (the square root of the two), and their dot
+    products are ``q . (k - mean)`` (up to one rounding of ``q_factor = 1 / k_factor``).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; mean: its `key_means`, ``(B, Hk, 1, D)`` float32.
+
+    Returns:
+        ``(q_factor, k_factor)``: float32 ``(B, Hk, D)`` each, 1 for a channel that is all zeros,
+        or not finite, on either side (NaN and inf spread as without the balance).
+    """
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    q_amax = torch.linalg.vector_norm(q, float("inf"), dim=2, dtype=torch.float32).view(b, hk, hq // hk, d).amax(2)
+    if k.shape[2]:
+        k_low, k_high = torch.aminmax(k.float(), dim=2)
+        k_amax = torch.maximum(k_high - mean[:, :, 0], mean[:, :, 0] - k_low)  # max |k - mean|, as the pass rounds it
+    else:
+        k_amax = torch.zeros_like(q_amax)
+    k_factor = torch.sqrt(q_amax / k_amax)
+    k_factor = torch.where(torch.isfinite(k_factor) & (k_factor > 0), k_factor, torch.ones_like(k_factor))
+    return 1.0 / k_factor, k_factor
+
+
 def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int, fmt: str = "e4m3",
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q and smoothed K as the quantized kernel computes with them (``fmt`` ``"e4m3"`` or ``"int8"``).
 
     Returns:
-        ``(q_hat, k_hat, mean)``: float32 ``(B, Hq, Nq, D)`` and ``(B, Hk, Nk, D)`` e4m3 values
-        times their block scales (``k_hat`` approximates ``k - mean``), and the ``(B, Hk, 1, D)``
-        key mean.
+        ``(q_hat, k_hat, mean)``: float32 ``(B, Hq, Nq, D)`` and ``(B, Hk, Nk, D)`` quantized values
+        times their block scales, and the ``(B, Hk, 1, D)`` key mean. ``q_hat . k_hat``
+        approximates ``q . (k - mean)``: in e4m3 ``q_hat`` approximates ``q`` and ``k_hat``
+        ``k - mean``; in int8 they approximate the balanced ``q * q_factor`` and
+        ``(k - mean) * k_factor`` (`channel_balance`).
     """
     mean = key_means(k)
-    q8, q_scales = quantize_blocks(q, block_size, fmt)
-    k8, k_scales = quantize_blocks(k.float() - mean, block_size, fmt)
+    q_in, k_in = q.float(), k.float() - mean
+    if fmt in BALANCED_FORMATS:
+        q_factor, k_factor = channel_balance(q, k, mean)
+        group = q.shape[1] // k.shape[1]
+        q_in = q_in * q_factor.repeat_interleave(group, dim=1)[:, :, None, :]
+        k_in = k_in * k_factor[:, :, None, :]
+    q8, q_scales = quantize_blocks(q_in, block_size, fmt)
+    k8, k_scales = quantize_blocks(k_in, block_size, fmt)
     return dequantize_blocks(q8, q_scales, block_size), dequantize_blocks(k8, k_scales, block_size), mean
 
 
