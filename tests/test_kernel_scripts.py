@@ -209,3 +209,14 @@ def test_time_by_name_sums_one_calls_events_by_name_largest_first():
     assert [row["ms"] for row in table] == sorted((row["ms"] for row in table), reverse=True)
     assert by_name["aten::mm"]["ms"] > 0
     assert len(time_by_name(call, device_type="cpu", top=1)) == 1
+
+
+def test_qk_quantization_error_is_zero_for_exact_scores_and_smaller_balanced():
+    from benchmarks.qk_quantization_error import SCHEMES, quantized_qk, weight_error
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 300, 64, generator=gen), torch.randn(1, 2, 300, 64, generator=gen)
+    k[..., 7] *= 12.0  # one key channel with ten times the others' range
+    assert weight_error(q, k, q.float(), k.float()) < 1e-6
+    errors = {label: weight_error(q, k, *quantized_qk(q, k, *scheme)) for label, scheme in SCHEMES.items()}
+    assert 0 < errors["int8, balanced channels (shipped)"] < 0.6 * errors["int8, block scales alone (before)"]
