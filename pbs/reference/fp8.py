@@ -145,12 +145,16 @@ def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tup
     """
     b, hq, _, d = q.shape
     hk = k.shape[1]
-    q_amax = torch.linalg.vector_norm(q, float("inf"), dim=2, dtype=torch.float32).view(b, hk, hq // hk, d).amax(2)
+    # Extremes in the inputs' own dtype (no float32 copy of Q or K; exact once converted).
+    q_amax = torch.zeros(b, hk, d, dtype=torch.float32, device=q.device)
+    if q.shape[2]:
+        q_low, q_high = torch.aminmax(q, dim=2)
+        q_amax = torch.maximum(q_high.float(), -q_low.float()).view(b, hk, hq // hk, d).amax(2)
+    k_amax = torch.zeros_like(q_amax)
     if k.shape[2]:
-        k_low, k_high = torch.aminmax(k.float(), dim=2)
-        k_amax = torch.maximum(k_high - mean[:, :, 0], mean[:, :, 0] - k_low)  # max |k - mean|, as the pass rounds it
-    else:
-        k_amax = torch.zeros_like(q_amax)
+        k_low, k_high = torch.aminmax(k, dim=2)
+        # max |k - mean| as the pass computes it: rounding is monotonic, so it is one of the extremes'.
+        k_amax = torch.maximum(k_high.float() - mean[:, :, 0], mean[:, :, 0] - k_low.float())
     k_factor = torch.sqrt(q_amax / k_amax)
     k_factor = torch.where(torch.isfinite(k_factor) & (k_factor > 0), k_factor, torch.ones_like(k_factor))
     return 1.0 / k_factor, k_factor
