@@ -143,7 +143,7 @@ def test_a_channel_of_zeros_or_nan_keeps_the_factor_one():
 def test_the_kernel_path_quantizes_int8_keys_balanced_as_the_twin():
     from pbs.kernels.block_sparse_attn import prepare_call, quantize_call
 
-    q, k, v = (x.half() for x in _gaussian(seed=7))
+    q, k, v = (x.half().to(DEVICE) for x in _gaussian(seed=7))
     k[..., 2] *= 8.0
     plan = _plan(q, k, density=1.0)
     call = prepare_call(q, k, v, plan.mask, None, None, None, True, None)
