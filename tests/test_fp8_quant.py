@@ -163,6 +163,33 @@ def test_int8_block_quantization_with_channel_factors_equals_the_twin():
         kernel.quantize_blocks(q, 64, fmt="int8", factor=q_factor[:, :, :8])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_channel_balance_kernel_gives_the_twins_factors(dtype):
+    # GQA (4 query heads over 2 KV heads), lengths that split over many programs with a partial
+    # last tile, a channel all zeros (factor 1), a NaN in a query and an inf in a key (their
+    # channels' factors 1 on both sides), one channel large only in Q, another only in K.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1000, 72, generator=gen)
+    k = torch.randn(2, 2, 777, 72, generator=gen) + 0.5
+    q[..., 1] *= 30.0
+    k[..., 2] *= 30.0
+    q[..., 3] = 0.0
+    k[..., 4] = 0.0
+    q[1, 3, 500, 5] = float("nan")
+    k[0, 1, 10, 6] = float("inf")
+    q, k = q.to(dtype).to(DEVICE), k.to(dtype).to(DEVICE)
+    mean = twin.key_means(k)
+    q_factor, k_factor = kernel.channel_balance(q, k, mean)
+    expected_q, expected_k = twin.channel_balance(q, k, mean)
+    assert q_factor.shape == k_factor.shape == (2, 2, 72)
+    assert torch.equal(q_factor, expected_q) and torch.equal(k_factor, expected_k)
+    assert k_factor[0, 0, 1] > 2 and k_factor[0, 0, 2] < 0.5  # the test's channels do get balanced
+    assert (k_factor[:, :, [3, 4]] == 1).all() and k_factor[1, 1, 5] == 1 and k_factor[0, 1, 6] == 1
+    # No rows on one side: the twin's zeros, factor 1 everywhere.
+    empty_q, empty_k = kernel.channel_balance(q[:, :, :0], k, mean)
+    assert torch.equal(empty_k, torch.ones_like(empty_k)) and torch.equal(empty_q, empty_k)
+
+
 def test_integer_rounding_takes_ties_to_even():
     values = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 126.5, -126.5], device=DEVICE)
     out = torch.empty(values.shape, dtype=torch.int8, device=DEVICE)

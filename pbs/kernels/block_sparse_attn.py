@@ -42,9 +42,9 @@ from pbs.kernels._common import (
     COMPILE_OPTIONS, FAR_FUTURE, LOG2_E, SCORE_OFFSET, SCORE_OFFSET_BITS, descriptor_ready, interpreting, pow2_at_least,
     tma_descriptor,
 )
-from pbs.kernels.fp8_quant import E4M3_MAX, quantize_blocks, quantize_values_transposed, round_to_e4m3
+from pbs.kernels.fp8_quant import E4M3_MAX, channel_balance, quantize_blocks, quantize_values_transposed, round_to_e4m3
 from pbs.layout import cdiv
-from pbs.reference.fp8 import BALANCED_FORMATS, channel_balance
+from pbs.reference.fp8 import BALANCED_FORMATS
 from pbs.types import PRECISION_FORMATS, BlockMask
 
 _FAR_FUTURE = tl.constexpr(FAR_FUTURE)  # the position of padded key slots (see pbs.kernels._common)

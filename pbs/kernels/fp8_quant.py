@@ -6,7 +6,8 @@ One program handles one block of ``block_size`` tokens of one (batch, head), hel
 one read for its amax, its values and its scale. V is written transposed, ``(B, Hk, Dv, N)``,
 because the tensor cores take an e4m3 right-hand operand only with its reduction axis (the
 tokens, for P.V) contiguous: the tile is transposed in registers, so that the stores run along
-the tokens.
+the tokens. int8's channel balance (`channel_balance`) reads Q and K once more for their
+per-channel extremes, split over many programs per head.
 
 Divisions are IEEE-rounded (``div_rn``: the GPU's default one is approximate). On the GPU the
 hardware cast rounds to the nearest e4m3 value (ties to even, saturating); Triton's CPU
@@ -124,6 +125,50 @@ def _quantize_blocks_kernel(
 
 
 @triton.jit
+def _channel_amax_kernel(
+    x_ptr, shift_ptr, amax_ptr,
+    stride_xb, stride_xh, stride_xn, stride_sb, stride_sh, stride_ab, stride_ah,
+    heads, group, seq_len, dim, rows_per_program,
+    ROWS: tl.constexpr, COLS: tl.constexpr, SHIFT: tl.constexpr,
+):
+    # One (batch, head) and one run of rows per program; the programs' maxima meet in float32
+    # atomics, exact in any order (a max rounds nothing). NaN counts as inf: the factor it gives
+    # is 1 either way, as the twin's NaN gives.
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // heads, i_bh % heads
+    o_d = tl.arange(0, COLS)
+    m_d = o_d < dim
+    p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
+    if SHIFT:
+        b_shift = tl.load(shift_ptr + i_b.to(tl.int64) * stride_sb + (i_h // group).to(tl.int64) * stride_sh + o_d,
+                          mask=m_d, other=0.0)
+    b_amax = tl.zeros([COLS], dtype=tl.float32)
+    start = tl.program_id(1) * rows_per_program
+    for row in range(start, tl.minimum(start + rows_per_program, seq_len), ROWS):
+        o_n = row + tl.arange(0, ROWS)
+        m = (o_n < seq_len)[:, None] & m_d[None, :]
+        b_x = tl.load(p_x + o_n.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if SHIFT:
+            b_x = b_x - b_shift[None, :]
+        b_x = tl.where(b_x == b_x, tl.abs(b_x), float("inf"))
+        b_amax = tl.maximum(b_amax, tl.max(tl.where(m, b_x, 0.0), 0))
+    tl.atomic_max(amax_ptr + i_b.to(tl.int64) * stride_ab + (i_h // group).to(tl.int64) * stride_ah + o_d, b_amax,
+                  mask=m_d, sem="relaxed")
+
+
+@triton.jit
+def _balance_factors_kernel(amax_ptr, factor_ptr, pair_stride, size, COLS: tl.constexpr):
+    o = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    m = o < size
+    q_amax = tl.load(amax_ptr + o, mask=m, other=1.0)
+    k_amax = tl.load(amax_ptr + pair_stride + o, mask=m, other=1.0)
+    k_factor = tl.math.sqrt_rn(tl.math.div_rn(q_amax, k_amax))
+    k_factor = tl.where((k_factor > 0) & (k_factor < float("inf")), k_factor, 1.0)  # NaN compares false
+    tl.store(factor_ptr + o, tl.math.div_rn(tl.full([COLS], 1.0, tl.float32), k_factor), mask=m)
+    tl.store(factor_ptr + pair_stride + o, k_factor, mask=m)
+
+
+@triton.jit
 def _quantize_values_kernel(
     v_ptr, scale_ptr, out_ptr,
     stride_vb, stride_vh, stride_vn,
@@ -214,6 +259,42 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
         **COMPILE_OPTIONS,
     )
     return out, scales
+
+
+def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pbs.reference.fp8.channel_balance` in four launches (the twin's factors, bit for bit):
+    ``q`` ``(B, Hq, Nq, D)``, ``k`` ``(B, Hk, Nk, D)``, ``mean`` its ``(B, Hk, 1, D)`` float32
+    key mean -> ``(q_factor, k_factor)``, float32 ``(B, Hk, D)`` each (views of one buffer).
+
+    Each extreme is one read of Q or K split over enough programs to fill the GPU (the twin's
+    dozen small PyTorch operations cost about 0.3 ms of launches at any length)."""
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    amax = torch.zeros(2, b, hk, d, dtype=torch.float32, device=q.device)  # |Q| and |K - mean| per channel
+    for i, (x, heads, shift) in enumerate(((q, hq, None), (k, hk, mean))):
+        n = x.shape[2]
+        if n == 0:
+            continue  # zeros, as the twin's
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = 64
+        # About four programs per SM of an H100/H200 in all, each at least one tile of rows.
+        splits = max(1, min(-(-n // rows), -(-528 // (b * heads))))
+        rows_per_program = -(-(-(-n // splits)) // rows) * rows
+        _channel_amax_kernel[(b * heads, -(-n // rows_per_program))](
+            x, shift if shift is not None else amax, amax[i],
+            *x.stride()[:3], *((shift.stride(0), shift.stride(1)) if shift is not None else (0, 0)),
+            *amax[i].stride()[:2], heads, heads // hk, n, d, rows_per_program,
+            ROWS=rows, COLS=pow2_at_least(d), SHIFT=shift is not None,
+            num_warps=_warps(rows * pow2_at_least(d)),
+            **COMPILE_OPTIONS,
+        )
+    factors = torch.empty_like(amax)
+    size = b * hk * d
+    if size:
+        cols = 1024
+        _balance_factors_kernel[(-(-size // cols),)](amax, factors, size, size, COLS=cols, **COMPILE_OPTIONS)
+    return factors[0], factors[1]
 
 
 def quantize_values_transposed(v: torch.Tensor, scales: torch.Tensor, wgmma_key_order: bool = False) -> torch.Tensor:
