@@ -220,3 +220,23 @@ def test_qk_quantization_error_is_zero_for_exact_scores_and_smaller_balanced():
     assert weight_error(q, k, q.float(), k.float()) < 1e-6
     errors = {label: weight_error(q, k, *quantized_qk(q, k, *scheme)) for label, scheme in SCHEMES.items()}
     assert 0 < errors["int8, balanced channels (shipped)"] < 0.6 * errors["int8, block scales alone (before)"]
+
+
+def test_bench_quantize_pass_times_every_piece_and_both_balances_agree(tmp_path):
+    from benchmarks import bench_quantize_pass
+    from benchmarks.common import wall_clock_ms
+
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return wall_clock_ms(fn)
+
+    result = bench_quantize_pass.main(["--n", "300", "--json", str(tmp_path / "q.json")], timer=timer,
+                                      device_timer=wall_clock_ms, device="cpu")
+    (point,) = result["points"]
+    names = ["key_mean", "balance_kernel", "balance_pytorch", "fp8_pass", "int8_qk_fp8_pv_pass"]
+    assert all(point[f"{name}_idle_ms"] > 0 and point[f"{name}_device_ms"] > 0 for name in names)
+    assert len(calls) == len(names) and (tmp_path / "q.json").exists()
+    kernel_factors, twin_factors = calls[1](), calls[2]()  # the same factors, whichever times
+    assert all(torch.equal(a, b) for a, b in zip(kernel_factors, twin_factors))
