@@ -142,7 +142,7 @@ def _channel_amax_kernel(
     if SHIFT:
         b_shift = tl.load(shift_ptr + i_b.to(tl.int64) * stride_sb + (i_h // group).to(tl.int64) * stride_sh + o_d,
                           mask=m_d, other=0.0)
-    b_amax = tl.zeros([COLS], dtype=tl.float32)
+    b_amax = tl.zeros([ROWS, COLS], dtype=tl.float32)  # reduced over the rows once, after the loop
     start = tl.program_id(1) * rows_per_program
     for row in range(start, tl.minimum(start + rows_per_program, seq_len), ROWS):
         o_n = row + tl.arange(0, ROWS)
@@ -151,9 +151,9 @@ def _channel_amax_kernel(
         if SHIFT:
             b_x = b_x - b_shift[None, :]
         b_x = tl.where(b_x == b_x, tl.abs(b_x), float("inf"))
-        b_amax = tl.maximum(b_amax, tl.max(tl.where(m, b_x, 0.0), 0))
-    tl.atomic_max(amax_ptr + i_b.to(tl.int64) * stride_ab + (i_h // group).to(tl.int64) * stride_ah + o_d, b_amax,
-                  mask=m_d, sem="relaxed")
+        b_amax = tl.maximum(b_amax, tl.where(m, b_x, 0.0))
+    tl.atomic_max(amax_ptr + i_b.to(tl.int64) * stride_ab + (i_h // group).to(tl.int64) * stride_ah + o_d,
+                  tl.max(b_amax, 0), mask=m_d, sem="relaxed")
 
 
 @triton.jit
@@ -261,7 +261,8 @@ def quantize_blocks(x: torch.Tensor, block_size: int, mean: torch.Tensor | None 
     return out, scales
 
 
-def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, rows: int = 64, programs: int = 1056,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """`pbs.reference.fp8.channel_balance` in four launches (the twin's factors, bit for bit):
     ``q`` ``(B, Hq, Nq, D)``, ``k`` ``(B, Hk, Nk, D)``, ``mean`` its ``(B, Hk, 1, D)`` float32
     key mean -> ``(q_factor, k_factor)``, float32 ``(B, Hk, D)`` each (views of one buffer).
@@ -277,9 +278,9 @@ def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tup
             continue  # zeros, as the twin's
         if x.stride(-1) != 1:
             x = x.contiguous()
-        rows = 64
-        # About four programs per SM of an H100/H200 in all, each at least one tile of rows.
-        splits = max(1, min(-(-n // rows), -(-528 // (b * heads))))
+        # About ``programs`` programs in all (eight per SM of an H100/H200: 1056 read 1.3x faster than 528 on
+        # an H200), each at least one tile of rows.
+        splits = max(1, min(-(-n // rows), -(-programs // (b * heads))))
         rows_per_program = -(-(-(-n // splits)) // rows) * rows
         _channel_amax_kernel[(b * heads, -(-n // rows_per_program))](
             x, shift if shift is not None else amax, amax[i],
