@@ -20,7 +20,9 @@ the density probe alone (``probe``: its two launches and its host read, events),
 which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
 ``--profile`` adds, per point, where one ``pbs.attention`` call's GPU time goes (``pbs_kernels``:
-torch.profiler's kernels summed by name, `benchmarks.common.time_by_name`), to tell a config's
+torch.profiler's kernels summed by name, `benchmarks.common.profile_call`; ``pbs_kernel_ms`` all of
+them, ``pbs_kernel_launches`` how many, ``pbs_kernel_span_ms`` first start to last end, whose excess
+over ``pbs_kernel_ms`` is the GPU waiting on the host inside the call), to tell a config's
 end-to-end time from its attention kernel's.
 
     python benchmarks/bench_defaults.py --json benchmarks/results/defaults/defaults_<device>.json
@@ -43,7 +45,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, save, time_by_name  # noqa: E402
+from benchmarks.common import environment, profile_call, save  # noqa: E402
 from pbs.backends import CallSpec  # noqa: E402
 from pbs.backends.eligibility import gated_dense_reasons  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
@@ -152,7 +154,11 @@ def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> 
                           scale=HEAD_DIM**-0.5)
         row["probe_events_ms"] = benchmark_cuda(lambda: probe_density_triton(q, k, **probe_args), warmup=1, iters=iters)
     if profile:
-        row["pbs_kernels"] = time_by_name(pbs_call)
+        profiled = profile_call(pbs_call)
+        row["pbs_kernels"] = profiled["by_name"]
+        row["pbs_kernel_launches"] = profiled["events"]
+        row["pbs_kernel_ms"] = profiled["event_ms"]  # every kernel of the call, not only the listed ones
+        row["pbs_kernel_span_ms"] = profiled["span_ms"]  # less pbs_kernel_ms: the GPU idle inside the call
     row["ratio_events"] = row["pbs_events_ms"] / row["cudnn_events_ms"]
     row["ratio_wall"] = row["pbs_wall_ms"] / row["cudnn_wall_ms"]
     del q, k, v

@@ -144,6 +144,15 @@ def time_by_name(fn: Callable[[], object], device_type: str = "cuda", top: int =
     Returns:
         up to ``top`` ``{"name", "ms", "calls"}``, by ``ms`` (the events' summed durations) descending.
     """
+    return profile_call(fn, device_type, top)["by_name"]
+
+
+def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
+    """One profiled call of ``fn`` (after one unprofiled, which compiles and caches): `time_by_name`'s
+    ``by_name`` table, and over all of the call's ``device_type`` events ``events`` (how many),
+    ``event_ms`` (their summed durations) and ``span_ms`` (first start to last end). On the GPU,
+    ``span_ms - event_ms`` is the time no kernel ran between the call's first and last kernel:
+    the host's launches, or a sync inside the call, that the GPU waited for."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if device_type == "cuda" else ProfilerActivity.CPU
@@ -154,14 +163,20 @@ def time_by_name(fn: Callable[[], object], device_type: str = "cuda", top: int =
         fn()
         if device_type == "cuda":
             torch.cuda.synchronize()
+    events = [event for event in prof.events() if event.device_type.name.lower() == device_type]
     totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type.name.lower() == device_type:
-            entry = totals.setdefault(event.name, [0.0, 0])
-            entry[0] += event.time_range.elapsed_us() / 1000.0
-            entry[1] += 1
+    for event in events:
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.time_range.elapsed_us() / 1000.0
+        entry[1] += 1
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
-    return [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked]
+    span_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
+    return {
+        "by_name": [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked],
+        "events": len(events),
+        "event_ms": sum(ms for ms, _ in totals.values()),
+        "span_ms": span_us / 1000.0,
+    }
 
 
 def load_module_file(name: str, path: str | os.PathLike):

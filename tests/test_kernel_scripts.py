@@ -211,6 +211,24 @@ def test_time_by_name_sums_one_calls_events_by_name_largest_first():
     assert len(time_by_name(call, device_type="cpu", top=1)) == 1
 
 
+def test_profile_call_counts_every_event_and_the_time_between_them():
+    import time
+
+    from benchmarks.common import profile_call
+
+    a = torch.randn(64, 64)
+
+    def call():
+        torch.mm(a, a)
+        time.sleep(0.05)  # nothing runs here: inside the span, outside the events
+        return torch.mm(a, a)
+
+    profiled = profile_call(call, device_type="cpu", top=1)
+    assert len(profiled["by_name"]) == 1 and profiled["events"] >= 2
+    assert profiled["event_ms"] >= profiled["by_name"][0]["ms"] > 0
+    assert profiled["span_ms"] >= 50 and profiled["span_ms"] - profiled["event_ms"] >= 40
+
+
 def test_qk_quantization_error_is_zero_for_exact_scores_and_smaller_balanced():
     from benchmarks.qk_quantization_error import SCHEMES, quantized_qk, weight_error
 
