@@ -39,9 +39,12 @@ from pbs.integrations.vllm.core import (
     BatchSplit,
     RequestLog,
     attend_rows,
+    attention_refusals,
+    layer_refusals,
     parse_config,
     pbs_rows,
     resolve_config,
+    run_stock_rows,
     split_batch,
     token_rows,
 )
@@ -178,6 +181,50 @@ def test_a_request_is_logged_once_across_its_chunks():
     assert log.new_requests([7, 9], [(512, 512), (100, 100)]) == [0, 1]
     assert log.new_requests([7], [(512, 1024)]) == []  # the next chunk of the request on page 7
     assert log.new_requests([9], [(100, 100)]) == [0]  # a new request whose first page is 9 again
+
+
+def test_refusals_name_what_pbs_lacks_layer_by_layer():
+    from types import SimpleNamespace
+
+    plain = dict(attn_type="decoder", alibi_slopes=None, logits_soft_cap=None, sinks=None, kv_cache_dtype="auto")
+    ok = dict(decoder=True, sliding_window=False, cache_dtype_unsupported=False)
+    assert attention_refusals(SimpleNamespace(**plain), **ok) == []
+    odd = SimpleNamespace(**{**plain, "attn_type": "encoder", "alibi_slopes": torch.ones(2), "logits_soft_cap": 30.0,
+                             "sinks": torch.zeros(2), "kv_cache_dtype": "fp8"})
+    assert attention_refusals(odd, decoder=False, sliding_window=True, cache_dtype_unsupported=True,
+                              extra=[("decode context parallelism", True), ("never", False)]) == [
+        "attention type encoder", "ALiBi", "a sliding window", "logit softcapping", "attention sinks",
+        "kv_cache_dtype fp8", "decode context parallelism"]
+
+    class Impl(SimpleNamespace):
+        pass
+
+    layers = {"l0": SimpleNamespace(impl=Impl(pbs_refusals=[])),
+              "l1": SimpleNamespace(impl=Impl(pbs_refusals=["ALiBi", "a sliding window"])),
+              "l2": SimpleNamespace(impl=SimpleNamespace())}
+    assert layer_refusals(layers, Impl) == ["l1: ALiBi, a sliding window", "l2: its attention is SimpleNamespace"]
+    assert layer_refusals({"l0": layers["l0"]}, Impl) == []
+
+
+@pytest.mark.parametrize("stock", [slice(2, 5), torch.tensor([0, 3, 5])], ids=["slice", "index"])
+@pytest.mark.parametrize("new_rows_too", [False, True])
+def test_the_stock_kernel_runs_on_its_rows_only_and_writes_them_back(stock, new_rows_too):
+    query, key, value = (torch.randn(6, 2, 4) for _ in range(3))
+    output = torch.full((6, 2, 4), -1.0)
+    seen = []
+
+    def stock_forward(q, k, v, out):
+        seen.append((k.shape[0], v.shape[0]))
+        out.copy_(q * 2)
+
+    run_stock_rows(stock_forward, stock, query, key, value, output, new_rows_too=new_rows_too)
+    rows = torch.arange(6)[stock]
+    assert torch.equal(output[rows], query[rows] * 2)
+    others = [i for i in range(6) if i not in rows.tolist()]
+    assert (output[others] == -1).all()  # pbs's rows untouched
+    assert seen == [(3, 3) if new_rows_too else (6, 6)]
+    run_stock_rows(stock_forward, None, query, key, value, output, new_rows_too=new_rows_too)
+    assert len(seen) == 1  # no stock rows: no call
 
 
 def _paged(x: torch.Tensor, pages: list[int], num_pages: int, page_size: int) -> torch.Tensor:

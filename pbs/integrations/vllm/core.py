@@ -1,6 +1,7 @@
-"""What the vLLM adapters share, with no vLLM import: the plugin's config, the split of a step's
-batch into the requests pbs takes and the rest, the `pbs.varlen_attention` call over vLLM's paged
-cache, and the once-per-request log line.
+"""What the vLLM adapters share, with no vLLM import: the plugin's config, which layers pbs refuses
+and why, the split of a step's batch into the requests pbs takes and the rest, the engine's own
+kernel on the rest, the `pbs.varlen_attention` call over vLLM's paged cache, and the
+once-per-request log line.
 
 A vLLM V1 step is one packed batch: request ``i`` owns the query rows ``bounds_q[i]:bounds_q[i+1]``
 (its new tokens) and has ``seq_lens[i]`` keys in the paged cache (its cached context, then its new
@@ -324,6 +325,57 @@ def split_step(common: Any, seq_lens: Sequence[int], config: PBSIntegrationConfi
         return StepSplit(bounds_q, split, rows, None, None)
     stock_tokens = token_rows(bounds_q, split.stock_requests, common.query_start_loc.device)
     return StepSplit(bounds_q, split, rows, subset_metadata(common, split), stock_tokens)
+
+
+def attention_refusals(impl: Any, *, decoder: bool, sliding_window: bool, cache_dtype_unsupported: bool,
+                       extra: Sequence[tuple[str, bool]] = ()) -> list[str]:
+    """Why pbs cannot run one layer's attention (empty: it can), from vLLM's impl of the layer:
+    what pbs's kernels lack, checked once for every adapter. The adapter reads the facts whose
+    fields its backend spells its own way: ``decoder`` (a decoder's self-attention),
+    ``sliding_window`` (one is set), ``cache_dtype_unsupported`` (a KV cache pbs cannot read, such
+    as fp8); ``extra``: the backend's own ``(reason, refused)`` pairs."""
+    checks = (
+        (f"attention type {impl.attn_type}", not decoder),
+        ("ALiBi", impl.alibi_slopes is not None),
+        ("a sliding window", sliding_window),
+        ("logit softcapping", bool(impl.logits_soft_cap)),
+        ("attention sinks", impl.sinks is not None),
+        (f"kv_cache_dtype {impl.kv_cache_dtype}", cache_dtype_unsupported),
+        *extra,
+    )
+    return [reason for reason, refused in checks if refused]
+
+
+def layer_refusals(layers: Mapping[str, Any], impl_class: type) -> list[str]:
+    """Why some of a metadata builder's ``layers`` (name -> vLLM ``Attention`` layer) cannot run
+    pbs: those whose impl is not the adapter's ``impl_class``, or whose impl refused
+    (`attention_refusals`, kept as ``impl.pbs_refusals``). Empty: all of them can."""
+    reasons = []
+    for name, layer in layers.items():
+        impl = layer.impl
+        if not isinstance(impl, impl_class):
+            reasons.append(f"{name}: its attention is {type(impl).__name__}")
+        elif impl.pbs_refusals:
+            reasons.append(f"{name}: {', '.join(impl.pbs_refusals)}")
+    return reasons
+
+
+def run_stock_rows(stock_forward: Any, stock: slice | torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, output: torch.Tensor, *, new_rows_too: bool) -> None:
+    """Runs the engine's own kernel on the packed rows of the requests pbs does not take
+    (``stock``: a slice, an index tensor, or None for none): ``stock_forward(query, key, value,
+    output)`` on those rows, its output written back into ``output``. ``new_rows_too``: the
+    backend reads the step's new keys and values from ``key`` and ``value`` (so they are cut to
+    the same rows); otherwise it reads them from its cache and takes them whole."""
+    if stock is None:
+        return
+    if isinstance(stock, slice):
+        stock_forward(query[stock], *((key[stock], value[stock]) if new_rows_too else (key, value)), output[stock])
+        return
+    out = output.new_empty((stock.numel(), *output.shape[1:]))
+    kv = (key.index_select(0, stock), value.index_select(0, stock)) if new_rows_too else (key, value)
+    stock_forward(query.index_select(0, stock), *kv, out)
+    output.index_copy_(0, stock, out)
 
 
 def attend_rows(

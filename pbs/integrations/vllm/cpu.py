@@ -37,7 +37,17 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from pbs.integrations.vllm.core import PbsRows, RequestLog, attend_rows, enabled_for, resolve_config, split_step
+from pbs.integrations.vllm.core import (
+    PbsRows,
+    RequestLog,
+    attend_rows,
+    attention_refusals,
+    enabled_for,
+    layer_refusals,
+    resolve_config,
+    run_stock_rows,
+    split_step,
+)
 
 logger = logging.getLogger("vllm.plugins.pbs")
 
@@ -114,14 +124,7 @@ class PbsCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             return ["cross or encoder-only attention"]
         if self.block_size & (self.block_size - 1):
             return [f"block_size {self.block_size} is not a power of two (pbs reads pages of 2**k rows)"]
-        reasons = []
-        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention, layer_names).items():
-            impl = layer.impl
-            if not isinstance(impl, PbsCPUAttentionImpl):
-                reasons.append(f"{name}: its attention is {type(impl).__name__}")
-            elif impl.pbs_refusals:
-                reasons.append(f"{name}: {', '.join(impl.pbs_refusals)}")
-        return reasons
+        return layer_refusals(get_layers_from_vllm_config(self.vllm_config, Attention, layer_names), PbsCPUAttentionImpl)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # noqa: ANN001, ANN201
         common = common_attn_metadata
@@ -145,16 +148,9 @@ class PbsCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - vLLM's signature
         super().__init__(*args, **kwargs)
-        self.pbs_refusals = [
-            reason for reason, refused in (
-                (f"attention type {self.attn_type}", self.attn_type != AttentionType.DECODER),
-                ("ALiBi", self.alibi_slopes is not None),
-                ("a sliding window", self.sliding_window != -1),
-                ("logit softcapping", bool(self.logits_soft_cap)),
-                ("attention sinks", self.sinks is not None),
-                (f"kv_cache_dtype {self.kv_cache_dtype}", self.is_fp8_kv_cache),
-            ) if refused
-        ]
+        self.pbs_refusals = attention_refusals(
+            self, decoder=self.attn_type == AttentionType.DECODER, sliding_window=self.sliding_window != -1,
+            cache_dtype_unsupported=self.is_fp8_kv_cache)
 
     def forward(  # noqa: D102 - vLLM's
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None,  # noqa: ANN001
@@ -165,13 +161,9 @@ class PbsCPUAttentionImpl(CPUAttentionBackendImpl):
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("pbs: fused output quantization is not supported")
-        stock = attn_metadata.stock_tokens
-        if isinstance(stock, slice):
-            super().forward(layer, query[stock], key, value, kv_cache, attn_metadata, output[stock])
-        elif stock is not None:
-            out = output.new_empty((stock.numel(), *output.shape[1:]))
-            super().forward(layer, query.index_select(0, stock), key, value, kv_cache, attn_metadata, out)
-            output.index_copy_(0, stock, out)
+        run_stock_rows(lambda q, k, v, out: super(PbsCPUAttentionImpl, self).forward(layer, q, k, v, kv_cache,
+                                                                                     attn_metadata, out),
+                       attn_metadata.stock_tokens, query, key, value, output, new_rows_too=False)
         name = getattr(layer, "layer_name", "")
         views = cache_views(kv_cache, layer.isa)
         if views is not None:

@@ -42,7 +42,17 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from pbs.integrations.vllm.core import PbsRows, RequestLog, attend_rows, enabled_for, resolve_config, split_step
+from pbs.integrations.vllm.core import (
+    PbsRows,
+    RequestLog,
+    attend_rows,
+    attention_refusals,
+    enabled_for,
+    layer_refusals,
+    resolve_config,
+    run_stock_rows,
+    split_step,
+)
 
 logger = logging.getLogger("vllm.plugins.pbs")
 
@@ -117,14 +127,8 @@ class PbsFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         block_size = self.kv_cache_spec.block_size
         if block_size & (block_size - 1):
             return [f"block_size {block_size} is not a power of two (pbs reads pages of 2**k rows)"]
-        reasons = []
-        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention, layer_names).items():
-            impl = layer.impl
-            if not isinstance(impl, PbsFlashAttentionImpl):
-                reasons.append(f"{name}: its attention is {type(impl).__name__}")
-            elif impl.pbs_refusals:
-                reasons.append(f"{name}: {', '.join(impl.pbs_refusals)}")
-        return reasons
+        return layer_refusals(get_layers_from_vllm_config(self.vllm_config, Attention, layer_names),
+                              PbsFlashAttentionImpl)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):  # noqa: ANN001, ANN201
         common = common_attn_metadata
@@ -150,17 +154,11 @@ class PbsFlashAttentionImpl(FlashAttentionImpl):
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - vLLM's signature
         super().__init__(*args, **kwargs)
-        self.pbs_refusals = [
-            reason for reason, refused in (
-                (f"attention type {self.attn_type}", self.attn_type != AttentionType.DECODER),
-                ("ALiBi", self.alibi_slopes is not None),
-                ("a sliding window", tuple(self.sliding_window) != (-1, -1)),
-                ("logit softcapping", bool(self.logits_soft_cap)),
-                ("attention sinks", self.sinks is not None),
-                (f"kv_cache_dtype {self.kv_cache_dtype}", self.kv_cache_dtype not in ("auto", "float16", "bfloat16")),
-                ("decode context parallelism", getattr(self, "dcp_world_size", 1) > 1),
-            ) if refused
-        ]
+        self.pbs_refusals = attention_refusals(
+            self, decoder=self.attn_type == AttentionType.DECODER,
+            sliding_window=tuple(self.sliding_window) != (-1, -1),
+            cache_dtype_unsupported=self.kv_cache_dtype not in ("auto", "float16", "bfloat16"),
+            extra=[("decode context parallelism", getattr(self, "dcp_world_size", 1) > 1)])
 
     def forward(  # noqa: D102 - vLLM's
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None,  # noqa: ANN001
@@ -171,14 +169,9 @@ class PbsFlashAttentionImpl(FlashAttentionImpl):
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("pbs: fused output quantization is not supported")
-        stock = attn_metadata.stock_tokens
-        if isinstance(stock, slice):
-            super().forward(layer, query[stock], key[stock], value[stock], kv_cache, attn_metadata, output[stock])
-        elif stock is not None:
-            out = output.new_empty((stock.numel(), *output.shape[1:]))
-            picked = (x.index_select(0, stock) for x in (query, key, value))
-            super().forward(layer, *picked, kv_cache, attn_metadata, out)
-            output.index_copy_(0, stock, out)
+        run_stock_rows(lambda q, k, v, out: super(PbsFlashAttentionImpl, self).forward(layer, q, k, v, kv_cache,
+                                                                                       attn_metadata, out),
+                       attn_metadata.stock_tokens, query, key, value, output, new_rows_too=True)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         attend_rows(rows, query, key_cache, value_cache, self.scale, output, layer_name=getattr(layer, "layer_name", ""))
         return output
