@@ -9,7 +9,8 @@ density one plan is made and run by:
 * ``fp8_qk`` / ``fp8`` (and with ``--precisions`` any quantized `PBSConfig.precision`, e.g.
   ``int8_qk``): the Triton kernel in that precision, timed as a user gets it (quantization
   included) and as attention alone on quantized inputs (``*_attention_ms``); the quantization pass
-  alone is ``*_quantize_ms``;
+  alone is ``*_quantize_ms`` (an idle GPU's time, the host's launches included where they outlast
+  the work) and ``*_quantize_device_ms`` (the GPU's time alone, `benchmarks.common.device_ms`);
 * ``*_hopper_*``: the Gluon kernel in the same precision (every one of
   `pbs.kernels.hopper_attn.QUANTIZED_PRECISIONS`; ``auto``'s choice on Hopper), timed the same two
   ways, on a Hopper GPU.
@@ -33,7 +34,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_fp8.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    KERNEL_BLOCK, KERNEL_SHAPE, cudnn_dense, environment, save, time_ms,
+    KERNEL_BLOCK, KERNEL_SHAPE, cudnn_dense, device_ms, environment, save, time_ms,
 )
 from benchmarks.common import kernel_plan as make_plan  # noqa: E402
 from pbs.kernels.block_sparse_attn import (  # noqa: E402
@@ -79,6 +80,7 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
             quantize_call(c, p)
 
         point[f"{precision}_quantize_ms"] = time_ms(quantize_only)
+        point[f"{precision}_quantize_device_ms"] = device_ms(quantize_only)
         point[f"{precision}_speedup_vs_bf16_triton"] = point["bf16_triton_ms"] / point[f"{precision}_ms"]
         point[f"{precision}_speedup_vs_best_bf16"] = best_bf16 / point[f"{precision}_ms"]
         point[f"{precision}_tflops_blocks"] = block_tflops(blocks, point[f"{precision}_ms"])
@@ -88,7 +90,8 @@ def speed_point(q, k, v, n: int, density: float, cudnn_ms: float) -> dict:
           + (f", hopper {point['bf16_hopper_ms']:.3f}" if "bf16_hopper_ms" in point else "")
           + "".join(f" | {p} {point[p + '_ms']:.3f} ms ({point[p + '_speedup_vs_bf16_triton']:.2f}x triton, "
                     f"{point[p + '_speedup_vs_best_bf16']:.2f}x best bf16; attention {point[p + '_attention_ms']:.3f}, "
-                    f"{point[p + '_attention_tflops_blocks']:.0f} TF/s; quantize {point[p + '_quantize_ms']:.3f})"
+                    f"{point[p + '_attention_tflops_blocks']:.0f} TF/s; quantize {point[p + '_quantize_ms']:.3f}, "
+                    f"device {point[p + '_quantize_device_ms']:.3f})"
                     for p in PRECISIONS), flush=True)
     return point
 
