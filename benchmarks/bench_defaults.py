@@ -168,14 +168,7 @@ def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> 
 
 def kernels_of(fn) -> list[str]:
     """Names of the CUDA kernels one call launches (to see which SDPA backend ran)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    return sorted(row["name"] for row in profile_call(fn, top=1 << 30)["by_name"])
 
 
 def chosen_config(preset: str | None, config: str | None) -> tuple[pbs.PBSConfig, str]:
