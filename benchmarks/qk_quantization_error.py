@@ -41,12 +41,7 @@ SCHEMES = {  # label: (format, channels balanced, query rows per scale)
 def quantized_qk(q: torch.Tensor, k: torch.Tensor, fmt: str, balanced: bool, q_rows: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_hat, k_hat)`` float32, whose products approximate ``q . (k - mean(k))``."""
-    mean = fp8.key_means(k)
-    q_in, k_in = q.float(), k.float() - mean
-    if balanced:
-        q_factor, k_factor = fp8.channel_balance(q, k, mean)
-        q_in = q_in * q_factor.repeat_interleave(q.shape[1] // k.shape[1], dim=1)[:, :, None, :]
-        k_in = k_in * k_factor[:, :, None, :]
+    q_in, k_in = fp8.smoothed_inputs(q, k, fp8.key_means(k), balanced)
     return (fp8.dequantize_blocks(*fp8.quantize_blocks(q_in, q_rows, fmt), q_rows),
             fp8.dequantize_blocks(*fp8.quantize_blocks(k_in, BLOCK, fmt), BLOCK))
 

@@ -162,6 +162,19 @@ def channel_balance(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> tup
     return 1.0 / k_factor, k_factor
 
 
+def smoothed_inputs(q: torch.Tensor, k: torch.Tensor, mean: torch.Tensor, balanced: bool,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the block scales quantize: float32 ``q`` and ``k - mean`` (``mean`` its `key_means`),
+    each channel times its `channel_balance` factor where ``balanced`` (query head ``h`` taking its
+    KV head's row). Shapes as ``q`` ``(B, Hq, Nq, D)`` and ``k`` ``(B, Hk, Nk, D)``."""
+    q_in, k_in = q.float(), k.float() - mean
+    if balanced:
+        q_factor, k_factor = channel_balance(q, k, mean)
+        q_in = q_in * q_factor.repeat_interleave(q.shape[1] // k.shape[1], dim=1)[:, :, None, :]
+        k_in = k_in * k_factor[:, :, None, :]
+    return q_in, k_in
+
+
 def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int, fmt: str = "e4m3",
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q and smoothed K as the quantized kernel computes with them (``fmt`` ``"e4m3"`` or ``"int8"``).
@@ -174,12 +187,7 @@ def fake_quantize_qk(q: torch.Tensor, k: torch.Tensor, block_size: int, fmt: str
         ``(k - mean) * k_factor`` (`channel_balance`).
     """
     mean = key_means(k)
-    q_in, k_in = q.float(), k.float() - mean
-    if fmt in BALANCED_FORMATS:
-        q_factor, k_factor = channel_balance(q, k, mean)
-        group = q.shape[1] // k.shape[1]
-        q_in = q_in * q_factor.repeat_interleave(group, dim=1)[:, :, None, :]
-        k_in = k_in * k_factor[:, :, None, :]
+    q_in, k_in = smoothed_inputs(q, k, mean, fmt in BALANCED_FORMATS)
     q8, q_scales = quantize_blocks(q_in, block_size, fmt)
     k8, k_scales = quantize_blocks(k_in, block_size, fmt)
     return dequantize_blocks(q8, q_scales, block_size), dequantize_blocks(k8, k_scales, block_size), mean
