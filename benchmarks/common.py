@@ -136,23 +136,18 @@ def _time_once(fn: Callable[[], object], budget_ms: float) -> float:
     return benchmark_cuda(fn, warmup=2, iters=iters)
 
 
-def time_by_name(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> list[dict[str, Any]]:
-    """Where one call of ``fn`` spends its time: torch.profiler's events of ``device_type``
-    (``"cuda"``: the GPU kernels; ``"cpu"``: the host's ops, nested ones counted in their callers
-    too), summed by name, the largest first.
+def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
+    """Where one call of ``fn`` spends its time (after one unprofiled call, which compiles and
+    caches), from torch.profiler's events of ``device_type`` (``"cuda"``: the GPU kernels;
+    ``"cpu"``: the host's ops, nested ones counted in their callers too).
 
     Returns:
-        up to ``top`` ``{"name", "ms", "calls"}``, by ``ms`` (the events' summed durations) descending.
+        ``by_name``: up to ``top`` ``{"name", "ms", "calls"}``, the events summed by name, largest
+        ``ms`` first; over all of the call's events, ``events`` (how many), ``event_ms`` (their
+        summed durations) and ``span_ms`` (first start to last end). On the GPU, ``span_ms -
+        event_ms`` is the time no kernel ran between the call's first and last kernel: the host's
+        launches, or a sync inside the call, that the GPU waited for.
     """
-    return profile_call(fn, device_type, top)["by_name"]
-
-
-def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
-    """One profiled call of ``fn`` (after one unprofiled, which compiles and caches): `time_by_name`'s
-    ``by_name`` table, and over all of the call's ``device_type`` events ``events`` (how many),
-    ``event_ms`` (their summed durations) and ``span_ms`` (first start to last end). On the GPU,
-    ``span_ms - event_ms`` is the time no kernel ran between the call's first and last kernel:
-    the host's launches, or a sync inside the call, that the GPU waited for."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if device_type == "cuda" else ProfilerActivity.CPU

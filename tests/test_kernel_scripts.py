@@ -193,8 +193,11 @@ def test_ncu_summary_finds_the_block_loop_and_splits_its_samples():
     assert loop["by_opcode"]["WARPGROUP"]["share"] == 0.5
 
 
-def test_time_by_name_sums_one_calls_events_by_name_largest_first():
-    from benchmarks.common import time_by_name
+def test_profile_call_sums_one_calls_events_by_name_largest_first():
+    from benchmarks.common import profile_call
+
+    def time_by_name(fn, device_type, top):
+        return profile_call(fn, device_type, top)["by_name"]
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
