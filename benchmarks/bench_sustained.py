@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,47 +31,10 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_sustain
 
 import pbs  # noqa: E402
 import pbs.testing  # noqa: E402
-from benchmarks.common import environment, save  # noqa: E402
+from benchmarks.common import GpuSampler, environment, save  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 SAMPLE_MS = 50
-
-
-class ClockSampler:
-    """``nvidia-smi``'s SM clock (MHz) and power draw (W) of GPU ``index``, every `SAMPLE_MS`
-    while the ``with`` block runs; no samples where ``nvidia-smi`` is missing (a CPU run)."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.samples: list[tuple[float, float]] = []
-        self._process: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
-
-    def __enter__(self) -> "ClockSampler":
-        try:
-            self._process = subprocess.Popen(
-                ["nvidia-smi", f"--id={self.index}", "--query-gpu=clocks.sm,power.draw",
-                 "--format=csv,noheader,nounits", f"-lms={SAMPLE_MS}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except FileNotFoundError:
-            return self
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        return self
-
-    def _read(self) -> None:
-        for line in self._process.stdout:
-            fields = [field.strip() for field in line.split(",")]
-            try:
-                self.samples.append((float(fields[0]), float(fields[1])))
-            except (ValueError, IndexError):  # a header or "[N/A]"
-                continue
-
-    def __exit__(self, *exc) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait()
-            self._reader.join(timeout=1)
 
 
 def back_to_back_ms(fn: Callable[[], object], calls: int, device: torch.device) -> list[float]:
@@ -95,8 +56,21 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, device: torch.device) 
     return [events[i].elapsed_time(events[i + 1]) for i in range(calls)]
 
 
+def readings(rows: list[list[str]]) -> list[tuple[float, float]]:
+    """`benchmarks.common.GpuSampler`'s rows of ``clocks.sm,power.draw`` as numbers, the rows that
+    are not numbers (``[N/A]``) left out."""
+    numbers = []
+    for clock, power in rows:
+        try:
+            numbers.append((float(clock), float(power)))
+        except ValueError:
+            continue
+    return numbers
+
+
 def drift(times: list[float], samples: list[tuple[float, float]]) -> dict:
-    """The first call, the median of the last half, their ratio, and the clock and power drawn."""
+    """The first call, the median of the last half, their ratio, and ``samples``' (SM clock in MHz,
+    power in W) range."""
     steady = statistics.median(times[len(times) // 2:])
     summary = {"calls_ms": times, "first_ms": times[0], "steady_ms": steady, "steady_over_first": steady / times[0]}
     if samples:
@@ -122,13 +96,14 @@ def measure(n: int, calls: int, pause_s: float, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         time.sleep(pause_s)
-        with ClockSampler(device.index or 0) as sampler:
+        with GpuSampler("clocks.sm,power.draw", device.index or 0, SAMPLE_MS) as sampler:
             times = back_to_back_ms(fn, calls, device)
-        point[name] = drift(times, sampler.samples)
+        samples = readings(sampler.rows)
+        point[name] = drift(times, samples)
         print(f"N={n} {name}: first {times[0]:.2f} ms, steady {point[name]['steady_ms']:.2f} "
               f"({point[name]['steady_over_first']:.3f}x)"
               + (f", SM clock {point[name]['sm_clock_mhz_max']:.0f} -> {point[name]['sm_clock_mhz_last']:.0f} MHz,"
-                 f" up to {point[name]['power_w_max']:.0f} W" if sampler.samples else ""), flush=True)
+                 f" up to {point[name]['power_w_max']:.0f} W" if samples else ""), flush=True)
     return point
 
 

@@ -21,6 +21,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,6 +173,41 @@ def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int =
         "event_ms": sum(ms for ms, _ in totals.values()),
         "span_ms": span_us / 1000.0,
     }
+
+
+class GpuSampler:
+    """``nvidia-smi``'s readings of ``fields`` (its ``--query-gpu`` names, comma-separated) on GPU
+    ``index`` every ``interval_ms`` while the ``with`` block runs: ``rows``, each reading's fields
+    as stripped strings. No rows where ``nvidia-smi`` is missing (a CPU run)."""
+
+    def __init__(self, fields: str, index: int = 0, interval_ms: int = 100):
+        self.command = ["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                        f"-lms={interval_ms}"]
+        self.width = len(fields.split(","))
+        self.rows: list[list[str]] = []
+        self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> "GpuSampler":
+        try:
+            self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except FileNotFoundError:
+            return self
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            fields = [field.strip() for field in line.split(",")]
+            if len(fields) == self.width:
+                self.rows.append(fields)
+
+    def __exit__(self, *exc) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait()
+            self._reader.join(timeout=5)
 
 
 def load_module_file(name: str, path: str | os.PathLike):

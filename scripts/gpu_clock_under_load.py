@@ -12,11 +12,8 @@ median SM clock, power, the throttle reasons seen, and the kernel's median time 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import KERNEL_SHAPE, environment, kernel_plan, save  # noqa: E402
+from benchmarks.common import KERNEL_SHAPE, GpuSampler, environment, kernel_plan, save  # noqa: E402
 from pbs.kernels import hopper_attn  # noqa: E402
 from pbs.kernels.block_sparse_attn import prepare_call  # noqa: E402
 
@@ -38,9 +35,7 @@ def _phase(fn, seconds: float) -> dict:
     """Runs ``fn`` back to back for ``seconds`` under nvidia-smi sampling (after one call that compiles)."""
     fn()
     torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile("r", suffix=".csv") as log:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
-                                "-lms", "100", "-f", log.name])
+    with GpuSampler(FIELDS) as sampler:
         start, times = time.perf_counter(), []
         while time.perf_counter() - start < seconds:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,9 +44,7 @@ def _phase(fn, seconds: float) -> dict:
             end.record()
             end.synchronize()
             times.append((time.perf_counter() - start, begin.elapsed_time(end)))
-        smi.terminate()
-        smi.wait()
-        rows = [row for row in csv.reader(log) if len(row) == 5]
+    rows = sampler.rows
     settled = rows[10:]  # the first second of samples
     if not settled:
         raise SystemExit(f"nvidia-smi gave {len(rows)} samples in {seconds} s: run longer (--seconds)")

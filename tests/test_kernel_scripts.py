@@ -5,6 +5,8 @@ step and ping-pong apart (no GPU needed)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +263,51 @@ def test_bench_quantize_pass_times_every_piece_and_both_balances_agree(tmp_path)
     assert len(calls) == len(names) and (tmp_path / "q.json").exists()
     kernel_factors, twin_factors = calls[1](), calls[2]()  # the same factors, whichever times
     assert all(torch.equal(a, b) for a, b in zip(kernel_factors, twin_factors))
+
+
+def _fake_nvidia_smi(folder: Path, lines: list[str]) -> None:
+    """An ``nvidia-smi`` on PATH that prints ``lines`` and then waits to be stopped, as ``-lms`` does."""
+    script = folder / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo '{line}'\n" for line in lines) + "exec sleep 30\n")
+    script.chmod(0o755)
+
+
+def test_gpu_sampler_keeps_the_rows_of_the_asked_width(tmp_path, monkeypatch):
+    from benchmarks.common import GpuSampler
+
+    _fake_nvidia_smi(tmp_path, ["1980, 130.5", "1590, 701.2", "garbage", "1, 2, 3"])
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with GpuSampler("clocks.sm,power.draw", index=0, interval_ms=50) as sampler:
+        deadline = time.monotonic() + 10
+        while len(sampler.rows) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sampler.rows == [["1980", "130.5"], ["1590", "701.2"]]
+    assert "--id=0" in sampler.command and "-lms=50" in sampler.command
+
+
+def test_gpu_sampler_without_nvidia_smi_has_no_rows(tmp_path, monkeypatch):
+    from benchmarks.common import GpuSampler
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi
+    with GpuSampler("clocks.sm") as sampler:
+        pass
+    assert sampler.rows == []
+
+
+def test_bench_sustained_reads_the_drift_of_back_to_back_calls(tmp_path):
+    from benchmarks import bench_sustained
+
+    summary = bench_sustained.drift([10.0, 11.0, 12.0, 12.5], bench_sustained.readings(
+        [["1980", "300"], ["[N/A]", "1"], ["1600", "700"]]))
+    assert summary["first_ms"] == 10.0 and summary["steady_ms"] == 12.25
+    assert summary["steady_over_first"] == pytest.approx(1.225)
+    assert (summary["sm_clock_mhz_max"], summary["sm_clock_mhz_last"], summary["power_w_max"]) == (1980, 1600, 700)
+
+    result = bench_sustained.main(["--n", "300", "--calls", "3", "--pause", "0", "--json", str(tmp_path / "s.json")],
+                                  device="cpu")
+    (point,) = result["points"]
+    for name in ("pbs_run", "cudnn"):
+        assert len(point[name]["calls_ms"]) == 3 and point[name]["first_ms"] == point[name]["calls_ms"][0] > 0
+    assert 0 < point["density"] <= 1 and (tmp_path / "s.json").exists()
+    with pytest.raises(SystemExit):
+        bench_sustained.main(["--calls", "1"], device="cpu")
