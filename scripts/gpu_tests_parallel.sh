@@ -6,8 +6,9 @@
 # mixed group of serving, dense-policy and kernel files ran past 480 s on one H200 at 70f9bdd, so it
 # is split in two; every group has TEST_TIMEOUT seconds (default 540). The groups share a GPU's memory:
 # tests/conftest.py caps each GPU test's PyTorch memory (GPU_TEST_MEMORY_GIB) and each test's peak
-# goes to $OUT/gpu_test_memory_group<N>.log.
-#   bash scripts/gpu_tests_parallel.sh        (logs in $OUT, default .gpu-out: gpu_tests_group<N>.log)
+# goes to $OUT/gpu_test_memory.log (largest first).
+#   bash scripts/gpu_tests_parallel.sh        (logs in $OUT, default .gpu-out: gpu_tests.log, every group's
+#                                             output in turn, and gpu_test_memory.log)
 # The groups run the tests marked gpu, except the last: the files of WHOLE_FILES run whole (their
 # tests run on CUDA when there is one, on the CPU otherwise: the FP8 kernels against their twin).
 # Installs pydantic, pytest-benchmark and hypothesis from .device-wheels first (scripts/gpu_check.sh says how
@@ -47,5 +48,12 @@ for i in "${!groups[@]}"; do
   tail -n 8 "$OUT/gpu_tests_group$i.log"
 done
 echo "== the GPU tests that reserved the most memory "
-cat "$OUT"/gpu_test_memory_group*.log 2>/dev/null | sort -rn | head -n 5
+cat "$OUT"/gpu_test_memory_group*.log 2>/dev/null | sort -rn | tee "$OUT/gpu_test_memory.log" | head -n 5
+# One log of each kind: the device tool brings back at most 8 files from $OUT, and 16 per-group
+# files crowded out the results of the benchmarks that run in the same call.
+for i in "${!groups[@]}"; do
+  echo "== group $i: ${groups[$i]}"
+  cat "$OUT/gpu_tests_group$i.log"
+done > "$OUT/gpu_tests.log"
+rm -f "$OUT"/gpu_tests_group*.log "$OUT"/gpu_test_memory_group*.log
 exit $status
