@@ -22,8 +22,11 @@ dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal
 ``--profile`` adds, per point, where one ``pbs.attention`` call's GPU time goes (``pbs_kernels``:
 torch.profiler's kernels summed by name, `benchmarks.common.profile_call`; ``pbs_kernel_ms`` all of
 them, ``pbs_kernel_launches`` how many, ``pbs_kernel_span_ms`` first start to last end, whose excess
-over ``pbs_kernel_ms`` is the GPU waiting on the host inside the call), to tell a config's
-end-to-end time from its attention kernel's.
+over ``pbs_kernel_ms`` is the GPU waiting on the host inside the call, and ``pbs_kernel_gaps`` the
+longest of those waits with the kernels around them) and where the host's time goes
+(``pbs_host_return_ms``: until a call on an idle GPU returns; ``pbs_host_functions``: cProfile's
+functions by own time, `benchmarks.common.host_profile`), to tell a config's end-to-end time from
+its attention kernel's.
 
     python benchmarks/bench_defaults.py --json benchmarks/results/defaults/defaults_<device>.json
     python benchmarks/bench_defaults.py --preset fp8 --lengths 32768 65536 131072 --inputs structured
@@ -45,7 +48,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, profile_call, save  # noqa: E402
+from benchmarks.common import environment, host_profile, profile_call, save  # noqa: E402
 from pbs.backends import CallSpec  # noqa: E402
 from pbs.backends.eligibility import gated_dense_reasons  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
@@ -159,6 +162,10 @@ def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> 
         row["pbs_kernel_launches"] = profiled["events"]
         row["pbs_kernel_ms"] = profiled["event_ms"]  # every kernel of the call, not only the listed ones
         row["pbs_kernel_span_ms"] = profiled["span_ms"]  # less pbs_kernel_ms: the GPU idle inside the call
+        row["pbs_kernel_gaps"] = profiled["gaps"]
+        host = host_profile(pbs_call)
+        row["pbs_host_return_ms"] = host["return_ms"]
+        row["pbs_host_functions"] = host["functions"]
     row["ratio_events"] = row["pbs_events_ms"] / row["cudnn_events_ms"]
     row["ratio_wall"] = row["pbs_wall_ms"] / row["cudnn_wall_ms"]
     del q, k, v
@@ -191,7 +198,7 @@ def main() -> None:
                         help="time pbs.attention with this config (JSON text or a JSON file) instead of the defaults")
     parser.add_argument("--json", help="where to write the results")
     parser.add_argument("--profile", action="store_true",
-                        help="also record each point's GPU kernels of one pbs.attention call (pbs_kernels)")
+                        help="also record each point's GPU kernels of one pbs.attention call (pbs_kernels) and where its host time goes (pbs_host_*)")
     args = parser.parse_args()
     if args.preset and args.config:
         parser.error("--preset and --config: give one of them")

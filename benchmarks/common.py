@@ -147,7 +147,9 @@ def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int =
         ``ms`` first; over all of the call's events, ``events`` (how many), ``event_ms`` (their
         summed durations) and ``span_ms`` (first start to last end). On the GPU, ``span_ms -
         event_ms`` is the time no kernel ran between the call's first and last kernel: the host's
-        launches, or a sync inside the call, that the GPU waited for.
+        launches, or a sync inside the call, that the GPU waited for. ``gaps``: up to ``top`` of
+        those idle stretches, longest first, each ``{"ms", "after", "before"}`` (the events that
+        end and start it), to tell where in the call the GPU waited.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -172,6 +174,60 @@ def profile_call(fn: Callable[[], object], device_type: str = "cuda", top: int =
         "events": len(events),
         "event_ms": sum(ms for ms, _ in totals.values()),
         "span_ms": span_us / 1000.0,
+        "gaps": idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in events], top),
+    }
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], top: int) -> list[dict[str, Any]]:
+    """The stretches inside ``intervals`` (``(start_us, end_us, name)``, nested or overlapping
+    alike) that none of them covers, longest first, at most ``top``: ``{"ms", "after", "before"}``,
+    ``after`` the interval that reached furthest before the stretch, ``before`` the one that ends it."""
+    gaps = []
+    reach, last = None, None
+    for start, end, name in sorted(intervals):
+        if reach is not None and start > reach:
+            gaps.append({"ms": (start - reach) / 1000.0, "after": last, "before": name})
+        if reach is None or end > reach:
+            reach, last = end, name
+    return sorted(gaps, key=lambda gap: -gap["ms"])[:top]
+
+
+def host_profile(fn: Callable[[], object], top: int = 15, repeats: int = 5) -> dict[str, Any]:
+    """How long the host takes to return from one call of ``fn`` that starts on an idle GPU, and
+    where that time goes (after one call that compiles and caches).
+
+    Returns:
+        ``return_ms``: the median over ``repeats`` calls of the time until ``fn`` returns (on the
+        CPU, the whole call); ``functions``: cProfile's up to ``top`` functions of one more call by
+        their own time, ``{"function", "own_us", "calls"}``, largest first (cProfile's hooks slow
+        the host, so read them as shares, not times).
+    """
+    import cProfile
+    import pstats
+
+    def settle() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    fn()
+    returns = []
+    for _ in range(repeats):
+        settle()
+        start = time.perf_counter()
+        fn()
+        returns.append((time.perf_counter() - start) * 1e3)
+    settle()
+    profiler = cProfile.Profile(time.perf_counter)
+    profiler.enable()
+    fn()
+    profiler.disable()
+    settle()
+    stats = pstats.Stats(profiler).stats
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {
+        "return_ms": sorted(returns)[len(returns) // 2],
+        "functions": [{"function": f"{Path(file).name}:{line}({name})", "own_us": own * 1e6, "calls": calls}
+                      for (file, line, name), (_, calls, own, _, _) in ranked],
     }
 
 

@@ -232,6 +232,39 @@ def test_profile_call_counts_every_event_and_the_time_between_them():
     assert len(profiled["by_name"]) == 1 and profiled["events"] >= 2
     assert profiled["event_ms"] >= profiled["by_name"][0]["ms"] > 0
     assert profiled["span_ms"] >= 50 and profiled["span_ms"] - profiled["event_ms"] >= 40
+    (gap,) = profiled["gaps"]  # top=1: the sleep between the two products
+    assert gap["ms"] >= 40 and gap["after"].startswith("aten::") and gap["before"].startswith("aten::")
+
+
+def test_idle_gaps_skip_what_nested_or_overlapping_intervals_cover():
+    from benchmarks.common import idle_gaps
+
+    intervals = [(0, 10_000, "a"), (2_000, 4_000, "inside a"), (9_000, 12_000, "overlaps a"),
+                 (15_000, 16_000, "b"), (16_500, 17_000, "c")]
+    assert idle_gaps(intervals, top=5) == [{"ms": 3.0, "after": "overlaps a", "before": "b"},
+                                           {"ms": 0.5, "after": "b", "before": "c"}]
+    assert idle_gaps(intervals, top=1) == [{"ms": 3.0, "after": "overlaps a", "before": "b"}]
+    assert idle_gaps([(0, 5, "x")], top=3) == []
+
+
+def test_host_profile_times_the_return_and_names_the_functions_by_own_time():
+    from benchmarks.common import host_profile
+
+    def slow_python():
+        total = 0
+        for i in range(300_000):  # all of it the function's own time: no calls inside
+            total += i * i
+        return total
+
+    def call():
+        slow_python()
+        return torch.ones(4).sum()
+
+    host = host_profile(call, top=3, repeats=3)
+    first = host["functions"][0]
+    assert "slow_python" in first["function"] and first["calls"] == 1
+    assert first["own_us"] >= 0.5 * sum(row["own_us"] for row in host["functions"])
+    assert host["return_ms"] > 0 and len(host["functions"]) == 3
 
 
 def test_qk_quantization_error_is_zero_for_exact_scores_and_smaller_balanced():
