@@ -33,22 +33,12 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_captura
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, packed_prompts, save, time_ms  # noqa: E402
+from benchmarks.common import environment, graph_of, packed_prompts, save, time_ms  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
 from pbs.serving import capturable  # noqa: E402
 
 BATCHES = {"long": [16384, 32768, 65536, 131072], "short": [1024, 2048, 3072, 4096]}
 ROUNDS = 5
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def stage_times(q, k, v, cu, max_len, views) -> dict:

@@ -19,6 +19,8 @@ it times cuDNN SDPA (GQA through ``enable_gqa``, the backend forced outside the 
 the density probe alone (``probe``: its two launches and its host read, events), and records
 which path ``pbs.attention`` took (dense by length, dense by the density probe,
 dense after planning, or sparse). Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal.
+``--graph`` adds ``pbs.attention`` replayed from a CUDA graph to both rotations (``pbs_graph_*``:
+the call without its host time; sparse always, as a capture skips the density rules).
 ``--profile`` adds, per point, where one ``pbs.attention`` call's GPU time goes (``pbs_kernels``:
 torch.profiler's kernels summed by name, `benchmarks.common.profile_call`; ``pbs_kernel_ms`` all of
 them, ``pbs_kernel_launches`` how many, ``pbs_kernel_span_ms`` first start to last end, whose excess
@@ -48,7 +50,7 @@ if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_default
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pbs  # noqa: E402
-from benchmarks.common import environment, host_profile, profile_call, save  # noqa: E402
+from benchmarks.common import environment, graph_of, host_profile, profile_call, save  # noqa: E402
 from pbs.backends import CallSpec  # noqa: E402
 from pbs.backends.eligibility import gated_dense_reasons  # noqa: E402
 from pbs.dense import dense_attention_sdpa  # noqa: E402
@@ -109,7 +111,32 @@ def path_of(q, k, v, config: pbs.PBSConfig) -> str:
     return f"sparse (density {plan.density:.3f})"
 
 
-def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> dict:
+def rotations(cudnn, pbs_call, sdpa_path=None, graph: bool = False, capture=graph_of):
+    """The calls each rotation times, by name: ``(events, busy, graph_error)``.
+
+    Both rotations hold cuDNN, pbs and cuDNN again (the A/A control); the idle-GPU one also the
+    dense SDPA path alone where ``sdpa_path`` is given. With ``graph``, both also replay ``pbs_call``
+    captured in a CUDA graph (``pbs_graph``: the same call with no host work at all, what the call
+    would cost if its host launches and reads took no time); where the capture fails, its error
+    comes back instead and no graph is timed. A captured call skips the density rules and runs
+    sparse (docs/gpu.md), so it compares with the eager call where that ran sparse too.
+    """
+    events = {"cudnn": cudnn, "pbs": pbs_call, "cudnn_again": cudnn}
+    busy = dict(events)
+    if sdpa_path is not None:
+        events["sdpa_path"] = sdpa_path
+    if not graph:
+        return events, busy, None
+    try:
+        replay = capture(pbs_call).replay
+    except Exception as error:  # noqa: BLE001 - a call that cannot be captured is a result, not a crash
+        return events, busy, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    events["pbs_graph"] = busy["pbs_graph"] = replay
+    return events, busy, None
+
+
+def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False, graph: bool = False,
+            capture=graph_of) -> dict:
     q, k, v = inputs(kind, n)
     iters, repeats, calls = counts_for(n)
 
@@ -125,15 +152,14 @@ def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> 
     row = {"input": kind, "seq_len": n, "path": path_of(q, k, v, config)}
     # Events: every call timed in turn with the others (drift falls on all alike); "cudnn_again"
     # is cuDNN once more, the A/A control. Wall: batches alternate over repeats.
-    timed = {"cudnn": cudnn, "pbs": pbs_call, "cudnn_again": cudnn}
-    if n < 16384:  # the dense path alone, without pbs.attention's checks (host overhead vs kernel)
-        timed["sdpa_path"] = sdpa_path
+    timed, busy_timed, graph_error = rotations(cudnn, pbs_call, sdpa_path if n < 16384 else None, graph, capture)
+    if graph_error:
+        row["pbs_graph_error"] = graph_error
     # cuDNN is forced around the whole rotation, outside the timed calls; pbs runs its own code
     # unchanged (its dense path would pick cuDNN anyway).
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         events = benchmark_cuda_interleaved(timed, warmup=1, iters=iters * repeats)
-        busy = benchmark_cuda_interleaved({"cudnn": cudnn, "pbs": pbs_call, "cudnn_again": cudnn}, warmup=1,
-                                          iters=iters * repeats, busy_gpu_cycles=BUSY_GPU_CYCLES)
+        busy = benchmark_cuda_interleaved(busy_timed, warmup=1, iters=iters * repeats, busy_gpu_cycles=BUSY_GPU_CYCLES)
     walls = {"cudnn": [], "pbs": []}
     for _ in range(repeats):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -150,6 +176,9 @@ def measure(kind: str, n: int, config: pbs.PBSConfig, profile: bool = False) -> 
     row["ratio_busy_aa"] = busy["cudnn_again"] / busy["cudnn"]
     if "sdpa_path" in events:
         row["dense_sdpa_path_events_ms"] = events["sdpa_path"]
+    if "pbs_graph" in events:
+        row["pbs_graph_events_ms"], row["pbs_graph_busy_events_ms"] = events["pbs_graph"], busy["pbs_graph"]
+        row["ratio_graph_busy"] = busy["pbs_graph"] / busy["cudnn"]
     if n >= pbs.PBSConfig().dense_fallback.min_seq_len:
         from pbs.kernels.density_probe import probe_density_triton
 
@@ -197,6 +226,9 @@ def main() -> None:
     parser.add_argument("--config", default=None,
                         help="time pbs.attention with this config (JSON text or a JSON file) instead of the defaults")
     parser.add_argument("--json", help="where to write the results")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time pbs.attention replayed from a CUDA graph captured at each point (pbs_graph_*): "
+                             "the call without its host time")
     parser.add_argument("--profile", action="store_true",
                         help="also record each point's GPU kernels of one pbs.attention call (pbs_kernels) and where its host time goes (pbs_host_*)")
     args = parser.parse_args()
@@ -210,7 +242,7 @@ def main() -> None:
     for n in args.lengths:
         for kind in args.inputs:
             try:
-                row = measure(kind, n, config, args.profile)
+                row = measure(kind, n, config, args.profile, args.graph)
             except torch.OutOfMemoryError as error:
                 row = {"input": kind, "seq_len": n, "error": str(error).splitlines()[0]}
                 torch.cuda.empty_cache()
@@ -223,6 +255,11 @@ def main() -> None:
                   f"{row['ratio_busy']:6.3f} {row['ratio_busy_aa']:6.3f} | "
                   f"{row['cudnn_wall_ms']:10.3f} {row['pbs_wall_ms']:9.3f} {row['ratio_wall']:6.3f} | "
                   f"{row.get('probe_events_ms', float('nan')):6.3f} | {row['path']}", flush=True)
+            if "pbs_graph_events_ms" in row:
+                print(f"{'':>18} pbs from a CUDA graph: events {row['pbs_graph_events_ms']:.3f}, busy "
+                      f"{row['pbs_graph_busy_events_ms']:.3f} ({row['ratio_graph_busy']:.3f}x cuDNN)", flush=True)
+            elif "pbs_graph_error" in row:
+                print(f"{'':>18} no CUDA graph: {row['pbs_graph_error']}", flush=True)
             for kernel in row.get("pbs_kernels", []):
                 print(f"{'':>18} {kernel['ms']:9.3f} ms in {kernel['calls']:>3} x {kernel['name'][:90]}", flush=True)
     q, k, v = inputs("structured", 4096)

@@ -266,6 +266,17 @@ class GpuSampler:
             self._reader.join(timeout=5)
 
 
+def graph_of(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph after one warm-up call: ``graph.replay()`` runs it again on
+    whatever its input buffers hold then."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def load_module_file(name: str, path: str | os.PathLike):
     """The Python module in ``path``, imported under ``name`` (a kernel module's copy from another
     revision, say: its Gluon functions then compile apart from the tree's own)."""

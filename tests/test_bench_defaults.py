@@ -51,3 +51,37 @@ def test_a_config_given_as_json_text_or_file_is_the_one_timed(tmp_path):
     assert bench_defaults.chosen_config(None, str(path)) == (chosen, "--config")
     assert bench_defaults.chosen_config("fp8", None) == (pbs.PBSConfig.from_preset("fp8"), "fp8")
     assert bench_defaults.chosen_config(None, None) == (pbs.PBSConfig(), "defaults")
+
+
+def test_the_graph_rotation_replays_the_captured_call_or_reports_why_not():
+    calls = []
+
+    def cudnn():
+        calls.append("cudnn")
+
+    def pbs_call():
+        calls.append("pbs")
+
+    class Captured:
+        def replay(self):
+            calls.append("replay")
+
+    events, busy, error = bench_defaults.rotations(cudnn, pbs_call, graph=False)
+    assert list(events) == list(busy) == ["cudnn", "pbs", "cudnn_again"] and error is None
+
+    captured = []
+    events, busy, error = bench_defaults.rotations(cudnn, pbs_call, sdpa_path=cudnn, graph=True,
+                                                   capture=lambda fn: captured.append(fn) or Captured())
+    assert captured == [pbs_call] and error is None
+    assert list(events) == ["cudnn", "pbs", "cudnn_again", "sdpa_path", "pbs_graph"]
+    assert list(busy) == ["cudnn", "pbs", "cudnn_again", "pbs_graph"]
+    events["pbs_graph"]()
+    busy["pbs_graph"]()
+    assert calls == ["replay", "replay"]
+
+    def refuse(fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    events, busy, error = bench_defaults.rotations(cudnn, pbs_call, graph=True, capture=refuse)
+    assert error == "RuntimeError: operation not permitted when stream is capturing"
+    assert "pbs_graph" not in events and "pbs_graph" not in busy
