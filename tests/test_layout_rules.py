@@ -170,6 +170,23 @@ def test_the_fp8_plot_draws_every_precision_on_each_kernel_of_a_result(tmp_path)
     assert out.stat().st_size > 10_000
 
 
+
+def test_the_sustained_plot_draws_each_call_over_the_first_and_the_clock(tmp_path):
+    # benchmarks/plot_sustained.py turns a bench_sustained.py result into docs/benchmarks.md's picture.
+    import subprocess
+    import sys
+
+    from benchmarks.plot_sustained import relative
+
+    assert relative([10.0, 11.0, 9.0]) == [1.0, 1.1, 0.9]
+    path = BENCHMARKS / "results" / "defaults" / "sustained_h200_46eff0f.json"
+    point = json.loads(path.read_text())["points"][1]
+    steady = relative(point["pbs_run"]["calls_ms"])[-5:]
+    assert point["seq_len"] == 65536 and all(1.1 < r < 1.25 for r in steady)  # the 64K kernel at the cap
+    out = tmp_path / "plot.png"
+    subprocess.run([sys.executable, str(BENCHMARKS / "plot_sustained.py"), str(path), "--out", str(out)], check=True)
+    assert out.stat().st_size > 10_000
+
 # -- the floors of the package: every import looks down -------------------------------------------
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("values", ("pbs.layout", "pbs.ragged_layout", "pbs.config_view", "pbs.types", "pbs.registry", "pbs.validation", "pbs.components", "pbs.config")),
