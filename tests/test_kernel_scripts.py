@@ -344,3 +344,15 @@ def test_bench_sustained_reads_the_drift_of_back_to_back_calls(tmp_path):
     assert 0 < point["density"] <= 1 and (tmp_path / "s.json").exists()
     with pytest.raises(SystemExit):
         bench_sustained.main(["--calls", "1"], device="cpu")
+
+
+def test_far_lines_keep_every_near_offset_and_the_far_ones_by_their_own_share():
+    from benchmarks.quality_far_lines import far_offsets
+
+    slash = torch.tensor([[[0.5, 0.2, 0.1, 0.15, 0.05, 0.0],    # far shares 1/3, 1/2, 1/6, 0
+                           [0.9, 0.1, 0.0, 0.0, 0.0, 0.0]]])   # no far attention at all
+    kept = far_offsets(slash, 0.6, near=2)
+    # 0.5 of the far share is not 0.6: the next largest joins; the zero share never does
+    assert kept[0, 0].tolist() == [True, True, True, True, False, False]
+    assert kept[0, 1].tolist() == [True, True, False, False, False, False]
+    assert far_offsets(slash, 0.4, near=2)[0, 0].tolist() == [True, True, False, True, False, False]
