@@ -346,8 +346,19 @@ def test_bench_sustained_reads_the_drift_of_back_to_back_calls(tmp_path):
         bench_sustained.main(["--calls", "1"], device="cpu")
 
 
-def test_far_lines_keep_every_near_offset_and_the_far_ones_by_their_own_share():
-    from benchmarks.quality_far_lines import far_offsets
+@pytest.fixture
+def far_lines_module():
+    """benchmarks/quality_far_lines.py, whose import registers the experimental ``far_lines``
+    selector: taken out of the registry again afterwards, so later tests see the library's own."""
+    import benchmarks.quality_far_lines as module
+    from pbs.components import selector_registry
+
+    yield module
+    selector_registry.unregister("far_lines")
+
+
+def test_far_lines_keep_every_near_offset_and_the_far_ones_by_their_own_share(far_lines_module):
+    far_offsets = far_lines_module.far_offsets
 
     slash = torch.tensor([[[0.5, 0.2, 0.1, 0.15, 0.05, 0.0],    # far shares 1/3, 1/2, 1/6, 0
                            [0.9, 0.1, 0.0, 0.0, 0.0, 0.0]]])   # no far attention at all
