@@ -13,7 +13,7 @@ lines hold. Keys (vertical lines) follow ``vertical_slash`` unchanged.
 It hands the rest of its command line to ``pbs quality`` (a ``--methods`` file may then name
 ``far_lines``). Reference only; not part of the library (docs/quality.md has the measurement).
 
-    python3 benchmarks/quality_far_lines.py --print-methods > far_lines_methods.json
+    python3 benchmarks/quality_far_lines.py --print-methods > far_lines_methods.json   # or: --print-methods second / gemma
     python3 benchmarks/quality_far_lines.py quality --texts heldout --documents 3 --lengths 4096 \\
         --fillers 1000 3000 5000 --layer-probe none --no-pictures --methods far_lines_methods.json --out pbs-quality-far
 """
@@ -87,14 +87,33 @@ METHODS = [
     {"label": "layers 0-4 defaults, then far lines 0.25 or mean_pool 0.9", "config": _per_depth({"threshold": 0.25}),
      "family": "far_lines"},
 ]
-"""The measured methods (write them to a file with ``--print-methods``)."""
+"""The first measured run (write them to a file with ``--print-methods``)."""
+
+METHODS_SECOND = [
+    "dense",
+    {"label": "far lines 0.1 or mean_pool 0.9", "config": _union({"threshold": 0.1}), "family": "far_lines"},
+    {"label": "far lines 0.1, keys 0.5, or mean_pool 0.9", "config": _union({"threshold": 0.1, "vertical_threshold": 0.5}),
+     "family": "far_lines"},
+    {"label": "far lines 0.25, keys 0.5, or mean_pool 0.9",
+     "config": _union({"threshold": 0.25, "vertical_threshold": 0.5}), "family": "far_lines"},
+]
+"""The second run: fewer far lines, and fewer keys (``--print-methods second``)."""
+
+METHODS_GEMMA = [
+    "dense",
+    {"label": "far lines 0.1 or mean_pool 0.9", "config": _union({"threshold": 0.1}), "family": "far_lines"},
+    {"label": "far lines 0.25 or mean_pool 0.9", "config": _union({"threshold": 0.25}), "family": "far_lines"},
+]
+"""Gemma 3 at 32K, beside the defaults and the oracle measured before (``--print-methods gemma``)."""
+
+PRINTED = {"": METHODS, "second": METHODS_SECOND, "gemma": METHODS_GEMMA}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--print-methods"]:
         import json
 
-        print(json.dumps(METHODS, indent=1))
+        print(json.dumps(PRINTED[" ".join(sys.argv[2:])], indent=1))
         raise SystemExit(0)
     from pbs.cli import main
 
