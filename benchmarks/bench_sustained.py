@@ -5,7 +5,8 @@ A profiled call (`benchmarks.common.profile_call`, ``bench_defaults.py --profile
 host sync on a GPU that has rested; a benchmark's timed calls run back to back. Where a kernel
 holds the GPU at its power limit, the clock drops within a few calls and the two disagree. This
 script measures that drift for pbs's attention kernel on the defaults' plan and for cuDNN dense
-attention on the same inputs: each after a pause of ``--pause`` seconds, ``--calls`` calls queued
+attention on the same inputs (cuDNN forced; the first result file, ``sustained_h200_46eff0f.json``,
+ran SDPA's own choice, whose times match forced cuDNN's in ``bench_defaults.py``): each after a pause of ``--pause`` seconds, ``--calls`` calls queued
 back to back, each between two CUDA events (no host sync between calls), while a thread samples
 ``nvidia-smi``'s SM clock and power draw every 50 ms.
 
@@ -17,6 +18,7 @@ Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, causal, ``pbs.testing.make_qkv``'s struc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__ in (None, ""):  # run as a file: python3 benchmarks/bench_sustained.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,12 +95,15 @@ def measure(n: int, calls: int, pause_s: float, device: torch.device) -> dict:
     }
     point = {"seq_len": n, "density": float(plan.density), "backend": plan.backend}
     for name, fn in timed.items():
-        fn()  # compiled and tuned before the pause
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        time.sleep(pause_s)
-        with GpuSampler("clocks.sm,power.draw", device.index or 0, SAMPLE_MS) as sampler:
-            times = back_to_back_ms(fn, calls, device)
+        # cuDNN forced around the whole sequence, as in bench_defaults.py (the CPU has no cuDNN)
+        forced = name == "cudnn" and device.type == "cuda"
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if forced else contextlib.nullcontext():
+            fn()  # compiled and tuned before the pause
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            time.sleep(pause_s)
+            with GpuSampler("clocks.sm,power.draw", device.index or 0, SAMPLE_MS) as sampler:
+                times = back_to_back_ms(fn, calls, device)
         samples = readings(sampler.rows)
         point[name] = drift(times, samples)
         print(f"N={n} {name}: first {times[0]:.2f} ms, steady {point[name]['steady_ms']:.2f} "
